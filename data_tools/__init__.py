@@ -1,0 +1,1 @@
+"""Corpus preparation tools (orthros-data)."""

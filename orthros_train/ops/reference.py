@@ -1,0 +1,161 @@
+"""The Orthros attention op in plain torch: the ground truth for every kernel.
+
+One op serves both streams (DESIGN.md section 2). All tensors are packed along one token
+dimension with no padding (flash-attn "varlen" style):
+
+    q        [Nq, Hq, D]   queries of the base stream and of the output stream, any order
+    k, v     [Nk, Hkv, D]  keys/values of the base stream (Hq % Hkv == 0: GQA)
+    q_index  [Nq]          index into the key dimension of the token a query belongs to
+                           (base token i -> i; output token at position p -> the base index of p)
+    q_window [Nq]          number of keys a query may see, counting its own token
+                           (W for base queries, ``UNBOUNDED`` for output queries)
+    cu_seqlens [n_docs+1]  document boundaries in the key dimension (0, ..., Nk)
+
+Query ``i`` attends key ``j`` iff ``doc(j) == doc(q_index[i])``, ``j <= q_index[i]`` and
+``q_index[i] - j < q_window[i]``. Because documents are contiguous, that is one contiguous key
+range per query, ``[key_start, key_end]`` — the form the kernels use as well.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Larger than any sequence we will ever pack; int32-safe so kernels can take it as is.
+UNBOUNDED = 2**31 - 1
+
+
+def key_ranges(
+    q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive key range ``[start, end]`` of every query (int64)."""
+    q_index = q_index.long()
+    cu = cu_seqlens.long()
+    doc = torch.searchsorted(cu, q_index, right=True) - 1
+    doc_start = cu[doc]
+    start = torch.maximum(doc_start, q_index - q_window.long() + 1)
+    return start, q_index
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> None:
+    """Raise a ValueError that names the offending argument; shared by every backend."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("q, k, v must be [tokens, heads, head_dim]")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim differs: q {q.shape[2]} vs k {k.shape[2]}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads {q.shape[1]} not divisible by kv heads {k.shape[1]}")
+    if q_index.shape != (q.shape[0],) or q_window.shape != (q.shape[0],):
+        raise ValueError("q_index and q_window must be [Nq]")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be 1-D with at least two entries")
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != k.shape[0]:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the number of keys ({k.shape[0]}), "
+            f"got {int(cu_seqlens[0])}..{int(cu_seqlens[-1])}"
+        )
+    if q.shape[0] and (int(q_index.min()) < 0 or int(q_index.max()) >= k.shape[0]):
+        raise ValueError("q_index points outside the keys")
+    if q.shape[0] and int(q_window.min()) < 1:
+        raise ValueError("q_window must be >= 1 (a query always sees its own token)")
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact masked softmax attention; returns ``(out [Nq,Hq,D], lse [Hq,Nq] fp32)``.
+
+    Queries are processed in chunks of ``chunk_size`` after sorting by key range, and each chunk
+    only materialises scores against the keys its range spans. Base queries span at most
+    ``chunk + W`` keys, so the base stream stays linear in memory; output queries span up to
+    their document. Differentiable through plain autograd. Math runs in fp32.
+    """
+    check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
+    n_q, h_q, d = q.shape
+    h_kv = k.shape[1]
+    group = h_q // h_kv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out_dtype = q.dtype
+    start, end = key_ranges(q_index, q_window, cu_seqlens)
+
+    # Sorting by range start groups base queries of one window together and output queries of
+    # one document together, which keeps each chunk's key span small.
+    order = torch.argsort(start * (k.shape[0] + 1) + end, stable=True)
+    outs, lses = [], []
+    for c0 in range(0, n_q, chunk_size):
+        idx = order[c0 : c0 + chunk_size]
+        s_lo, e_hi = int(start[idx].min()), int(end[idx].max())
+        kc = k[s_lo : e_hi + 1].float()  # [S, Hkv, D]
+        vc = v[s_lo : e_hi + 1].float()
+        qc = q[idx].float().view(-1, h_kv, group, d)  # [C, Hkv, G, D]
+        scores = torch.einsum("chgd,shd->hgcs", qc, kc) * scale  # [Hkv, G, C, S]
+        key_pos = torch.arange(s_lo, e_hi + 1, device=q.device)
+        allowed = (key_pos[None, :] >= start[idx, None]) & (key_pos[None, :] <= end[idx, None])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, C]
+        probs = torch.exp(scores - lse[..., None])
+        o = torch.einsum("hgcs,shd->chgd", probs, vc).reshape(-1, h_q, d)
+        outs.append(o)
+        lses.append(lse.reshape(h_q, -1))
+    if not outs:
+        return q.new_zeros(q.shape), q.new_zeros((h_q, 0), dtype=torch.float32)
+    out_sorted = torch.cat(outs)
+    lse_sorted = torch.cat(lses, dim=1)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(n_q, device=q.device)
+    return out_sorted[inverse].to(out_dtype), lse_sorted[:, inverse]
+
+
+def attention_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``[Nq, Nk]`` mask built from document ids and positions, for tests only.
+
+    Written from the definition (same document, causal, inside the window) rather than from key
+    ranges, so it checks ``attention_reference`` independently. O(Nq * Nk) memory.
+    """
+    check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
+    n_k = k.shape[0]
+    d = q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    doc_of_key = torch.repeat_interleave(
+        torch.arange(cu_seqlens.numel() - 1), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    )
+    j = torch.arange(n_k)
+    qi = q_index.long()[:, None]
+    mask = (
+        (doc_of_key[None, :] == doc_of_key[qi])
+        & (j[None, :] <= qi)
+        & (qi - j[None, :] < q_window.long()[:, None])
+    )
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vf)
+    return out.to(q.dtype), lse

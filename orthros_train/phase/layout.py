@@ -1,0 +1,117 @@
+"""The one structure that carries a batch through the stack: base tokens + output plan.
+
+DESIGN.md section 2: the base stream is every input token (packed, varlen, with positions and
+document ids); the output stream is a sorted list of positions that must predict a token, each
+with a label and a loss weight. Every phase (pretrain, sft, rl, prefill, decode) is a builder in
+``orthros_train/phase/builders.py`` that produces an ``OrthrosLayout``.
+
+Everything is packed along one token dimension: several rows of a ``[B, T]`` batch become one
+sequence whose documents never attend each other, so the attention op sees no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class OrthrosLayout:
+    """A packed batch.
+
+    input_ids      [T]   base token ids
+    positions      [T]   RoPE position of each base token (restarts at 0 in each document)
+    cu_seqlens     [D+1] document boundaries along T (int32, 0 .. T)
+    output_index   [N]   sorted indices into T of the tokens that get an output token
+    labels         [N]   target token of each output token (IGNORE_INDEX: no loss)
+    loss_weights   [N]   per-output-token weight (1 for pretrain/sft, advantages for rl)
+    row_of_output  [N]   which ``[B, T]`` row an output token came from (to unpack logits)
+    num_rows             B
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    output_index: torch.Tensor
+    labels: torch.Tensor
+    loss_weights: torch.Tensor
+    row_of_output: torch.Tensor
+    num_rows: int = 1
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_outputs(self) -> int:
+        return self.output_index.numel()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def validate(self) -> None:
+        t = self.input_ids.numel()
+        n = self.output_index.numel()
+        if t == 0:
+            raise ValueError("empty layout: a batch needs at least one base token")
+        for name in ("input_ids", "positions", "output_index", "labels", "loss_weights"):
+            if getattr(self, name).dim() != 1:
+                raise ValueError(f"layout.{name} must be 1-D (packed), got {getattr(self, name).dim()}-D")
+        if self.positions.numel() != t:
+            raise ValueError(f"layout.positions has {self.positions.numel()} entries, expected {t}")
+        for name in ("labels", "loss_weights", "row_of_output"):
+            if getattr(self, name).numel() != n:
+                raise ValueError(f"layout.{name} has {getattr(self, name).numel()} entries, expected {n}")
+        cu = self.cu_seqlens
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t:
+            raise ValueError(f"layout.cu_seqlens must run from 0 to {t}")
+        if bool((cu[1:] <= cu[:-1]).any()):
+            raise ValueError("layout.cu_seqlens must be strictly increasing (no empty documents)")
+        if n:
+            if bool((self.output_index[1:] <= self.output_index[:-1]).any()):
+                raise ValueError("layout.output_index must be sorted and unique")
+            if int(self.output_index[0]) < 0 or int(self.output_index[-1]) >= t:
+                raise ValueError(f"layout.output_index must lie in [0, {t})")
+
+    def to(self, device: torch.device | str) -> "OrthrosLayout":
+        kwargs = {
+            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name))
+            for f in fields(self)
+        }
+        return OrthrosLayout(**kwargs)
+
+    def document_ids(self) -> torch.Tensor:
+        """[T] index of the document each base token belongs to."""
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+
+
+def concat_layouts(layouts: list[OrthrosLayout]) -> OrthrosLayout:
+    """Pack several layouts into one (rows stay separate documents)."""
+    if not layouts:
+        raise ValueError("concat_layouts needs at least one layout")
+    offset, row_offset = 0, 0
+    cu, out_idx, rows = [layouts[0].cu_seqlens[:1]], [], []
+    for lay in layouts:
+        cu.append(lay.cu_seqlens[1:] + offset)
+        out_idx.append(lay.output_index + offset)
+        rows.append(lay.row_of_output + row_offset)
+        offset += lay.num_tokens
+        row_offset += lay.num_rows
+    return OrthrosLayout(
+        input_ids=torch.cat([x.input_ids for x in layouts]),
+        positions=torch.cat([x.positions for x in layouts]),
+        cu_seqlens=torch.cat(cu).to(torch.int32),
+        output_index=torch.cat(out_idx),
+        labels=torch.cat([x.labels for x in layouts]),
+        loss_weights=torch.cat([x.loss_weights for x in layouts]),
+        row_of_output=torch.cat(rows),
+        num_rows=row_offset,
+    )
