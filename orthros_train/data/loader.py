@@ -65,9 +65,7 @@ class PackedTokenData:
     def next_batch(self) -> OrthrosLayout:
         """This rank's next micro batch; ranks take interleaved slices of the global order."""
         base = self.consumed_samples
-        picks = [
-            self.order.index(base + j * self.dp_size + self.dp_rank) for j in range(self.micro_batch_size)
-        ]
+        picks = [self.order.index(base + j * self.dp_size + self.dp_rank) for j in range(self.micro_batch_size)]
         self.consumed_samples += self.micro_batch_size * self.dp_size
         return self._layout([self._sample(self.train_tokens, i) for i in picks])
 

@@ -29,9 +29,7 @@ class KVCache:
         totals = self.lengths + new_lengths
         cu = torch.zeros(self.num_rows + 1, dtype=torch.long)
         cu[1:] = torch.cumsum(totals, 0)
-        index = torch.cat(
-            [torch.arange(int(cu[r] + self.lengths[r]), int(cu[r + 1])) for r in range(self.num_rows)]
-        )
+        index = torch.cat([torch.arange(int(cu[r] + self.lengths[r]), int(cu[r + 1])) for r in range(self.num_rows)])
         return cu.to(torch.int32), index
 
     def extend(

@@ -105,9 +105,7 @@ class OrthrosAttention(nn.Module):
         if cache is not None:
             k, v = cache.extend(self.layer_idx, k, v, plan.new_lengths)
 
-        o = orthros_attention(
-            q, k, v, q_index, q_window, plan.key_cu_seqlens, backend=self.config.attention_backend
-        )
+        o = orthros_attention(q, k, v, q_index, q_window, plan.key_cu_seqlens, backend=self.config.attention_backend)
         return self.o_proj(o.reshape(o.shape[0], -1))
 
 
@@ -309,7 +307,9 @@ class OrthrosForCausalLM(nn.Module):
         return self.forward_layout(layout, cache).logits, cache
 
     @torch.no_grad()
-    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+    def generate_greedy(
+        self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None
+    ) -> torch.Tensor:
         """Greedy continuation through prefill + decode; returns the new tokens ``[B, <=max]``."""
         logits, cache = self.prefill(input_ids)
         new = []

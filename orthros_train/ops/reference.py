@@ -147,11 +147,7 @@ def attention_naive(
     )
     j = torch.arange(n_k)
     qi = q_index.long()[:, None]
-    mask = (
-        (doc_of_key[None, :] == doc_of_key[qi])
-        & (j[None, :] <= qi)
-        & (qi - j[None, :] < q_window.long()[:, None])
-    )
+    mask = (doc_of_key[None, :] == doc_of_key[qi]) & (j[None, :] <= qi) & (qi - j[None, :] < q_window.long()[:, None])
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale

@@ -37,9 +37,7 @@ def _as_rows(input_ids: Rows) -> list[torch.Tensor]:
     return rows
 
 
-def _row_documents(
-    ids: torch.Tensor, document_ids: torch.Tensor | None, eod_token_id: int | None
-) -> torch.Tensor:
+def _row_documents(ids: torch.Tensor, document_ids: torch.Tensor | None, eod_token_id: int | None) -> torch.Tensor:
     """Per-token document index inside one row (0, 0, 1, 1, 1, ...)."""
     t = ids.numel()
     if t == 0:
@@ -47,9 +45,7 @@ def _row_documents(
     if document_ids is not None:
         document_ids = torch.as_tensor(document_ids)
         if document_ids.shape != ids.shape:
-            raise ValueError(
-                f"document_ids shape {tuple(document_ids.shape)} != input_ids shape {tuple(ids.shape)}"
-            )
+            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != input_ids shape {tuple(ids.shape)}")
         change = torch.zeros(t, dtype=torch.long, device=ids.device)
         change[1:] = (document_ids[1:] != document_ids[:-1]).long()
         return torch.cumsum(change, 0)

@@ -82,7 +82,11 @@ class OrthrosLayout:
 
     def to(self, device: torch.device | str) -> "OrthrosLayout":
         kwargs = {
-            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name))
+            f.name: (
+                getattr(self, f.name).to(device)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+                else getattr(self, f.name)
+            )
             for f in fields(self)
         }
         return OrthrosLayout(**kwargs)

@@ -9,7 +9,9 @@ from typing import Any
 from orthros_train.model.config import OrthrosConfig
 
 
-def model_flops_per_token(cfg: OrthrosConfig, seq_len: int, output_fraction: float = 1.0, training: bool = True) -> float:
+def model_flops_per_token(
+    cfg: OrthrosConfig, seq_len: int, output_fraction: float = 1.0, training: bool = True
+) -> float:
     """Matmul FLOPs per input token of one step (forward, or forward+backward when training).
 
     Orthros runs the token-wise weights on both streams: every base token in layers 0..L-2 plus
@@ -18,7 +20,13 @@ def model_flops_per_token(cfg: OrthrosConfig, seq_len: int, output_fraction: flo
     (query, visible key) pair: a base query sees min(W, position + 1) keys, an output query
     (pretrain) sees position + 1 keys. Dense/sliding baselines have one stream.
     """
-    d, h, kv, hd, f = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    d, h, kv, hd, f = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
     q_o = 2 * d * h * hd
     k_v = 2 * d * kv * hd
     mlp = 3 * d * f

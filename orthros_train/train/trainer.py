@@ -206,4 +206,3 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, disable=not enabled, dynamic_ncols=True, desc="train")
-
