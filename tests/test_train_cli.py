@@ -1,0 +1,85 @@
+"""The trainer through its real command line: recipes dry-run, the tiny recipe learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+CLI = [sys.executable, "-m", "orthros_train.train.cli"]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_dry_runs(recipe, tmp_path):
+    proc = run_cli("--config-name", recipe, "trainer.dry_run=true", f"trainer.run_dir={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert summary["parameters"] > 0 and summary["flops_per_token"] > 0
+    assert summary["tokens_per_step"] > 0 and summary["total_steps"] > 0
+
+
+def test_pretrain_1p3b_plan_is_the_usual_setting(tmp_path):
+    proc = run_cli("--config-name", "pretrain_1p3b", "trainer.dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert 1.2e9 < summary["parameters"] < 1.5e9
+    assert summary["sliding_window"] == 128 and summary["seq_len"] == 4096
+    assert abs(summary["total_tokens"] - 100e9) / 100e9 < 0.01
+
+
+def test_unknown_recipe_key_is_a_clear_error(tmp_path):
+    proc = run_cli("--config-name", "tiny_cpu", "+trainer.max_step=3", "trainer.dry_run=true", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "max_step" in proc.stderr and "trainer" in proc.stderr
+
+
+def test_bad_model_value_is_a_clear_error(tmp_path):
+    proc = run_cli("--config-name", "tiny_cpu", "model.sliding_window=0", "trainer.dry_run=true", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "sliding_window" in proc.stderr
+
+
+@pytest.mark.slow
+def test_tiny_recipe_trains_and_loss_decreases(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "--config-name",
+        "tiny_cpu",
+        "trainer.max_steps=40",
+        "trainer.eval_every=20",
+        "trainer.progress=false",
+        "trainer.sample_tokens=8",
+        "optim.warmup_steps=5",
+        "model.hidden_size=128",
+        "model.num_hidden_layers=2",
+        f"trainer.run_dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    for r in records:
+        assert {"step", "loss", "lr", "tokens_per_s"} <= set(r)
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0]
+    assert "continuation" in proc.stdout
+    # The final checkpoint loads back into a model.
+    from orthros_train.model import OrthrosForCausalLM
+
+    model = OrthrosForCausalLM.from_pretrained(run_dir / "checkpoints" / "final")
+    assert model.config.hidden_size == 128
+    assert (run_dir / "wandb").is_dir()
