@@ -1,0 +1,114 @@
+"""``orthros-convert``: Hugging Face Llama/Qwen <-> Orthros checkpoints.
+
+    orthros-convert from-hf SRC DST [--window 128] [--dtype auto] [--max-shard-size 4GB]
+    orthros-convert to-hf   SRC DST [--dtype auto] [--tokenizer DIR]
+    orthros-convert verify  HF_DIR ORTHROS_DIR [--tokens 128]
+
+``verify`` runs both checkpoints on the same random tokens and prints the largest logit
+difference: a converted Llama/Qwen must match its source on up to ``window`` tokens, an exported
+Orthros directory must match its Orthros checkpoint on any length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError
+from orthros_train.convert.from_hf import DEFAULT_WINDOW, convert_from_hf
+from orthros_train.convert.to_hf import convert_to_hf
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orthros-convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    dtypes = ["auto", *DTYPE_NAMES]
+
+    p = sub.add_parser("from-hf", help="Llama / Qwen2 / Qwen3 HF checkpoint -> Orthros checkpoint")
+    p.add_argument("src", type=Path, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("dst", type=Path, help="new Orthros checkpoint directory")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="base-stream sliding window W")
+    p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
+    p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
+    p.add_argument("--overwrite", action="store_true", help="replace the weights of an existing DST")
+
+    p = sub.add_parser("to-hf", help="Orthros checkpoint -> HF directory with remote code")
+    p.add_argument("src", type=Path, help="Orthros checkpoint directory")
+    p.add_argument("dst", type=Path, help="new HF directory")
+    p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
+    p.add_argument("--tokenizer", type=Path, help="copy tokenizer files from this directory too")
+    p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
+    p.add_argument("--overwrite", action="store_true", help="replace the weights of an existing DST")
+
+    p = sub.add_parser("verify", help="compare the logits of an HF checkpoint and an Orthros one")
+    p.add_argument("hf_dir", type=Path, help="HF directory (source of from-hf, or output of to-hf)")
+    p.add_argument("orthros_dir", type=Path, help="Orthros checkpoint directory")
+    p.add_argument("--tokens", type=int, default=None, help="sequence length (default: the window W)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--atol", type=float, default=1e-3, help="fail above this max |logit difference|")
+    return parser
+
+
+def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed: int) -> dict:
+    """Run both models in fp32 on the same random tokens; returns the measured differences."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from orthros_train.model import OrthrosForCausalLM
+
+    orthros = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
+    window = orthros.config.sliding_window
+    hf_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
+    # A converted dense model equals its source only inside the window; an export equals its
+    # Orthros checkpoint everywhere.
+    length = tokens or window
+    if hf_type != "orthros" and length > window:
+        raise ConversionError(f"--tokens {length} exceeds the window {window}: the models differ beyond it")
+    hf = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, trust_remote_code=hf_type == "orthros"
+    ).eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, orthros.config.vocab_size, (batch, length), generator=gen)
+    with torch.no_grad():
+        a = hf(ids).logits.float()
+        b = orthros(ids).logits.float()
+    return {
+        "tokens": length,
+        "batch": batch,
+        "max_abs_diff": float((a - b).abs().max()),
+        "max_abs_logit": float(a.abs().max()),
+        "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "from-hf":
+            report = convert_from_hf(
+                args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite
+            )
+            print(f"{args.src} -> {args.dst}: {report.summary()}")
+        elif args.command == "to-hf":
+            report = convert_to_hf(
+                args.src, args.dst, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite
+            )
+            print(f"{args.src} -> {args.dst}: {report.summary()}")
+            print(f"load with AutoModelForCausalLM.from_pretrained({str(args.dst)!r}, trust_remote_code=True)")
+        else:
+            result = verify(args.hf_dir, args.orthros_dir, args.tokens, args.batch, args.seed)
+            print(json.dumps(result))
+            if result["max_abs_diff"] > args.atol:
+                print(f"orthros-convert: logits differ by more than --atol {args.atol}", file=sys.stderr)
+                return 1
+    except ConversionError as err:
+        print(f"orthros-convert: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

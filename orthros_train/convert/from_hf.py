@@ -1,0 +1,309 @@
+"""Hugging Face Llama / Qwen2 / Qwen3 checkpoint -> Orthros checkpoint (DESIGN.md section 1).
+
+The conversion swaps the attention module and nothing else: every HF tensor keeps its value and
+(minus the ``model.`` prefix) its name; each layer gains the output stream's query affine
+``gamma = 1, beta = 0``. The converted model therefore reproduces the HF logits exactly on any
+sequence of at most ``sliding_window`` tokens, and is the starting point of continued
+pretraining (``model.init_from`` in the recipes).
+
+Everything a config may say that Orthros cannot express is refused by name (sliding-window or
+hybrid attention, RoPE variants other than default/llama3, MLP or output-projection biases,
+quantized weights, non-SiLU activations) rather than converted into a different model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orthros_train.convert.checkpoint_io import (
+    CONFIG_NAME,
+    ConversionError,
+    PlannedTensor,
+    SafetensorsReader,
+    copy_side_files,
+    dtype_name,
+    parse_dtype,
+    parse_size,
+    prepare_destination,
+    read_json,
+    write_sharded,
+)
+from orthros_train.model.config import OrthrosConfig
+from orthros_train.model.orthros import OrthrosForCausalLM
+
+SUPPORTED_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+DEFAULT_WINDOW = 128
+SRC_FIX = (
+    "the source must be a Hugging Face model directory (config.json + model.safetensors or "
+    "model-*.safetensors with model.safetensors.index.json), e.g. "
+    "`huggingface-cli download meta-llama/Llama-3.1-8B --local-dir SRC`"
+)
+_SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a v4 (``rope_theta`` + ``rope_scaling``) or v5
+    (``rope_parameters``) config; anything but default / llama3 RoPE is refused."""
+    params = hf.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ConversionError(f"rope_parameters must be a dict, got {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        # Per-layer-type RoPE ({"full_attention": {...}, "sliding_attention": {...}}).
+        kinds = sorted(params)
+        if kinds != ["full_attention"]:
+            raise ConversionError(f"per-layer-type rope_parameters {kinds} are not supported")
+        params = params["full_attention"]
+    scaling = dict(params) if params else (dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None)
+    theta = (params or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    if scaling is None:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConversionError(f"partial_rotary_factor={partial} is not supported (Orthros rotates the whole head)")
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ConversionError(
+            f"rope_scaling type {kind!r} is not supported; Orthros implements default RoPE and 'llama3' "
+            "frequency scaling only"
+        )
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in scaling]
+    if missing:
+        raise ConversionError(f"llama3 rope_scaling is missing {missing}")
+    return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+
+
+def orthros_config_from_hf(
+    hf: dict[str, Any], sliding_window: int = DEFAULT_WINDOW, source: str = CONFIG_NAME
+) -> OrthrosConfig:
+    """Map a Llama / Qwen2 / Qwen3 ``config.json`` (as a dict) to an :class:`OrthrosConfig`."""
+
+    def refuse(what: str) -> ConversionError:
+        return ConversionError(f"{source}: {what}")
+
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise refuse(
+            f"model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    arch = hf.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
+    if arch != [SUPPORTED_MODEL_TYPES[model_type]]:
+        raise refuse(f"architectures {arch} is not supported; expected {[SUPPORTED_MODEL_TYPES[model_type]]}")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise refuse(f"quantized checkpoints ({method}) are not supported; save a dequantized (float) copy first")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise refuse(f"hidden_act {act!r} is not supported (Orthros uses SwiGLU with SiLU)")
+    if hf.get("mlp_bias"):
+        raise refuse("mlp_bias=true is not supported (Orthros MLP projections have no bias)")
+
+    # Attention biases: Qwen2 has q/k/v biases (and none on o_proj); Llama/Qwen3 with
+    # attention_bias=true would also put one on o_proj, which Orthros does not have.
+    if model_type == "qwen2":
+        attention_bias = True
+    else:
+        if hf.get("attention_bias"):
+            raise refuse(
+                f"attention_bias=true is not supported for {model_type} (it adds an o_proj bias, which "
+                "Orthros does not have)"
+            )
+        attention_bias = False
+
+    # Orthros replaces attention with its own base window; an HF model whose layers already use
+    # sliding-window (or chunked / hybrid) attention is a different model and is refused.
+    if model_type == "llama":
+        if hf.get("sliding_window") is not None:
+            raise refuse(f"sliding_window={hf['sliding_window']} is not supported (sliding-window HF models)")
+    elif hf.get("use_sliding_window"):
+        raise refuse(
+            f"use_sliding_window=true (sliding_window={hf.get('sliding_window')}) is not supported: "
+            "sliding-window HF models cannot be converted"
+        )
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise refuse(f"layer_types {sorted(set(layer_types))} are not supported; only full_attention layers")
+    if hf.get("attention_chunk_size"):
+        raise refuse("attention_chunk_size (chunked attention) is not supported")
+
+    rope_theta, rope_scaling = _rope_from_hf(hf)
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    provenance = {
+        key: hf[key]
+        for key in ("model_type", "architectures", "bos_token_id", "eos_token_id", "pad_token_id")
+        if key in hf
+    }
+    src_dtype = hf.get("torch_dtype", hf.get("dtype"))
+    if src_dtype is not None:
+        provenance["torch_dtype"] = src_dtype
+    try:
+        return OrthrosConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            intermediate_size=hf["intermediate_size"],
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            qk_norm=model_type == "qwen3",
+            attention_bias=attention_bias,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=sliding_window,
+            attention_type="orthros",
+            max_position_embeddings=hf.get("max_position_embeddings", 131072),
+            initializer_range=hf.get("initializer_range", 0.02),
+            extra={"hf": provenance},
+        )
+    except KeyError as err:
+        raise refuse(f"required field {err.args[0]!r} is missing") from err
+
+
+def expected_state(config: OrthrosConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an Orthros checkpoint of ``config`` stores (tied head once)."""
+    with torch.device("meta"):
+        model = OrthrosForCausalLM(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    return shapes
+
+
+def orthros_name_from_hf(name: str) -> str | None:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.self_attn.q_proj.weight``;
+    ``None`` for tensors that carry no weights (old rotary buffers)."""
+    if name.endswith(_SKIPPED_TENSOR_SUFFIXES):
+        return None
+    if name.startswith("model."):
+        return name[len("model.") :]
+    return name  # lm_head.weight, or something unexpected that the caller reports
+
+
+def is_output_affine(name: str) -> bool:
+    return name.endswith(("self_attn.gamma", "self_attn.beta"))
+
+
+@dataclass
+class ConversionReport:
+    config: OrthrosConfig
+    num_tensors: int
+    num_bytes: int
+    files: list[Path]
+    side_files: list[str]
+    seconds: float
+
+    def summary(self) -> str:
+        c = self.config
+        return (
+            f"wrote {self.num_tensors} tensors ({self.num_bytes / 2**30:.2f} GiB) in {len(self.files)} file(s) "
+            f"in {self.seconds:.1f}s: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+            f"{c.num_attention_heads}/{c.num_key_value_heads} heads, window {c.sliding_window}"
+            + (f"; copied {', '.join(self.side_files)}" if self.side_files else "")
+        )
+
+
+def convert_from_hf(
+    src: str | Path,
+    dst: str | Path,
+    sliding_window: int = DEFAULT_WINDOW,
+    dtype: str | None = None,
+    max_shard_size: str | int = "4GB",
+    overwrite: bool = False,
+) -> ConversionReport:
+    """Convert the HF checkpoint in ``src`` into an Orthros checkpoint directory ``dst``.
+
+    ``dst`` gets ``config.json`` (an :class:`OrthrosConfig`), the weights (``model.safetensors``
+    or shards + index) and the source's tokenizer / generation-config files, and loads with
+    ``OrthrosForCausalLM.from_pretrained(dst)``. ``dtype`` ``None``/``"auto"`` keeps the source
+    dtypes (bf16 for the 8B models). Tensors are streamed one at a time.
+    """
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise ConversionError(f"source {src} is not a directory: {SRC_FIX}")
+    hf = read_json(src / CONFIG_NAME, SRC_FIX)
+    config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME))
+    cast = parse_dtype(dtype)
+    expected = expected_state(config)
+
+    with SafetensorsReader(src, SRC_FIX) as reader:
+        source_of: dict[str, str] = {}
+        unexpected = []
+        for hf_name in reader.names:
+            name = orthros_name_from_hf(hf_name)
+            if name is None:
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # a tied head stored anyway: HF ignores it too
+            if name not in expected or is_output_affine(name):
+                unexpected.append(hf_name)
+            else:
+                source_of[name] = hf_name
+        if unexpected:
+            raise ConversionError(
+                f"{src}: tensors that {SUPPORTED_MODEL_TYPES[hf['model_type']]} with this config does not "
+                f"have, so this architecture variant is not supported: {unexpected[:8]}"
+                + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+            )
+        missing = [n for n in expected if n not in source_of and not is_output_affine(n)]
+        if missing:
+            hint = (
+                " (config says tie_word_embeddings=false but the checkpoint has no lm_head.weight)"
+                if missing == ["lm_head.weight"]
+                else ""
+            )
+            raise ConversionError(f"{src}: checkpoint lacks tensors the config implies: {missing[:8]}{hint}")
+
+        plan = []
+        for name, shape in expected.items():
+            if is_output_affine(name):
+                q_name = name.rsplit(".", 1)[0] + ".q_proj.weight"
+                src_dtype = reader.info(source_of[q_name]).dtype
+            else:
+                info = reader.info(source_of[name])
+                if info.shape != shape:
+                    raise ConversionError(
+                        f"{src}: tensor {info.name} has shape {list(info.shape)}, the config implies "
+                        f"{list(shape)} ({info.file.name})"
+                    )
+                src_dtype = info.dtype
+            plan.append(PlannedTensor(name, shape, cast or src_dtype))
+
+        def produce(t: PlannedTensor) -> torch.Tensor:
+            if t.name.endswith(".gamma"):
+                return torch.ones(t.shape, dtype=t.dtype)
+            if t.name.endswith(".beta"):
+                return torch.zeros(t.shape, dtype=t.dtype)
+            return reader.get(source_of[t.name]).to(t.dtype)
+
+        prepare_destination(src, dst, overwrite)
+        files = write_sharded(dst, plan, produce, parse_size(max_shard_size))
+
+    if cast is not None:
+        config.extra["hf"]["torch_dtype"] = dtype_name(cast)
+    side = copy_side_files(src, dst)
+    # config.json last: a conversion that failed half-way leaves no loadable checkpoint behind.
+    (dst / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    return ConversionReport(
+        config=config,
+        num_tensors=len(plan),
+        num_bytes=sum(t.nbytes for t in plan),
+        files=files,
+        side_files=side,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,56 @@
+"""Orthros model configuration (Hugging Face remote code; needs only transformers).
+
+Written by ``orthros-convert to-hf`` next to the weights. Field names follow Llama/Qwen; the
+Orthros-specific ones are ``base_window`` (the base stream's sliding-window size ``W``: base token
+``i`` attends base keys ``i-W < j <= i``), ``qk_norm`` (Qwen3-style per-head RMSNorm on q and k)
+and ``attention_bias`` (biases on q/k/v only, as in Qwen2). ``rope_parameters`` is
+``{"rope_type": "default" | "llama3", "rope_theta": ..., <llama3 keys>}``.
+
+The window is deliberately not called ``sliding_window``: transformers would then build
+sliding-window KV caches, but the output stream attends every cached key.
+"""
+
+from transformers import PretrainedConfig
+
+
+class OrthrosConfig(PretrainedConfig):
+    model_type = "orthros"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+
+    def __init__(
+        self,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=None,
+        head_dim=None,
+        rms_norm_eps=1e-6,
+        rope_parameters=None,
+        qk_norm=False,
+        attention_bias=False,
+        base_window=128,
+        max_position_embeddings=131072,
+        initializer_range=0.02,
+        use_cache=True,
+        tie_word_embeddings=False,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        self.qk_norm = qk_norm
+        self.attention_bias = attention_bias
+        self.base_window = base_window
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        self.tie_word_embeddings = tie_word_embeddings
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -1,0 +1,389 @@
+"""Orthros for Hugging Face transformers (remote code; needs only torch and transformers).
+
+Written by ``orthros-convert to-hf`` next to the weights, so an exported model loads with
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` without orthros_train.
+
+Every layer carries two token streams that share all weights except a per-head affine on the
+output stream's queries:
+
+* base stream ``x``: one token per input position, sliding-window causal self-attention over
+  the ``base_window`` most recent base keys (its own included); it alone writes K/V, so the
+  KV cache is exactly the base stream's K/V;
+* output stream ``y``: one token per position that must predict the next token (a copy of that
+  input token's embedding at layer 0); its query, ``norm_q(y W_q) * gamma + beta``, attends all
+  base keys up to its position. Nothing attends to it; the LM head reads it.
+
+``forward`` puts output tokens at every position (training, perplexity) or, with
+``logits_to_keep=k``, at the last ``k`` positions only. ``generate`` therefore runs Orthros'
+inference phases through the standard transformers loop: the prompt step is the prefill (base
+tokens for the whole prompt, one output token at the last position, ``logits_to_keep=1``) and
+every later step appends one base + output pair to a ``DynamicCache`` that holds all base K/V.
+
+Batches may be left-padded (``attention_mask``); padded keys are never attended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_orthros import OrthrosConfig
+
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+# transformers 5 renamed the cache argument and output field from `past_key_values` to `cache`.
+_CACHE_FIELD = "cache" if any(f.name == "cache" for f in dataclasses.fields(CausalLMOutputWithPast)) else (
+    "past_key_values"
+)
+QUERY_CHUNK = 1024  # queries per attention call: bounds the score matrix to chunk x keys
+
+
+class OrthrosRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config):
+    """Inverse RoPE frequencies [head_dim/2] (fp32), with Llama-3 frequency scaling if set."""
+    params = config.rope_parameters
+    dim = config.head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    elif kind != "default":
+        raise ValueError(f"rope_type {kind!r} is not supported by Orthros (default or llama3)")
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq, positions):
+    """cos, sin [B, T, 1, head_dim] (fp32) for integer positions [B, T]."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
+
+
+def apply_rope(x, cos, sin):
+    """Rotate [B, T, heads, head_dim] in the rotate-half layout of Llama/Qwen checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+
+
+def orthros_attention(q, k, v, q_index, q_window, key_valid):
+    """Masked softmax attention in fp32 over the base keys.
+
+    q [B, H, Lq, D]; k, v [B, Hkv, S, D]; ``q_index[i]`` is the key index of query i's own token
+    and ``q_window[i]`` how many keys back it may look (its own included); ``key_valid`` [B, S]
+    marks non-padding keys (None: all). Query i attends key j iff ``j <= q_index[i]``,
+    ``q_index[i] - j < q_window[i]`` and key j is valid. A query always sees its own key, which
+    keeps padded rows finite (their outputs are never read).
+    """
+    b, h, n_q, d = q.shape
+    out = q.new_empty(b, h, n_q, d)
+    kf, vf = k.float(), v.float()
+    gqa = h != k.shape[1]
+    for c0 in range(0, n_q, QUERY_CHUNK):
+        qi, win = q_index[c0 : c0 + QUERY_CHUNK], q_window[c0 : c0 + QUERY_CHUNK]
+        lo = max(int((qi - win + 1).min()), 0)
+        hi = int(qi.max()) + 1
+        j = torch.arange(lo, hi, device=q.device)
+        allowed = (j[None, :] <= qi[:, None]) & (qi[:, None] - j[None, :] < win[:, None])
+        allowed = allowed[None]
+        if key_valid is not None:
+            allowed = (allowed & key_valid[:, None, lo:hi]) | (j[None, :] == qi[:, None])[None]
+        o = F.scaled_dot_product_attention(
+            q[:, :, c0 : c0 + QUERY_CHUNK].float(),
+            kf[:, :, lo:hi],
+            vf[:, :, lo:hi],
+            attn_mask=allowed[:, None],
+            enable_gqa=gqa,
+        )
+        out[:, :, c0 : c0 + QUERY_CHUNK] = o.to(out.dtype)
+    return out
+
+
+class OrthrosAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        h, kv, hd, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.q_proj = nn.Linear(d, h * hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, kv * hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, kv * hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_norm = OrthrosRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = OrthrosRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        # The only weights the output stream does not share with the base stream.
+        self.gamma = nn.Parameter(torch.ones(h, hd))
+        self.beta = nn.Parameter(torch.zeros(h, hd))
+
+    def forward(self, h, n_base, plan, cache, with_base_queries):
+        """``h`` is the normed ``[x; y]`` [B, T+N, D]; returns the attention output of ``[x; y]``
+        (or of ``y`` alone when the base stream's output feeds nothing)."""
+        b = h.shape[0]
+        n_out = h.shape[1] - n_base
+        base = h[:, :n_base]
+        k = self.k_proj(base).view(b, n_base, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(base).view(b, n_base, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(h if with_base_queries else h[:, n_base:]).view(b, -1, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if n_out:
+            n_q = q.shape[1]
+            q = torch.cat([q[:, : n_q - n_out], q[:, n_q - n_out :] * self.gamma + self.beta], dim=1)
+        if with_base_queries:
+            cos = torch.cat([plan["base_cos"], plan["out_cos"]], dim=1)
+            sin = torch.cat([plan["base_sin"], plan["out_sin"]], dim=1)
+            q_index, q_window = plan["q_index"], plan["q_window"]
+        else:
+            cos, sin = plan["out_cos"], plan["out_sin"]
+            q_index, q_window = plan["out_q_index"], plan["out_q_window"]
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, plan["base_cos"], plan["base_sin"]).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        if k.shape[2] != plan["num_keys"]:
+            raise ValueError(
+                f"layer {self.layer_idx} sees {k.shape[2]} keys, expected {plan['num_keys']}: Orthros needs a "
+                "cache that keeps every base key (DynamicCache); sliding-window or static caches are not supported"
+            )
+        o = orthros_attention(q, k, v, q_index, q_window, plan["key_valid"])
+        return self.o_proj(o.transpose(1, 2).reshape(b, o.shape[2], -1))
+
+
+class OrthrosMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OrthrosDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.input_layernorm = OrthrosRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = OrthrosAttention(config, layer_idx)
+        self.post_attention_layernorm = OrthrosRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = OrthrosMLP(config)
+
+    def forward(self, x, y, plan, cache, base_feeds_nothing):
+        n_base = x.shape[1]
+        h = torch.cat([x, y], dim=1)
+        attn = self.self_attn(self.input_layernorm(h), n_base, plan, cache, not base_feeds_nothing)
+        if base_feeds_nothing:  # last layer: the base stream only supplies K/V
+            y = y + attn
+            return x, y + self.mlp(self.post_attention_layernorm(y))
+        h = h + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h[:, :n_base], h[:, n_base:]
+
+
+class OrthrosPreTrainedModel(PreTrainedModel):
+    config_class = OrthrosConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["OrthrosDecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, OrthrosAttention):
+            module.gamma.fill_(1.0)
+            module.beta.zero_()
+        elif isinstance(module, OrthrosRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+
+
+def _with_cache(output_cls, cache, **fields):
+    return output_cls(**fields, **{_CACHE_FIELD: cache})
+
+
+class OrthrosModel(OrthrosPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(OrthrosDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = OrthrosRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_index=None,
+        **kwargs,
+    ):
+        """Final normed hidden states of the output tokens at ``output_index`` (positions within
+        this call's tokens; default every position): ``last_hidden_state`` [B, N, D]."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, t = x.shape[:2]
+        cache = cache if cache is not None else past_key_values
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
+        num_keys = past + t
+        device = x.device
+
+        key_valid = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[1] != num_keys:
+                raise ValueError(
+                    f"attention_mask must be 2-D [batch, cached + new tokens] = [{b}, {num_keys}], "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            if not bool(attention_mask.all()):
+                key_valid = attention_mask.to(device=device, dtype=torch.bool)
+        if position_ids is None:
+            if key_valid is not None:
+                position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            else:
+                position_ids = torch.arange(past, num_keys, device=device)[None]
+        position_ids = position_ids.to(device).expand(b, t)
+        if output_index is None:
+            output_index = torch.arange(t, device=device)
+        output_index = output_index.to(device)
+
+        inv_freq = rope_inv_freq(self.config).to(device)
+        base_cos, base_sin = rope_cos_sin(inv_freq, position_ids)
+        base_index = past + torch.arange(t, device=device)
+        out_q_index = base_index[output_index]
+        window = self.config.base_window
+        out_q_window = torch.full_like(out_q_index, num_keys + 1)  # unbounded: every earlier key
+        plan = {
+            "base_cos": base_cos,
+            "base_sin": base_sin,
+            "out_cos": base_cos[:, output_index],
+            "out_sin": base_sin[:, output_index],
+            "q_index": torch.cat([base_index, out_q_index]),
+            "q_window": torch.cat([torch.full_like(base_index, window), out_q_window]),
+            "out_q_index": out_q_index,
+            "out_q_window": out_q_window,
+            "key_valid": key_valid,
+            "num_keys": num_keys,
+        }
+        y = x[:, output_index]  # output token p starts as a copy of input token p
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, y = layer(x, y, plan, cache, base_feeds_nothing=i == last)
+        return _with_cache(BaseModelOutputWithPast, cache if use_cache else None, last_hidden_state=self.norm(y))
+
+
+class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
+    if _TRANSFORMERS_MAJOR >= 5:
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    else:
+        _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = OrthrosModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        """Logits of output tokens at every position (``logits_to_keep=0``), at the last ``k``
+        positions (``logits_to_keep=k``: with k=1 the prompt step is Orthros' prefill) or at the
+        positions of a 1-D index tensor. ``labels`` [B, T] give the usual shifted LM loss."""
+        t = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if isinstance(logits_to_keep, int):
+            keep = t if logits_to_keep <= 0 else min(logits_to_keep, t)
+            output_index = torch.arange(t - keep, t, device=device)
+        else:
+            output_index = logits_to_keep.to(device).long().flatten()
+        if labels is not None and output_index.numel() != t:
+            raise ValueError("labels need logits at every position: call with logits_to_keep=0")
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_index=output_index,
+        )
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                labels[:, 1:].to(logits.device).reshape(-1),
+                ignore_index=-100,
+            )
+        return _with_cache(CausalLMOutputWithPast, getattr(out, _CACHE_FIELD), loss=loss, logits=logits)

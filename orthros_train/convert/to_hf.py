@@ -1,0 +1,167 @@
+"""Orthros checkpoint -> Hugging Face directory with self-contained remote code.
+
+The export holds ``config.json`` (``model_type: orthros`` with an ``auto_map``), the weights under
+HF names (``model.layers.0.self_attn.gamma``, ``lm_head.weight``, ...), the remote code files
+``configuration_orthros.py`` / ``modeling_orthros.py`` (torch + transformers only) and the
+tokenizer files. It loads without orthros_train installed::
+
+    AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True)
+
+and its ``generate`` runs Orthros' prefill (one output token at the last prompt position) and
+decode (one base + output pair per step).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orthros_train.convert.checkpoint_io import (
+    CONFIG_NAME,
+    ConversionError,
+    PlannedTensor,
+    SafetensorsReader,
+    copy_side_files,
+    dtype_name,
+    parse_dtype,
+    parse_size,
+    prepare_destination,
+    read_json,
+    write_sharded,
+)
+from orthros_train.convert.from_hf import ConversionReport, expected_state
+from orthros_train.convert.remote_code import REMOTE_CODE_DIR, REMOTE_CODE_FILES
+from orthros_train.model.config import OrthrosConfig
+
+SRC_FIX = (
+    "the source must be an Orthros checkpoint directory (config.json + *.safetensors) written by "
+    "`orthros-convert from-hf`, `OrthrosForCausalLM.save_pretrained` or the trainer"
+)
+AUTO_MAP = {
+    "AutoConfig": "configuration_orthros.OrthrosConfig",
+    "AutoModel": "modeling_orthros.OrthrosModel",
+    "AutoModelForCausalLM": "modeling_orthros.OrthrosForCausalLM",
+}
+
+
+def hf_name_from_orthros(name: str) -> str:
+    return name if name == "lm_head.weight" else f"model.{name}"
+
+
+def hf_config_from_orthros(config: OrthrosConfig, torch_dtype: str) -> dict[str, Any]:
+    """The exported ``config.json``: loadable by ``configuration_orthros.OrthrosConfig``."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        kind = config.rope_scaling.get("rope_type", config.rope_scaling.get("type"))
+        if kind == "llama3":
+            rope = {**{k: v for k, v in config.rope_scaling.items() if k != "type"}, **rope, "rope_type": "llama3"}
+    provenance = config.extra.get("hf", {}) if isinstance(config.extra, dict) else {}
+    hf: dict[str, Any] = {
+        "architectures": ["OrthrosForCausalLM"],
+        "auto_map": dict(AUTO_MAP),
+        "model_type": "orthros",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": rope,
+        "qk_norm": config.qk_norm,
+        "attention_bias": config.attention_bias,
+        "base_window": config.sliding_window,
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.initializer_range,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "use_cache": True,
+        "torch_dtype": torch_dtype,
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if provenance.get(key) is not None:
+            hf[key] = provenance[key]
+    return hf
+
+
+def convert_to_hf(
+    src: str | Path,
+    dst: str | Path,
+    dtype: str | None = None,
+    tokenizer: str | Path | None = None,
+    max_shard_size: str | int = "4GB",
+    overwrite: bool = False,
+) -> ConversionReport:
+    """Export the Orthros checkpoint in ``src`` to a Hugging Face remote-code directory ``dst``.
+
+    ``dtype`` ``None``/``"auto"`` keeps the stored dtypes; ``tokenizer`` names a directory to copy
+    tokenizer files from when ``src`` has none (e.g. a trainer checkpoint).
+    """
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise ConversionError(f"source {src} is not a directory: {SRC_FIX}")
+    raw = read_json(src / CONFIG_NAME, SRC_FIX)
+    try:
+        config = OrthrosConfig.from_dict(raw)
+    except (TypeError, ValueError) as err:
+        raise ConversionError(f"{src / CONFIG_NAME} is not an Orthros config ({err}): {SRC_FIX}") from err
+    if config.attention_type != "orthros":
+        raise ConversionError(
+            f"{src / CONFIG_NAME}: attention_type={config.attention_type!r}; to-hf exports Orthros models "
+            "(attention_type='orthros') only"
+        )
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ConversionError(f"--tokenizer {tokenizer} is not a directory")
+    cast = parse_dtype(dtype)
+    expected = expected_state(config)
+
+    with SafetensorsReader(src, SRC_FIX) as reader:
+        names = set(reader.names)
+        if config.tie_word_embeddings:
+            names.discard("lm_head.weight")  # a tied head stored anyway
+        missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+        if missing or unexpected:
+            raise ConversionError(
+                f"{src}: the weights do not match {CONFIG_NAME}: missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
+        plan = []
+        for name, shape in expected.items():
+            info = reader.info(name)
+            if info.shape != shape:
+                raise ConversionError(
+                    f"{src}: tensor {name} has shape {list(info.shape)}, {CONFIG_NAME} implies {list(shape)}"
+                )
+            plan.append(PlannedTensor(hf_name_from_orthros(name), shape, cast or info.dtype))
+        stored = reader.info("embed_tokens.weight").dtype
+
+        def produce(t: PlannedTensor) -> torch.Tensor:
+            name = t.name if t.name == "lm_head.weight" else t.name[len("model.") :]
+            return reader.get(name).to(t.dtype)
+
+        prepare_destination(src, dst, overwrite)
+        files = write_sharded(dst, plan, produce, parse_size(max_shard_size))
+
+    for name in REMOTE_CODE_FILES:
+        shutil.copyfile(REMOTE_CODE_DIR / name, dst / name)
+    side = copy_side_files(src, dst)
+    if tokenizer is not None:
+        side += [n for n in copy_side_files(Path(tokenizer), dst) if n not in side]
+    hf = hf_config_from_orthros(config, dtype_name(cast or stored))
+    (dst / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
+    if not (dst / "generation_config.json").is_file():
+        gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        (dst / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return ConversionReport(
+        config=config,
+        num_tensors=len(plan),
+        num_bytes=sum(t.nbytes for t in plan),
+        files=files,
+        side_files=side,
+        seconds=time.perf_counter() - start,
+    )
