@@ -1,13 +1,18 @@
 """The one attention entry point the model calls; picks a backend for the tensors it gets.
 
-Backends: ``reference`` (plain torch, any device, the ground truth). The Triton kernels register
-themselves here as ``triton`` when they are importable; ``auto`` uses Triton for CUDA tensors and
-the reference op otherwise.
+Backends: ``reference`` (plain torch, any device, the ground truth); ``triton`` (the fused
+kernels of ``ops/triton_attention.py``, deterministic backward) and ``triton_atomic`` (same
+forward, dq accumulated with atomics in the backward). The Triton backends are registered as
+lazy wrappers: ``triton`` is imported on first use only, so a missing or broken triton never
+breaks the reference path. ``auto`` uses Triton for CUDA tensors (when triton is installed) and
+the reference op otherwise; naming ``triton`` explicitly forces the kernels, also on CPU
+tensors (they then need ``TRITON_INTERPRET=1``, as the tests set it).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -16,6 +21,21 @@ from orthros_train.ops.reference import UNBOUNDED, attention_reference
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 _BACKENDS: dict[str, AttentionFn] = {"reference": attention_reference}
+
+
+def _triton_backend(deterministic: bool) -> AttentionFn:
+    def run(q, k, v, q_index, q_window, cu_seqlens, scale=None):
+        from orthros_train.ops.triton_attention import attention_triton  # lazy: imports triton
+
+        return attention_triton(q, k, v, q_index, q_window, cu_seqlens, scale=scale, deterministic=deterministic)
+
+    run.__name__ = "attention_triton" if deterministic else "attention_triton_atomic"
+    return run
+
+
+if importlib.util.find_spec("triton") is not None:
+    _BACKENDS["triton"] = _triton_backend(deterministic=True)
+    _BACKENDS["triton_atomic"] = _triton_backend(deterministic=False)
 
 
 def register_backend(name: str, fn: AttentionFn) -> None:

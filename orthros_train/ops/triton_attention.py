@@ -1,0 +1,706 @@
+"""Fused Triton kernels for the Orthros attention op (forward and backward).
+
+Same contract as ``ops/reference.py`` (the ground truth): packed queries of both streams
+``q [Nq, Hq, D]``, base keys/values ``k, v [Nk, Hkv, D]``, ``q_index``/``q_window [Nq]`` and
+``cu_seqlens``; returns ``(out [Nq, Hq, D], lse [Hq, Nq] fp32)``.
+
+How the work stays proportional to the mask
+-------------------------------------------
+Every query sees one contiguous key range ``[start, end]`` (``reference.key_ranges``). The host
+sorts the queries by ``(window, end)``; inside one window class ``start`` is then non-decreasing
+as well (``start = max(doc_start(end), end - w + 1)``), so
+
+* a tile of ``BLOCK_M`` consecutive sorted queries spans the keys ``[min start, max end]`` and
+  only those key tiles are visited (a base tile: ``BLOCK_M + W`` keys; an output tile: from its
+  document start to its largest position); key tiles inside ``[max start, min end]`` need no
+  mask at all and run a mask-free inner loop;
+* the queries that see a key tile form one contiguous run of the sorted order per window class,
+  found by binary search in the kernel. The dk/dv kernel visits only those runs, so the
+  backward is deterministic (each dk/dv row is written by one program, dq by one program of a
+  separate kernel) and needs no atomics. ``deterministic=False`` instead accumulates dq with
+  ``tl.atomic_add`` inside the dk/dv kernel (one kernel, less recomputation, not reproducible
+  bit for bit on a GPU).
+
+Sparse output positions (SFT/RL) therefore cost ``O(N * T)``, the base stream ``O(T * W)``.
+Queries are gathered through the sort permutation; nothing is copied or padded.
+
+Numerics: inputs fp32/bf16/fp16, fp32 accumulation, softmax in base 2 with the scale folded in.
+Under ``TRITON_INTERPRET=1`` (CPU tests) tiles are upcast to fp32 right after loading (the
+interpreter's bf16 arithmetic is wrong) and autotuning has a single config; on a GPU the dots
+take bf16/fp16 operands and fp32 operands use TF32 only when torch allows it
+(``torch.backends.cuda.matmul.allow_tf32``).
+
+Entry points: ``attention_triton`` (the ``triton`` backend of ``ops/attention.py``),
+``torch.ops.orthros.attention`` (custom op with fake + autograd registration, no graph break
+under ``torch.compile``) and ``OrthrosAttentionFunction`` (the same as a plain
+``torch.autograd.Function``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from orthros_train.ops.reference import check_attention_inputs, key_ranges
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# --------------------------------------------------------------------------------------------
+# autotune configs (one config when interpreting: the interpreter cannot benchmark)
+# --------------------------------------------------------------------------------------------
+
+
+def _configs(gpu: list[tuple[int, int, int, int]], interp: tuple[int, int]) -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": interp[0], "BLOCK_N": interp[1]}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in gpu
+    ]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); not measured yet (see docs/benchmarks.md).
+_FWD_CONFIGS = _configs(
+    [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 2)],
+    (32, 32),
+)
+_BWD_DQ_CONFIGS = _configs([(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4)], (32, 32))
+_BWD_DKDV_CONFIGS = _configs([(32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4)], (32, 32))
+
+# Explicit block sizes for tests: when set, kernels run without autotune at these sizes.
+_FORCED_BLOCKS: tuple[int, int] | None = None
+
+
+def set_block_sizes(block_m: int | None, block_n: int | None = None) -> None:
+    """Force ``(BLOCK_M, BLOCK_N)`` for every kernel (tests use small tiles); ``None`` resets."""
+    global _FORCED_BLOCKS
+    _FORCED_BLOCKS = None if block_m is None else (int(block_m), int(block_n or block_m))
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lower_bound(ptr, n, target):
+    """First index i in [0, n) with ptr[i] >= target (ptr sorted), n if none."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lt = tl.load(ptr + mid) < target
+        lo = tl.where(lt, mid + 1, lo)
+        hi = tl.where(lt, hi, mid)
+    return lo
+
+
+@triton.jit
+def _upper_bound(ptr, n, target):
+    """First index i in [0, n) with ptr[i] > target (ptr sorted), n if none."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        le = tl.load(ptr + mid) <= target
+        lo = tl.where(le, mid + 1, lo)
+        hi = tl.where(le, hi, mid)
+    return lo
+
+
+@triton.jit
+def _load_rows(base, rows64, stride, offs_d, row_mask, d_mask, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
+    """[len(rows), BLOCK_D] tile of a [tokens, ...] tensor (head already folded into base)."""
+    ptrs = base + rows64[:, None] * stride + offs_d[None, :]
+    if EVEN_D:
+        x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_rows_t(base, rows64, stride, offs_d, row_mask, d_mask, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
+    """Transposed tile [BLOCK_D, len(rows)]."""
+    ptrs = base + rows64[None, :] * stride + offs_d[:, None]
+    if EVEN_D:
+        x = tl.load(ptrs, mask=row_mask[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=row_mask[None, :] & d_mask[:, None], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, lo, hi, n_k,
+    offs_n, offs_d, d_mask, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        cols64 = cols.to(tl.int64)
+        if MASKED:
+            col_ok = cols < n_k
+        else:
+            col_ok = cols >= 0  # all true; lets the compiler drop the mask
+        kt = _load_rows_t(k_base, cols64, stride_kn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        if MASKED:
+            allowed = (cols[None, :] >= qs[:, None]) & (cols[None, :] <= qe[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_base, cols64, stride_vn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _tile_segments(qs, qe, row_ok, BLOCK_N: tl.constexpr):
+    """Key-tile bounds of one query tile: [lo, a) masked, [a, b) mask-free, [b, hi) masked."""
+    big = 2147483647
+    lo = tl.min(tl.where(row_ok, qs, big))
+    hi = tl.max(tl.where(row_ok, qe, -1)) + 1
+    max_start = tl.max(tl.where(row_ok, qs, -1))
+    min_end = tl.min(tl.where(row_ok, qe, big))
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi_al = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    a = ((max_start + BLOCK_N - 1) // BLOCK_N) * BLOCK_N  # first tile with every key >= max start
+    b = ((min_end + 1) // BLOCK_N) * BLOCK_N  # tiles below b end at or before min end
+    a = tl.maximum(a, lo)
+    b = tl.minimum(b, hi_al)
+    empty = b <= a
+    a = tl.where(empty, hi_al, a)
+    b = tl.where(empty, hi_al, b)
+    return lo, a, b, hi
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=["BLOCK_D", "GROUP", "PRECISION"])
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, LSE, PERM, QSTART, QEND,
+    stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om, stride_oh,
+    n_q, n_k, qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+
+    qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
+    qs = tl.load(QSTART + rows, mask=row_ok, other=0)
+    qe = tl.load(QEND + rows, mask=row_ok, other=-1)
+    q = _load_rows(Q + h * stride_qh, qi, stride_qm, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
+
+    lo, a, b, hi = _tile_segments(qs, qe, row_ok, BLOCK_N)
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked tiles give no NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, lo, a, n_k,
+                               offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, a, b, n_k,
+                               offs_n, offs_d, d_mask, qk_scale, BLOCK_N, False, EVEN_D, UPCAST, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, b, hi, n_k,
+                               offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+    o_ptrs = Out + h * stride_oh + qi[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    tl.store(LSE + h * n_q + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, lo, hi, n_k,
+    offs_n, offs_d, d_mask, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        cols64 = cols.to(tl.int64)
+        if MASKED:
+            col_ok = cols < n_k
+        else:
+            col_ok = cols >= 0
+        kt = _load_rows_t(k_base, cols64, stride_kn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
+        vt = _load_rows_t(v_base, cols64, stride_vn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        if MASKED:
+            allowed = (cols[None, :] >= qs[:, None]) & (cols[None, :] <= qe[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, vt, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_BWD_DQ_CONFIGS, key=["BLOCK_D", "GROUP", "PRECISION"])
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, PERM, QSTART, QEND,
+    stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
+    stride_dqm, stride_dqh,
+    n_q, n_k, sm_scale, qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+
+    qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
+    qs = tl.load(QSTART + rows, mask=row_ok, other=0)
+    qe = tl.load(QEND + rows, mask=row_ok, other=-1)
+    q = _load_rows(Q + h * stride_qh, qi, stride_qm, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
+    do = _load_rows(DO + h * stride_doh, qi, stride_dom, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
+    lse2 = tl.load(LSE + h * n_q + qi, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + h * n_q + qi, mask=row_ok, other=0.0)
+
+    lo, a, b, hi = _tile_segments(qs, qe, row_ok, BLOCK_N)
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, lo, a, n_k,
+                       offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, a, b, n_k,
+                       offs_n, offs_d, d_mask, qk_scale, BLOCK_N, False, EVEN_D, UPCAST, PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, b, hi, n_k,
+                       offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
+    dq_ptrs = DQ + h * stride_dqh + qi[:, None] * stride_dqm + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, cols, q_base, do_base, dq_base, stride_qm, stride_dom, stride_dqm,
+    LSE_H, DELTA_H, PERM, QSTART, QEND, seg_lo, seg_hi,
+    offs_m, offs_d, d_mask, sm_scale, qk_scale,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+):
+    """Accumulate dk/dv of one key tile over the sorted query rows [seg_lo, seg_hi)."""
+    for m0 in range(seg_lo, seg_hi, BLOCK_M):
+        rows = m0 + offs_m
+        if MASKED:
+            row_ok = rows < seg_hi
+        else:
+            row_ok = rows >= 0
+        qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
+        q = _load_rows(q_base, qi, stride_qm, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
+        do = _load_rows(do_base, qi, stride_dom, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
+        lse2 = tl.load(LSE_H + qi, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA_H + qi, mask=row_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        if MASKED:
+            qs = tl.load(QSTART + rows, mask=row_ok, other=0)
+            qe = tl.load(QEND + rows, mask=row_ok, other=-1)
+            allowed = (cols[:, None] >= qs[None, :]) & (cols[:, None] <= qe[None, :]) & row_ok[None, :]
+            st = tl.where(allowed, st, float("-inf"))
+        pt = tl.math.exp2(st - lse2[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=PRECISION) * sm_scale
+            dq_ptrs = dq_base + qi[:, None] * stride_dqm + offs_d[None, :]
+            tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_mask[None, :])
+    return dk, dv
+
+
+@triton.autotune(
+    configs=_BWD_DKDV_CONFIGS, key=["BLOCK_D", "GROUP", "PRECISION", "ATOMIC_DQ"], reset_to_zero=["DQ"]
+)
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, DQ, LSE, DELTA, PERM, QSTART, QEND, COMP_START, COMP_END, NGROUPS,
+    stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
+    stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_dqm, stride_dqh,
+    n_q, n_k, sm_scale, qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    # Last key of the tile, clamped to n_k so the searches stay inside one window class
+    # (a class spans n_k + 1 composite values); a partial last tile gets no mask-free rows.
+    n1 = tl.minimum(n0 + BLOCK_N - 1, n_k)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_k
+    cols64 = cols.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    k = _load_rows(K + hk * stride_kh, cols64, stride_kn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
+    v = _load_rows(V + hk * stride_vh, cols64, stride_vn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    n_groups = tl.load(NGROUPS)
+    for g in range(0, n_groups):
+        # Sorted rows of window class g: comp = g * (n_k + 1) + start/end, both non-decreasing.
+        base = tl.cast(g, tl.int64) * (n_k + 1)
+        q_lo = _lower_bound(COMP_END, n_q, base + n0)  # first row with end >= n0
+        q_hi = _upper_bound(COMP_START, n_q, base + n1)  # first row with start > n1
+        f_lo = _lower_bound(COMP_END, n_q, base + n1)  # first row with end >= n1
+        f_hi = _upper_bound(COMP_START, n_q, base + n0)  # first row with start > n0
+        f_lo = tl.maximum(f_lo, q_lo)
+        f_hi = tl.minimum(f_hi, q_hi)
+        n_full = tl.maximum(f_hi - f_lo, 0) // BLOCK_M
+        f_lo = tl.where(n_full > 0, f_lo, q_hi)  # no full block: everything masked below
+        f_end = f_lo + n_full * BLOCK_M
+        for j in range(GROUP):
+            h = hk * GROUP + j
+            q_base = Q + h * stride_qh
+            do_base = DO + h * stride_doh
+            dq_base = DQ + h * stride_dqh
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, cols, q_base, do_base, dq_base, stride_qm, stride_dom, stride_dqm,
+                LSE + h * n_q, DELTA + h * n_q, PERM, QSTART, QEND, q_lo, f_lo,
+                offs_m, offs_d, d_mask, sm_scale, qk_scale,
+                BLOCK_M, True, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
+            )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, cols, q_base, do_base, dq_base, stride_qm, stride_dom, stride_dqm,
+                LSE + h * n_q, DELTA + h * n_q, PERM, QSTART, QEND, f_lo, f_end,
+                offs_m, offs_d, d_mask, sm_scale, qk_scale,
+                BLOCK_M, False, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
+            )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, cols, q_base, do_base, dq_base, stride_qm, stride_dom, stride_dqm,
+                LSE + h * n_q, DELTA + h * n_q, PERM, QSTART, QEND, f_end, q_hi,
+                offs_m, offs_d, d_mask, sm_scale, qk_scale,
+                BLOCK_M, True, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
+            )
+    out_mask = col_ok[:, None] & d_mask[None, :]
+    dk_ptrs = DK + hk * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + hk * stride_dvh + cols64[:, None] * stride_dvn + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+
+
+def _plan(q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor, n_k: int, backward: bool):
+    """Sort queries by (window class, end); no host-device sync.
+
+    Returns ``perm`` (sorted position -> query), the sorted ranges and, for the backward, the
+    composite keys ``group * (n_k + 1) + start/end`` plus the number of window classes.
+    """
+    device = q_index.device
+    cu = cu_seqlens.to(device)
+    start, end = key_ranges(q_index, q_window, cu)
+    # Windows >= n_k + 1 all mean "whole document": one class.
+    win = q_window.long().clamp(max=n_k + 1)
+    order = torch.argsort(win * (n_k + 1) + end, stable=True)
+    plan = {
+        "perm": order.to(torch.int32),
+        "start": start[order].to(torch.int32).contiguous(),
+        "end": end[order].to(torch.int32).contiguous(),
+    }
+    if backward:
+        win_sorted = win[order]
+        gid = torch.zeros_like(win_sorted)
+        gid[1:] = torch.cumsum((win_sorted[1:] != win_sorted[:-1]).long(), 0)
+        plan["comp_start"] = (gid * (n_k + 1) + start[order]).contiguous()
+        plan["comp_end"] = (gid * (n_k + 1) + end[order]).contiguous()
+        plan["n_groups"] = (gid[-1:] + 1).to(torch.int32).contiguous()
+    return plan
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not INTERPRET and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
+    d = q.shape[2]
+    block_d = max(16, triton.next_power_of_2(d))
+    return {
+        "GROUP": q.shape[1] // k.shape[1],
+        "D": d,
+        "BLOCK_D": block_d,
+        "EVEN_D": block_d == d,
+        "UPCAST": INTERPRET,
+        "PRECISION": _precision(q.dtype),
+    }
+
+
+def _launch(kernel, grid_fn, args, meta):
+    """Run an autotuned kernel, or its plain jit function at forced block sizes (tests)."""
+    if _FORCED_BLOCKS is None:
+        kernel[grid_fn](*args, **meta)
+        return
+    bm, bn = _FORCED_BLOCKS
+    blocks = {"BLOCK_M": bm, "BLOCK_N": bn}
+    kernel.fn[grid_fn(blocks)](*args, **meta, **blocks, num_warps=4, num_stages=1 if INTERPRET else 2)
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(
+            "the triton attention backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+            "orthros_train.ops.triton_attention is imported (CPU interpreter, for tests)"
+        )
+
+
+def _contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float):
+    """Launch the forward kernel; returns ``(out, lse)``."""
+    _check_device(q)
+    q, k, v = _contig(q), _contig(k), _contig(v)
+    n_q, h_q, _ = q.shape
+    n_k = k.shape[0]
+    out = torch.empty_like(q)
+    lse = torch.empty((h_q, n_q), dtype=torch.float32, device=q.device)
+    if n_q == 0:
+        return out, lse
+    plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=False)
+    _launch(
+        _attn_fwd_kernel,
+        lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), h_q),
+        (
+            q, k, v, out, lse, plan["perm"], plan["start"], plan["end"],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), n_q, n_k, scale * LOG2E,
+        ),
+        _common(q, k),
+    )
+    return out, lse
+
+
+def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic):
+    """Launch the backward kernels; returns ``(dq, dk, dv)`` in the input dtypes."""
+    _check_device(q)
+    q, k, v, dout = _contig(q), _contig(k), _contig(v), _contig(dout)
+    n_q, h_q, _ = q.shape
+    n_k, h_kv, _ = k.shape
+    # delta_i = rowsum(dO * O) - dLSE_i  (the lse gradient folds into the same term)
+    delta = (dout.float() * out.float()).sum(-1).t()
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = delta.contiguous()
+    lse = lse.contiguous()
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if n_q == 0:
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=True)
+    common = _common(q, k)
+    if deterministic:
+        dq = torch.empty_like(q)
+        dq_acc = dq  # unused by the dk/dv kernel when ATOMIC_DQ is off
+    else:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    _launch(
+        _attn_bwd_dkdv_kernel,
+        lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), h_kv),
+        (
+            q, k, v, dout, dk, dv, dq_acc, lse, delta, plan["perm"], plan["start"], plan["end"],
+            plan["comp_start"], plan["comp_end"], plan["n_groups"],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            dq_acc.stride(0), dq_acc.stride(1), n_q, n_k, scale, scale * LOG2E,
+        ),
+        {**common, "ATOMIC_DQ": not deterministic},
+    )
+    if not deterministic:
+        return dq_acc.to(q.dtype), dk, dv
+    _launch(
+        _attn_bwd_dq_kernel,
+        lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), h_q),
+        (
+            q, k, v, dout, dq, lse, delta, plan["perm"], plan["start"], plan["end"],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+            n_q, n_k, scale, scale * LOG2E,
+        ),
+        common,
+    )
+    return dq, dk, dv
+
+
+def forward_tile_work(
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    n_k: int,
+    block_m: int = 128,
+    block_n: int = 64,
+) -> dict[str, int]:
+    """Work of the forward kernel at these block sizes, mirrored on the host (plain torch).
+
+    ``visited``: query-key pairs in the key tiles the kernel loads (per head); ``unmasked``: the
+    pairs the mask allows. ``visited / unmasked`` near 1 means work proportional to the mask.
+    """
+    plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=False)
+    n_q = plan["perm"].numel()
+    if n_q == 0:
+        return {"visited": 0, "unmasked": 0, "key_tiles": 0}
+    pad = (-n_q) % block_m
+    start = torch.nn.functional.pad(plan["start"].long(), (0, pad), value=2**62).view(-1, block_m)
+    end = torch.nn.functional.pad(plan["end"].long(), (0, pad), value=-1).view(-1, block_m)
+    lo = start.min(1).values // block_n * block_n
+    hi = (end.max(1).values + block_n) // block_n * block_n
+    tiles = int(((hi - lo) // block_n).sum())
+    unmasked = int((plan["end"].long() - plan["start"].long() + 1).sum())
+    return {"visited": tiles * block_m * block_n, "unmasked": unmasked, "key_tiles": tiles}
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops (visible to torch.compile without graph breaks)
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("orthros::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale)
+    return out, lse
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("orthros::attention_backward", mutates_args=())
+def _attention_backward_op(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(
+        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic
+    )
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, det):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_index, q_window, cu_seqlens, scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_index, q_window, cu_seqlens)
+    ctx.scale = scale
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, q_index, q_window, cu_seqlens = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.orthros.attention_backward(
+        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, ctx.scale, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class OrthrosAttentionFunction(torch.autograd.Function):
+    """The same forward/backward as ``torch.ops.orthros.attention``, as a plain autograd.Function."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_index, q_window, cu_seqlens, scale, deterministic):
+        out, lse = torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic)
+        ctx.save_for_backward(q, k, v, out, lse, q_index, q_window, cu_seqlens)
+        ctx.scale = scale
+        ctx.deterministic = deterministic
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse)
+
+
+def attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    deterministic: bool = True,
+    decode: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``triton`` backend: ``(out, lse)`` with the contract of ``attention_reference``.
+
+    ``deterministic`` picks the atomic-free backward (default). ``decode`` routes to the
+    flash-decoding kernel (``ops/triton_decode.py``); ``None`` does so when no gradient is needed
+    and there are at most two queries per document (a decode step).
+    """
+    if not torch.compiler.is_compiling():  # value checks read tensors: not inside a compiled graph
+        check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if decode is None:
+        decode = not needs_grad and q.shape[0] <= 2 * (cu_seqlens.shape[0] - 1)
+    if decode:
+        from orthros_train.ops.triton_decode import decode_attention_op
+
+        return decode_attention_op(q, k, v, q_index, q_window, cu_seqlens, scale)
+    return torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, bool(deterministic))

@@ -1,0 +1,226 @@
+"""Flash-decoding kernel: a few queries per sequence against a long KV cache.
+
+A decode step has one base query (window ``W``) and one output query (unbounded) per sequence,
+each against that sequence's whole cache, with different cache lengths across the batch. The
+forward kernel (``triton_attention.py``) would give each query tile a single program that walks
+the whole cache; here the keys of every query are split into chunks of ``split`` keys, one
+program per (query, kv head, chunk) computes a partial softmax for all query heads of its GQA
+group at once (the group is the M dimension of the dot, so each K/V byte is read once per
+group), and a second kernel merges the partials with their log-sum-exps.
+
+Same contract as ``reference.attention_reference`` (which is the ground truth for the tests):
+any ``q_index``/``q_window``/``cu_seqlens``; it is just fast when queries are few and ranges
+long. Forward only (inference). Chunks past a query's range exit at once, so a ragged batch
+costs the sum of its ranges, not ``batch * max_len``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from orthros_train.ops.reference import check_attention_inputs, key_ranges
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, OP, LP, QSTART, QEND,
+    stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_opm, stride_oph, stride_ops, stride_lpm, stride_lph,
+    split, qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1)
+    s = tl.program_id(2)
+    start = tl.load(QSTART + i)
+    end = tl.load(QEND + i)
+    lo = start + s * split
+    hi = tl.minimum(end + 1, lo + split)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    d_mask = offs_d < D
+    heads = hk * GROUP + offs_g
+    q_ptrs = Q + i * stride_qm + heads[:, None] * stride_qh + offs_d[None, :]
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=g_ok[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        c_ok = cols < hi
+        cols64 = cols.to(tl.int64)
+        kt_ptrs = k_base + cols64[None, :] * stride_kn + offs_d[:, None]
+        v_ptrs = v_base + cols64[:, None] * stride_vn + offs_d[None, :]
+        if EVEN_D:
+            kt = tl.load(kt_ptrs, mask=c_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=c_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs, mask=c_ok[None, :] & d_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=c_ok[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        sc = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        sc = tl.where(c_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        p = tl.math.exp2(sc - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    part_lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # base 2
+    op_ptrs = OP + i * stride_opm + heads[:, None] * stride_oph + s * stride_ops + offs_d[None, :]
+    tl.store(op_ptrs, acc / l_safe[:, None], mask=g_ok[:, None] & d_mask[None, :])
+    tl.store(LP + i * stride_lpm + heads * stride_lph + s, part_lse, mask=g_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    OP, LP, Out, LSE, n_q, n_splits,
+    stride_opm, stride_oph, stride_ops, stride_lpm, stride_lph, stride_om, stride_oh,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    # pass 1: max partial lse
+    m = -1.0e30
+    for s0 in range(0, n_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lp = tl.load(LP + i * stride_lpm + h * stride_lph + offs_s, mask=offs_s < n_splits, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lp, 0))
+    # pass 2: weighted sum
+    l_sum = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = offs_s < n_splits
+        lp = tl.load(LP + i * stride_lpm + h * stride_lph + offs_s, mask=s_ok, other=float("-inf"))
+        w = tl.math.exp2(lp - m)
+        op = tl.load(
+            OP + i * stride_opm + h * stride_oph + offs_s[:, None] * stride_ops + offs_d[None, :],
+            mask=s_ok[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        l_sum += tl.sum(w, 0)
+        acc += tl.sum(w[:, None] * op, 0)
+    tl.store(Out + i * stride_om + h * stride_oh + offs_d, (acc / l_sum).to(Out.dtype.element_ty), mask=d_mask)
+    tl.store(LSE + h * n_q + i, (m + tl.math.log2(l_sum)) * 0.6931471805599453)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    split: int | None = None,
+    max_range: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-decoding forward: ``(out [Nq, Hq, D], lse [Hq, Nq] fp32)``.
+
+    ``split`` keys per program (default: enough chunks to fill the GPU twice over);
+    ``max_range`` is the longest key range of any query (computed with one device sync when not
+    given; the inference loop knows it from its cache lengths).
+    """
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("the triton decode kernel needs CUDA tensors or TRITON_INTERPRET=1")
+    check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
+    n_q, h_q, d = q.shape
+    h_kv = k.shape[1]
+    group = h_q // h_kv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = torch.empty_like(q)
+    lse = torch.empty((h_q, n_q), dtype=torch.float32, device=q.device)
+    if n_q == 0:
+        return out, lse
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    start, end = key_ranges(q_index, q_window, cu_seqlens.to(q.device))
+    if max_range is None:
+        max_range = int((end - start).max()) + 1
+    block_n = block_n or (16 if INTERPRET else 64)
+    if split is None:
+        want = max(1, 2 * _num_sms(q.device) // max(1, n_q * h_kv))
+        split = triton.cdiv(max_range, want)
+    split = max(block_n, triton.cdiv(split, block_n) * block_n)
+    n_splits = triton.cdiv(max_range, split)
+    block_d = max(16, triton.next_power_of_2(d))
+    part_o = torch.empty((n_q, h_q, n_splits, d), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((n_q, h_q, n_splits), dtype=torch.float32, device=q.device)
+    exact_fp32 = q.dtype == torch.float32 and not INTERPRET and not torch.backends.cuda.matmul.allow_tf32
+    precision = "ieee" if exact_fp32 else "tf32"
+    _decode_split_kernel[(n_q, h_kv, n_splits)](
+        q, k, v, part_o, part_l, start.to(torch.int32), end.to(torch.int32),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        split, scale * LOG2E,
+        GROUP=group, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=block_n, EVEN_D=block_d == d, UPCAST=INTERPRET, PRECISION=precision,
+        num_warps=4, num_stages=1 if INTERPRET else 3,
+    )
+    _decode_combine_kernel[(n_q, h_q)](
+        part_o, part_l, out, lse, n_q, n_splits,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        out.stride(0), out.stride(1),
+        D=d, BLOCK_S=min(64, triton.next_power_of_2(n_splits)), BLOCK_D=block_d, num_warps=4,
+    )
+    return out, lse
+
+
+@torch.library.custom_op("orthros::decode_attention", mutates_args=())
+def _decode_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = decode_attention(q, k, v, q_index, q_window, cu_seqlens, scale)
+    return out, lse
+
+
+@_decode_op.register_fake
+def _decode_fake(q, k, v, q_index, q_window, cu_seqlens, scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def decode_attention_op(q, k, v, q_index, q_window, cu_seqlens, scale: float):
+    """``torch.ops.orthros.decode_attention`` (opaque to torch.compile; forward only)."""
+    return torch.ops.orthros.decode_attention(q, k, v, q_index, q_window, cu_seqlens, float(scale))
