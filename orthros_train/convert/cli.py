@@ -88,14 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "from-hf":
-            report = convert_from_hf(
-                args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite
-            )
+            report = convert_from_hf(args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite)
             print(f"{args.src} -> {args.dst}: {report.summary()}")
         elif args.command == "to-hf":
-            report = convert_to_hf(
-                args.src, args.dst, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite
-            )
+            report = convert_to_hf(args.src, args.dst, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite)
             print(f"{args.src} -> {args.dst}: {report.summary()}")
             print(f"load with AutoModelForCausalLM.from_pretrained({str(args.dst)!r}, trust_remote_code=True)")
         else:

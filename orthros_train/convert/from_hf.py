@@ -95,9 +95,7 @@ def orthros_config_from_hf(
 
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise refuse(
-            f"model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise refuse(f"model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
     arch = hf.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
     if arch != [SUPPORTED_MODEL_TYPES[model_type]]:
         raise refuse(f"architectures {arch} is not supported; expected {[SUPPORTED_MODEL_TYPES[model_type]]}")

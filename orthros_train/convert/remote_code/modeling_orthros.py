@@ -39,8 +39,8 @@ from .configuration_orthros import OrthrosConfig
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 # transformers 5 renamed the cache argument and output field from `past_key_values` to `cache`.
-_CACHE_FIELD = "cache" if any(f.name == "cache" for f in dataclasses.fields(CausalLMOutputWithPast)) else (
-    "past_key_values"
+_CACHE_FIELD = (
+    "cache" if any(f.name == "cache" for f in dataclasses.fields(CausalLMOutputWithPast)) else ("past_key_values")
 )
 QUERY_CHUNK = 1024  # queries per attention call: bounds the score matrix to chunk x keys
 

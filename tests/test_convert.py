@@ -1,0 +1,398 @@
+"""orthros-convert: HF Llama/Qwen <-> Orthros checkpoints (DESIGN.md section 1).
+
+A converted Llama/Qwen reproduces the HF logits on sequences of at most W tokens; the to-hf
+export reproduces the Orthros model everywhere and generates through prefill + decode.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from orthros_train.convert.checkpoint_io import ConversionError
+from orthros_train.convert.cli import main as convert_main
+from orthros_train.convert.from_hf import convert_from_hf, orthros_config_from_hf
+from orthros_train.convert.to_hf import convert_to_hf
+from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+W = 16
+VOCAB = 128
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def _tiny_hf_model(kind: str):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "llama":  # Llama-3.1 style: GQA, llama3 RoPE scaling, untied head
+        cfg = transformers.LlamaConfig(**common, rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=256)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen3":  # Qwen3 style: q/k norm, explicit head_dim, tied head
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:  # Qwen2 style: q/k/v biases
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # non-trivial norms and biases, so a dropped tensor shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    dirs = {}
+    for kind in ("llama", "qwen3", "qwen2"):
+        _tiny_hf_model(kind).save_pretrained(root / kind)
+        dirs[kind] = root / kind
+    return dirs
+
+
+def _load_hf(path: Path, **kwargs):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
+def test_from_hf_reproduces_hf_logits_within_window(hf_dirs, tmp_path, kind):
+    report = convert_from_hf(hf_dirs[kind], tmp_path / "orthros", sliding_window=W)
+    assert report.files == [tmp_path / "orthros" / "model.safetensors"]
+    hf = _load_hf(hf_dirs[kind])
+    model = OrthrosForCausalLM.from_pretrained(tmp_path / "orthros").eval()
+    assert model.config.qk_norm == (kind == "qwen3")
+    assert model.config.attention_bias == (kind == "qwen2")
+    ids = torch.randint(0, VOCAB, (2, 3 * W))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, model(ids).logits
+    scale = ref.abs().max()
+    assert scale > 1.0  # the comparison is not between near-zero logits
+    assert (ref[:, :W] - got[:, :W]).abs().max() <= 1e-5 * scale
+    # Beyond the window the base stream sees fewer keys: the models must differ there.
+    assert (ref[:, 2 * W :] - got[:, 2 * W :]).abs().max() > 1e-3
+
+
+def test_config_mapping_reads_hub_style_configs():
+    """Llama-3.1-8B / Qwen3-8B config.json as published (transformers 4 field names)."""
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "mlp_bias": False,
+        "attention_bias": False,
+        "pretraining_tp": 1,
+    }
+    cfg = orthros_config_from_hf(llama)
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.sliding_window) == (128, 8, 128)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 8192
+    assert cfg.extra["hf"]["eos_token_id"] == [128001, 128008, 128009]
+    assert cfg.num_parameters() > 8.0e9
+    qwen3 = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "max_window_layers": 36,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+        "attention_bias": False,
+    }
+    cfg = orthros_config_from_hf(qwen3, sliding_window=256)
+    assert cfg.qk_norm and cfg.rope_scaling is None and cfg.rope_theta == 1e6 and cfg.sliding_window == 256
+    # transformers 5 writes the same RoPE as rope_parameters: same Orthros config.
+    v5 = {k: v for k, v in llama.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = {**llama["rope_scaling"], "rope_theta": 500000.0}
+    assert orthros_config_from_hf(v5) == orthros_config_from_hf(llama)
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is _DROP:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    "kind, changes, message",
+    [
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+        ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+        ("llama", {"sliding_window": 4096}, "sliding_window"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+        ("llama", {"rope_parameters": _DROP, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+        ("llama", {"mlp_bias": True}, "mlp_bias"),
+        ("llama", {"attention_bias": True}, "o_proj bias"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("llama", {"model_type": "mistral"}, "model_type 'mistral'"),
+        ("llama", {"quantization_config": {"quant_method": "gguf"}}, "quantized"),
+        ("llama", {"tie_word_embeddings": True, "vocab_size": 99}, "shape"),
+    ],
+)
+def test_from_hf_refuses_unsupported_configs_by_name(hf_dirs, tmp_path, kind, changes, message):
+    src = _edit_config(hf_dirs[kind], tmp_path / "src", **changes)
+    with pytest.raises(ConversionError, match=message.replace("(", r"\(")):
+        convert_from_hf(src, tmp_path / "dst", sliding_window=W)
+    assert not (tmp_path / "dst" / "config.json").exists()
+
+
+def test_from_hf_bad_input_errors_name_file_and_fix(hf_dirs, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConversionError, match=r"config\.json not found.*huggingface-cli download"):
+        convert_from_hf(empty, tmp_path / "out")
+
+    # Sharded source with one shard gone: the error names the missing file.
+    sharded = tmp_path / "sharded"
+    _load_hf(hf_dirs["llama"]).save_pretrained(sharded, max_shard_size="60KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    shards[1].unlink()
+    with pytest.raises(ConversionError, match=rf"missing.*{shards[1].name}.*again"):
+        convert_from_hf(sharded, tmp_path / "out")
+
+    pickles = _edit_config(hf_dirs["llama"], tmp_path / "pickles")
+    (pickles / "model.safetensors").rename(pickles / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="safe_serialization=True"):
+        convert_from_hf(pickles, tmp_path / "out")
+
+    headless = _edit_config(hf_dirs["llama"], tmp_path / "headless")
+    state = safetensors.torch.load_file(headless / "model.safetensors")
+    del state["lm_head.weight"]
+    safetensors.torch.save_file(state, headless / "model.safetensors")
+    with pytest.raises(ConversionError, match="no lm_head.weight"):
+        convert_from_hf(headless, tmp_path / "out")
+
+    convert_from_hf(hf_dirs["llama"], tmp_path / "out", sliding_window=W)
+    with pytest.raises(ConversionError, match="not empty.*--overwrite"):
+        convert_from_hf(hf_dirs["llama"], tmp_path / "out", sliding_window=W)
+    convert_from_hf(hf_dirs["llama"], tmp_path / "out", sliding_window=W, overwrite=True)
+
+
+def test_conversion_streams_tensor_by_tensor_into_bounded_shards(hf_dirs, tmp_path, monkeypatch):
+    """Sharded in, sharded out, never a whole-file load, each written file within the bound."""
+    src = tmp_path / "sharded"
+    _load_hf(hf_dirs["qwen3"]).save_pretrained(src, max_shard_size="60KB")
+    saved_sizes = []
+    real_save = safetensors.torch.save_file
+
+    def recording_save(tensors, filename, metadata=None):
+        saved_sizes.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return real_save(tensors, filename, metadata=metadata)
+
+    def no_whole_file_loads(*args, **kwargs):
+        raise AssertionError("conversion must not load a whole checkpoint file")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", recording_save)
+    monkeypatch.setattr(safetensors.torch, "load_file", no_whole_file_loads)
+    report = convert_from_hf(src, tmp_path / "orthros", sliding_window=W, max_shard_size=50_000, dtype="bfloat16")
+    monkeypatch.undo()
+    largest = max(t.numel() * 2 for t in _load_hf(hf_dirs["qwen3"]).state_dict().values())
+    assert len(report.files) == len(saved_sizes) > 2
+    assert max(saved_sizes) <= max(50_000, largest)
+    assert (tmp_path / "orthros" / "model.safetensors.index.json").is_file()
+    model = OrthrosForCausalLM.from_pretrained(tmp_path / "orthros")
+    assert model.config.extra["hf"]["torch_dtype"] == "bfloat16"
+    hf = _load_hf(hf_dirs["qwen3"])
+    with torch.no_grad():  # the same rounding as the cast (parameters only: RoPE buffers stay fp32)
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    ids = torch.randint(0, VOCAB, (1, W))
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def orthros_dir(hf_dirs, tmp_path_factory):
+    """A converted Llama whose output stream has been 'trained' (gamma != 1, beta != 0)."""
+    root = tmp_path_factory.mktemp("orthros")
+    convert_from_hf(hf_dirs["llama"], root / "converted", sliding_window=W)
+    model = OrthrosForCausalLM.from_pretrained(root / "converted")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.gamma.normal_(1.0, 0.3)
+            layer.self_attn.beta.normal_(0.0, 0.3)
+    model.config.extra = json.loads((root / "converted" / "config.json").read_text())["extra"]
+    model.save_pretrained(root / "trained")
+    return root / "trained"
+
+
+@pytest.fixture(scope="module")
+def exported(orthros_dir, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("export") / "orthros_hf"
+    convert_to_hf(orthros_dir, dst)
+    return dst
+
+
+def test_to_hf_export_is_self_contained_and_matches_orthros_logits(orthros_dir, exported):
+    names = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "configuration_orthros.py", "modeling_orthros.py"} <= names
+    # Loads and runs where orthros_train cannot be imported at all.
+    script = (
+        "import sys, torch; sys.modules['orthros_train'] = None\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(exported)!r}, trust_remote_code=True)\n"
+        "print(m(torch.arange(5)[None]).logits.shape)"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=exported.parent)
+    assert run.returncode == 0 and f"[1, 5, {VOCAB}]" in run.stdout, run.stderr[-2000:]
+    cfg = json.loads((exported / "config.json").read_text())
+    assert cfg["model_type"] == "orthros" and cfg["base_window"] == W and cfg["eos_token_id"] == 2
+    hf = _load_hf(exported, trust_remote_code=True)
+    model = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
+    ids = torch.randint(0, VOCAB, (2, 3 * W))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    with torch.no_grad():
+        out = hf(ids, labels=labels)
+        ref = model(ids[:, :-1], labels=labels[:, 1:])
+        ref_logits = model(ids).logits
+        assert (out.logits - ref_logits).abs().max() <= 1e-5 * ref_logits.abs().max()
+        assert abs(float(out.loss) - float(ref.loss)) <= 1e-5
+        # logits_to_keep=k: output tokens at the last k positions only, same values.
+        tail = hf(ids, logits_to_keep=3).logits
+        assert tail.shape[1] == 3 and (tail - ref_logits[:, -3:]).abs().max() <= 1e-5 * ref_logits.abs().max()
+
+
+def test_to_hf_generate_is_prefill_plus_decode_and_equals_generate_greedy(orthros_dir, exported):
+    hf = _load_hf(exported, trust_remote_code=True)
+    model = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
+    calls = []
+
+    def record(module, args, kwargs):
+        calls.append((tuple(kwargs["input_ids"].shape), int(kwargs["output_index"].numel())))
+
+    hf.model.register_forward_pre_hook(record, with_kwargs=True)
+    prompt = torch.randint(3, VOCAB, (2, W + 5))  # longer than the window, and so is the output
+    new = 2 * W
+    hf.generation_config.eos_token_id = None  # run the full length, like generate_greedy without eos
+    out = hf.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(out[:, : prompt.shape[1]], prompt)
+    assert torch.equal(out[:, prompt.shape[1] :], model.generate_greedy(prompt, new))
+    # Prefill: the whole prompt as base tokens, one output token; then one base+output pair per step.
+    assert calls[0] == ((2, W + 5), 1)
+    assert calls[1:] == [((2, 1), 1)] * (new - 1)
+
+
+def test_to_hf_generate_left_padded_batch_equals_each_prompt_alone(orthros_dir, exported):
+    hf = _load_hf(exported, trust_remote_code=True)
+    model = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
+    long, short = torch.randint(3, VOCAB, (W + 4,)), torch.randint(3, VOCAB, (7,))
+    pad = len(long) - len(short)
+    batch = torch.stack([long, torch.cat([torch.zeros(pad, dtype=torch.long), short])])
+    mask = torch.ones_like(batch)
+    mask[1, :pad] = 0
+    hf.generation_config.eos_token_id = None
+    out = hf.generate(batch, attention_mask=mask, max_new_tokens=W, do_sample=False, pad_token_id=0)
+    assert torch.equal(out[0, len(long) :], model.generate_greedy(long[None], W)[0])
+    assert torch.equal(out[1, len(long) :], model.generate_greedy(short[None], W)[0])
+
+
+def test_round_trip_keeps_every_hf_tensor(hf_dirs, tmp_path):
+    convert_from_hf(hf_dirs["qwen3"], tmp_path / "orthros", sliding_window=W)
+    convert_to_hf(tmp_path / "orthros", tmp_path / "back")
+    original = safetensors.torch.load_file(hf_dirs["qwen3"] / "model.safetensors")
+    back = safetensors.torch.load_file(tmp_path / "back" / "model.safetensors")
+    assert set(back) - set(original) == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("gamma", "beta")}
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_to_hf_refuses_non_orthros_and_mismatched_checkpoints(tmp_path):
+    cfg = OrthrosConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        attention_type="dense",
+    )
+    OrthrosForCausalLM(cfg).save_pretrained(tmp_path / "dense")
+    with pytest.raises(ConversionError, match="attention_type='dense'"):
+        convert_to_hf(tmp_path / "dense", tmp_path / "out")
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "dense", bad)
+    raw = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, "attention_type": "orthros", "num_hidden_layers": 2}))
+    with pytest.raises(ConversionError, match=r"missing \['layers\.1\."):
+        convert_to_hf(bad, tmp_path / "out")
+
+
+def test_cli_from_hf_to_hf_verify(hf_dirs, tmp_path, capsys):
+    src = hf_dirs["llama"]
+    assert convert_main(["from-hf", str(src), str(tmp_path / "o"), "--window", str(W)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert convert_main(["verify", str(src), str(tmp_path / "o")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] == W and result["max_abs_diff"] <= 1e-4 and result["argmax_agreement"] == 1.0
+    assert convert_main(["verify", str(src), str(tmp_path / "o"), "--tokens", str(W + 1)]) == 2
+    assert "exceeds the window" in capsys.readouterr().err
+    assert convert_main(["to-hf", str(tmp_path / "o"), str(tmp_path / "h"), "--dtype", "bfloat16"]) == 0
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert convert_main(["from-hf", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
