@@ -1,0 +1,395 @@
+"""``orthros-data tokenize`` / ``sft`` / ``rl``: records -> megatron-core indexed shards, resumable.
+
+Raw records are cut into shards of ``docs_per_shard`` consecutive records (bad records count
+toward their shard too, so a shard's range never depends on the skip policy). The main process
+reads records and writes shards in order; N worker processes tokenize batches (fast tokenizers
+encode a whole batch in one Rust call). A shard is written under a temporary name and renamed
+when complete; the summary JSON (``OUTPUT.json``) is rewritten after every shard and doubles as
+the resume manifest: a rerun with the same inputs, tokenizer and settings keeps every recorded
+shard whose files check out, and reads through (without tokenizing) the records they cover.
+
+``tokenize`` writes one sequence per document (EOD appended). ``sft`` writes one document per
+conversation whose sequences are segments with a mode (prompt / answer), ``rl`` one document
+per prompt (prompt segment, optional reference answer); see ``orthros_train/data/indexed.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+
+from data_tools.chat import (
+    TRAIN_TURNS,
+    BadRecord,
+    ChatFields,
+    check_chat_template,
+    record_messages,
+    render_conversation,
+    render_prompt,
+)
+from data_tools.sources import BadInputPolicy, Record, expand_inputs, iter_records, record_text, source_fingerprint
+from data_tools.tokenizer_utils import eod_token_id, load_tokenizer, tokenizer_info
+from orthros_train.data.indexed import DataError, ShardWriter, read_index_header, shard_prefix, summary_path
+
+log = logging.getLogger("orthros_data")
+KINDS = ("pretrain", "sft", "rl")
+
+
+@dataclass
+class TokenizeOptions:
+    inputs: list[str]
+    tokenizer: str
+    output: str
+    kind: str = "pretrain"
+    workers: int = 1
+    text_field: str = "text"
+    docs_per_shard: int = 100_000
+    batch_size: int = 256
+    on_error: str = "raise"
+    txt_sample_by: str = "document"
+    append_eod: bool = True
+    add_special_tokens: bool = False
+    eod_token: str | None = None
+    hub_split: str = "train"
+    hub_config: str | None = None
+    # sft / rl
+    fields: ChatFields = field(default_factory=ChatFields)
+    train_turns: str = "all"
+    chat_template: str | None = None  # a Jinja template file overriding the tokenizer's
+    # run behaviour (not part of the output identity)
+    progress: bool = True
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}")
+        if self.train_turns not in TRAIN_TURNS:
+            raise ValueError(f"train_turns must be one of {TRAIN_TURNS}")
+        if self.docs_per_shard < 1 or self.batch_size < 1 or self.workers < 1:
+            raise ValueError("docs_per_shard, batch_size and workers must be >= 1")
+
+    def template_text(self) -> str | None:
+        if self.chat_template is None:
+            return None
+        with open(os.path.expanduser(self.chat_template), encoding="utf-8") as f:
+            return f.read()
+
+    def settings(self) -> dict:
+        """What determines the output bytes (a resumed run must match it)."""
+        keep = ["kind", "docs_per_shard", "on_error", "hub_split", "hub_config"]
+        if self.kind == "pretrain":
+            keep += ["text_field", "txt_sample_by", "append_eod", "add_special_tokens", "eod_token"]
+        else:
+            keep += ["train_turns", "chat_template"]
+        out = {k: getattr(self, k) for k in keep}
+        if self.kind != "pretrain":
+            out["fields"] = vars(self.fields)
+        return out
+
+
+# ---- encoding (runs in the worker processes, or inline with one worker) ------------------------
+
+
+def encode_texts(tok, texts: list[str], add_special_tokens: bool, eod: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(flat token ids, per-document lengths), EOD appended to each document when ``eod`` is set."""
+    if getattr(tok, "is_fast", False):
+        backend = tok.backend_tokenizer
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        ids = [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
+    else:
+        ids = tok(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
+    if eod is not None:
+        flat = np.insert(flat, np.cumsum(lengths), eod)
+        lengths = lengths + 1
+    return flat, lengths
+
+
+class _Encoder:
+    """Holds the tokenizer and turns a batch of payloads into writable results."""
+
+    def __init__(self, opts: TokenizeOptions, tok=None) -> None:
+        self.opts = opts
+        self.tok = tok if tok is not None else load_tokenizer(opts.tokenizer)
+        self.eod = eod_token_id(self.tok, opts.eod_token)[0] if opts.append_eod and opts.kind == "pretrain" else None
+        self.template = opts.template_text()
+
+    def __call__(self, item: tuple) -> tuple:
+        if item[0] != "batch":
+            return item
+        _, shard, payloads = item
+        if self.opts.kind == "pretrain":
+            return ("docs", shard, *encode_texts(self.tok, payloads, self.opts.add_special_tokens, self.eod))
+        out = []
+        for where, payload in payloads:
+            try:
+                if self.opts.kind == "sft":
+                    out.append(render_conversation(self.tok, payload, self.opts.train_turns, self.template))
+                else:
+                    out.append(render_prompt(self.tok, payload[0], self.template, payload[1]))
+            except BadRecord as e:
+                out.append(("bad", e.kind, where, str(e)))
+        return ("chats", shard, out)
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(opts: TokenizeOptions) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    _WORKER["encoder"] = _Encoder(opts)
+
+
+def _work(item: tuple) -> tuple:
+    return _WORKER["encoder"](item)
+
+
+# ---- reading (main process) --------------------------------------------------------------------
+
+
+def _payload(record: Record, opts: TokenizeOptions, policy: BadInputPolicy):
+    if opts.kind == "pretrain":
+        return record_text(record, opts.text_field, policy)
+    if record.error is not None:
+        policy.bad(record.kind, record.where, record.error)
+        return None
+    try:
+        messages = record_messages(record.value or {}, opts.fields, need_answer=opts.kind == "sft")
+    except BadRecord as e:
+        policy.bad(e.kind, record.where, str(e))
+        return None
+    if opts.kind == "sft":
+        return (record.where, messages)
+    ref_field = opts.fields.reference
+    reference = (record.value or {}).get(ref_field) if ref_field else None
+    if messages[-1]["role"] == "assistant":  # a chat record: its final answer becomes the reference
+        reference = reference if isinstance(reference, str) else messages[-1]["content"]
+        messages = messages[:-1]
+        if not messages:
+            policy.bad("no_prompt", record.where, "only an assistant message, no prompt")
+            return None
+    return (record.where, (messages, reference if isinstance(reference, str) else None))
+
+
+def _work_items(records: Iterator[Record], opts: TokenizeOptions, done: set[int], policy: BadInputPolicy):
+    """("batch", shard, payloads) items and ("end", shard, skipped counts, records) markers, in order."""
+    shard, batch, before, n_records = 0, [], Counter(), 0
+    for ordinal, record in enumerate(records):
+        s = ordinal // opts.docs_per_shard
+        if s != shard:
+            if batch:
+                yield ("batch", shard, batch)
+                batch = []
+            if shard not in done:
+                yield ("end", shard, dict(policy.counts - before), n_records)
+            shard, before, n_records = s, Counter(policy.counts), 0
+        n_records += 1
+        if s in done:
+            continue
+        payload = _payload(record, opts, policy)
+        if payload is None:
+            continue
+        batch.append(payload)
+        if len(batch) >= opts.batch_size:
+            yield ("batch", shard, batch)
+            batch = []
+    if batch:
+        yield ("batch", shard, batch)
+    if shard not in done and n_records:
+        yield ("end", shard, dict(policy.counts - before), n_records)
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _shard_ok(output: str, entry: dict) -> bool:
+    if entry.get("prefix") is None:
+        return True  # a shard whose records were all skipped: nothing on disk
+    prefix = os.path.join(os.path.dirname(output), entry["prefix"])
+    try:
+        header = read_index_header(prefix)
+    except DataError as e:
+        log.warning("redoing shard %s: %s", entry["index"], e)
+        return False
+    return header.num_documents == entry["documents"] and header.num_tokens == entry["tokens"]
+
+
+def run(opts: TokenizeOptions) -> dict:
+    """Run one ``orthros-data`` build; returns the summary (also written to ``OUTPUT.json``)."""
+    t0 = time.time()
+    files = expand_inputs(opts.inputs)
+    tok = load_tokenizer(opts.tokenizer)
+    eod = eod_token_id(tok, opts.eod_token)
+    if opts.kind != "pretrain":
+        check_chat_template(tok, opts.template_text())
+    info = tokenizer_info(tok, opts.tokenizer, eod)
+    out_json = summary_path(opts.output)
+    os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
+    identity = {
+        "kind": opts.kind,
+        "tokenizer": info,
+        "source": {"inputs": files, "fingerprint": source_fingerprint(files)},
+        "settings": opts.settings(),
+    }
+
+    shards: dict[int, dict] = {}
+    if os.path.exists(out_json) and not opts.overwrite:
+        with open(out_json) as f:
+            old = json.load(f)
+        same = all(old.get(k) == v for k, v in identity.items() if k != "tokenizer")
+        if not same or old.get("tokenizer", {}).get("vocab_size") != info["vocab_size"]:
+            raise DataError(
+                f"{out_json}: exists for other inputs, tokenizer or settings; "
+                "choose another --output or pass --overwrite"
+            )
+        if old.get("complete"):
+            log.info("%s is complete; nothing to do", out_json)
+            return old
+        shards = {e["index"]: e for e in old.get("shards", []) if _shard_ok(opts.output, e)}
+        if shards:
+            log.info("resuming: keeping %d finished shards", len(shards))
+    policy = BadInputPolicy(opts.on_error)
+
+    def manifest(complete: bool) -> dict:
+        entries = [shards[i] for i in sorted(shards)]
+        totals = Counter()
+        for e in entries:
+            totals.update(e.get("skipped", {}))
+        return {
+            **identity,
+            "complete": complete,
+            "documents": sum(e["documents"] for e in entries),
+            "tokens": sum(e["tokens"] for e in entries),
+            "records": sum(e["records"] for e in entries),
+            "on_error": opts.on_error,
+            "skipped": dict(totals),
+            "skipped_examples": {**late.examples, **policy.examples},
+            "seconds_this_run": round(time.time() - t0, 3),
+            "shards": entries,
+        }
+
+    records = iter_records(files, opts.txt_sample_by, opts.hub_split, opts.hub_config)
+    items = _work_items(records, opts, set(shards), policy)
+    pool = None
+    if opts.workers > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        pool = ctx.Pool(opts.workers, initializer=_init_worker, initargs=(opts,))
+        results = _ordered_map(pool, items, window=4 * opts.workers)
+    else:
+        results = map(_Encoder(opts, tok), items)
+
+    progress = _Progress(opts.progress)
+    writer: ShardWriter | None = None
+    late = BadInputPolicy(opts.on_error)  # bad records found while encoding (chat rendering)
+    shard_late: Counter = Counter()
+    try:
+        for item in results:
+            if item[0] == "docs":
+                _, shard, flat, lengths = item
+                if writer is None:
+                    writer = ShardWriter(shard_prefix(opts.output, shard), info["vocab_size"])
+                for doc in np.split(flat, np.cumsum(lengths)[:-1]):
+                    writer.add_document(doc)
+                progress.update(len(lengths), int(lengths.sum()))
+            elif item[0] == "chats":
+                _, shard, convs = item
+                if writer is None:
+                    writer = ShardWriter(shard_prefix(opts.output, shard), info["vocab_size"], multimodal=True)
+                for conv in convs:
+                    if conv[0] == "bad":
+                        late.bad(conv[1], conv[2], conv[3])
+                        shard_late[conv[1]] += 1
+                        continue
+                    writer.add_segments(*conv)
+                    progress.update(1, sum(len(s) for s in conv[0]))
+            else:
+                _, shard, skipped, n_records = item
+                skipped = dict(Counter(skipped) + shard_late)
+                shard_late = Counter()
+                entry = {"index": shard, "prefix": None, "documents": 0, "tokens": 0,
+                         "records": n_records, "skipped": skipped}
+                if writer is not None:
+                    writer.finish()
+                    entry.update(prefix=os.path.basename(writer.prefix), documents=writer.documents)
+                    entry["tokens"] = writer.tokens
+                    writer = None
+                shards[shard] = entry
+                _write_json(out_json, manifest(False))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        if pool is not None:
+            pool.terminate()
+        raise
+    finally:
+        progress.close()
+    if pool is not None:
+        pool.close()
+        pool.join()
+    summary = manifest(True)
+    if summary["documents"] == 0:
+        _write_json(out_json, {**summary, "complete": False})
+        raise DataError(f"{', '.join(opts.inputs)}: no usable records (skipped: {summary['skipped']})")
+    summary["tokens_per_second_this_run"] = round(progress.tokens / max(time.time() - t0, 1e-9), 1)
+    _write_json(out_json, summary)
+    return summary
+
+
+class _Resolved:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
+def _ordered_map(pool, items: Iterator[tuple], window: int) -> Iterator[tuple]:
+    """Results in input order with at most ``window`` batches in flight (``Pool.imap`` would read
+    the whole corpus ahead into its task queue)."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.apply_async(_work, (item,)) if item[0] == "batch" else _Resolved(item))
+        while len(pending) > window or (pending and isinstance(pending[0], _Resolved)):
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+class _Progress:
+    """tqdm bar (stderr) with documents/s and tokens/s."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.docs = self.tokens = 0
+        self.t0 = time.time()
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(unit=" docs", desc="tokenize", dynamic_ncols=True)
+
+    def update(self, docs: int, tokens: int) -> None:
+        self.docs += docs
+        self.tokens += tokens
+        if self.bar is not None:
+            dt = max(time.time() - self.t0, 1e-9)
+            self.bar.update(docs)
+            self.bar.set_postfix_str(f"{self.tokens / dt / 1e3:.1f}k tok/s, {self.tokens:,} tokens", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,223 @@
+"""Megatron-core indexed datasets (``.bin``/``.idx``): writing shards and opening them safely.
+
+The on-disk format is megatron-core's own (``IndexedDatasetBuilder`` writes it, ``IndexedDataset``
+reads it), so shards made here load in Megatron-LM and shards made by Megatron's
+``preprocess_data.py`` load here. Two uses of the format:
+
+* pretraining corpora: one sequence per document, each ending with the EOD token;
+* SFT/RL conversations (``multimodal=True``): one *document* per conversation made of several
+  *sequences* (segments), each with a mode byte: ``MODE_PROMPT`` (context, no loss),
+  ``MODE_ANSWER`` (trained), ``MODE_REFERENCE`` (an RL reference answer, not part of the prompt).
+  Answer spans are therefore stored exactly, at segment boundaries, never re-derived from text.
+
+``IndexedDataset`` itself only asserts a few counts, so a truncated ``.bin`` (a copy that stopped
+half way) would surface as garbage or a numpy error deep inside training. ``open_indexed`` checks
+both files against the header first and names the file at fault.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import struct
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MODE_PROMPT = 0
+MODE_ANSWER = 1
+MODE_REFERENCE = 2
+
+_HEADER = b"MMIDIDX\x00\x00"
+_HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+
+# megatron-core logs every index open at INFO; keep our logs readable.
+logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
+
+
+class DataError(ValueError):
+    """Bad input data or files, with a message that names the file (and line) at fault."""
+
+
+def token_dtype(vocab_size: int) -> type:
+    """Smallest dtype megatron-core uses for token ids (uint16 below 65536, else int32)."""
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    dtype: type
+    sequence_count: int
+    document_count: int  # entries in document_indices (number of documents + 1)
+    multimodal: bool
+    sequence_lengths: np.ndarray
+    document_indices: np.ndarray
+
+    @property
+    def num_documents(self) -> int:
+        return self.document_count - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+
+def read_index_header(prefix: str) -> IndexHeader:
+    """Parse and check ``prefix.idx`` and the size of ``prefix.bin`` (DataError naming the file)."""
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: missing (an indexed dataset needs both {prefix}.bin and {prefix}.idx)")
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(_HEADER_BYTES)
+    if len(head) < _HEADER_BYTES or head[:9] != _HEADER:
+        raise DataError(f"{idx_path}: not a megatron indexed-dataset index (bad or truncated header)")
+    version, code, seq_count, doc_count = struct.unpack("<QBQQ", head[9:])
+    if version != 1 or code not in _DTYPES:
+        raise DataError(f"{idx_path}: unsupported index version {version} or dtype code {code}")
+    body = _HEADER_BYTES + 4 * seq_count + 8 * seq_count + 8 * doc_count
+    if idx_size == body:
+        multimodal = False
+    elif idx_size == body + seq_count:
+        multimodal = True
+    else:
+        raise DataError(
+            f"{idx_path}: truncated or corrupt index ({idx_size} bytes, header promises {body} for "
+            f"{seq_count} sequences and {doc_count - 1} documents)"
+        )
+    mm = np.memmap(idx_path, mode="r", dtype=np.uint8)
+    lengths = np.frombuffer(mm, dtype=np.int32, count=seq_count, offset=_HEADER_BYTES)
+    doc_idx = np.frombuffer(mm, dtype=np.int64, count=doc_count, offset=_HEADER_BYTES + 12 * seq_count)
+    if doc_count < 1 or doc_idx[0] != 0 or doc_idx[-1] != seq_count or bool((np.diff(doc_idx) < 0).any()):
+        raise DataError(f"{idx_path}: corrupt document index (must run from 0 to {seq_count}, ascending)")
+    dtype = _DTYPES[code]
+    expected = int(lengths.sum(dtype=np.int64)) * np.dtype(dtype).itemsize
+    found = os.path.getsize(bin_path)
+    if found != expected:
+        what = "truncated" if found < expected else "longer than its index"
+        raise DataError(
+            f"{bin_path}: {what} ({found} bytes, {idx_path} describes {expected}); the .bin and .idx "
+            "do not belong together or a copy did not finish"
+        )
+    return IndexHeader(dtype, seq_count, doc_count, multimodal, lengths, doc_idx)
+
+
+def megatron_indexed():
+    """megatron-core's indexed_dataset module, imported without its apex/TE fallback warnings."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def open_indexed(prefix: str):
+    """``megatron.core.datasets.indexed_dataset.IndexedDataset`` after ``read_index_header`` checks."""
+    IndexedDataset = megatron_indexed().IndexedDataset
+    header = read_index_header(prefix)
+    return IndexedDataset(prefix, multimodal=header.multimodal, mmap=True)
+
+
+class ShardWriter:
+    """Writes one indexed-dataset shard under a temporary name, renamed only when complete.
+
+    A crash leaves ``*.tmp.bin``/``*.tmp.idx`` behind, never a final-looking shard, so a resumed
+    run can trust every shard whose final files exist (and pass ``read_index_header``).
+    """
+
+    def __init__(self, prefix: str, vocab_size: int, multimodal: bool = False) -> None:
+        IndexedDatasetBuilder = megatron_indexed().IndexedDatasetBuilder
+        self.prefix, self.tmp = prefix, prefix + ".tmp"
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        self.dtype = token_dtype(vocab_size)
+        self.multimodal = multimodal
+        self.builder = IndexedDatasetBuilder(self.tmp + ".bin", dtype=self.dtype, multimodal=multimodal)
+        self.documents = 0
+        self.tokens = 0
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        """A pretraining document: one sequence."""
+        tokens = np.asarray(tokens)
+        self.builder.add_document(tokens, [tokens.size])
+        self.documents += 1
+        self.tokens += tokens.size
+
+    def add_segments(self, segments: Sequence[np.ndarray], modes: Sequence[int]) -> None:
+        """A conversation: one document of several segments, each with its mode."""
+        if len(segments) != len(modes) or not segments:
+            raise ValueError("add_segments needs one mode per segment and at least one segment")
+        if not self.multimodal:
+            raise ValueError("segments with modes need a ShardWriter(multimodal=True)")
+        flat = np.concatenate([np.asarray(s) for s in segments])
+        self.builder.add_document(flat, [len(s) for s in segments], modes=[int(m) for m in modes])
+        self.documents += 1
+        self.tokens += flat.size
+
+    def finish(self) -> None:
+        self.builder.finalize(self.tmp + ".idx")
+        os.replace(self.tmp + ".bin", self.prefix + ".bin")
+        os.replace(self.tmp + ".idx", self.prefix + ".idx")
+
+    def abort(self) -> None:
+        self.builder.data_file.close()
+        for ext in (".bin", ".idx"):
+            if os.path.exists(self.tmp + ext):
+                os.remove(self.tmp + ext)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding shards: a prefix, a directory, or the summary JSON that `orthros-data` writes.
+
+
+def summary_path(output: str) -> str:
+    return output + ".json"
+
+
+def shard_prefix(output: str, index: int) -> str:
+    return f"{output}_{index:05d}"
+
+
+def find_summary(path: str) -> str | None:
+    """The summary JSON of an ``orthros-data`` output (PATH itself or ``PATH.json``), if any."""
+    for cand in (path, summary_path(path)):
+        if cand.endswith(".json") and os.path.isfile(cand):
+            return cand
+    return None
+
+
+def load_summary(path: str) -> dict | None:
+    found = find_summary(path)
+    if found is None:
+        return None
+    with open(found) as f:
+        return json.load(f)
+
+
+def resolve_prefixes(path: str) -> list[str]:
+    """Shard prefixes of a dataset given as a summary JSON / output prefix, a directory or a prefix."""
+    path = os.path.expanduser(str(path))
+    found = find_summary(path)
+    if found is not None:
+        with open(found) as f:
+            summary = json.load(f)
+        if not summary.get("complete", False):
+            raise DataError(f"{found}: the orthros-data run that writes it did not finish; run it again to resume")
+        base = os.path.dirname(found)
+        return [os.path.join(base, s["prefix"]) for s in summary["shards"] if s.get("prefix")]
+    if path.endswith((".bin", ".idx")):
+        path = path[:-4]
+    if os.path.isfile(path + ".idx") or os.path.isfile(path + ".bin"):
+        return [path]
+    if os.path.isdir(path):
+        found = sorted(p[:-4] for p in glob.glob(os.path.join(path, "*.idx")) if not p.endswith(".tmp.idx"))
+    else:
+        found = sorted(p[:-4] for p in glob.glob(glob.escape(path) + "_[0-9]*.idx") if not p.endswith(".tmp.idx"))
+    if not found:
+        raise DataError(f"{path}: no indexed dataset (.bin/.idx, a directory of them, or an orthros-data output)")
+    return found
