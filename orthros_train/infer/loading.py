@@ -1,0 +1,178 @@
+"""Load what the eval commands run on: a checkpoint directory (+ tokenizer), or a bare config.
+
+A checkpoint is a directory written by ``OrthrosForCausalLM.save_pretrained`` (``config.json`` +
+``*.safetensors``), usually with the tokenizer files beside it (``orthros-train`` saves them).
+For benchmarks a model can also come from a config alone (random weights): a JSON/YAML file of
+``OrthrosConfig`` fields or one of the ``PRESETS`` below.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orthros_train.model.config import OrthrosConfig
+from orthros_train.model.orthros import OrthrosForCausalLM
+
+# Shapes for benchmarks on random weights (parameter counts with tied embeddings).
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.1M: smoke tests
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        sliding_window=32,
+        tie_word_embeddings=True,
+    ),
+    # ~4M: the tiny_cpu recipe's shape (vocab 4096)
+    "3m": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=704,
+        sliding_window=64,
+        tie_word_embeddings=True,
+    ),
+    # ~22M: the CPU figure of the closing note (W = 128, the paper's default)
+    "20m": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1408,
+        sliding_window=128,
+        tie_word_embeddings=True,
+    ),
+    # 1.3B Orthros (recipes/model/orthros_1p3b.yaml)
+    "1p3b": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=5632,
+        sliding_window=128,
+    ),
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+def _config_fields(path: Path) -> dict[str, Any]:
+    if path.suffix in (".yaml", ".yml"):
+        from omegaconf import OmegaConf
+
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        if isinstance(raw, dict) and "model" in raw and isinstance(raw["model"], dict):
+            raw = raw["model"]  # a whole recipe: take its model group
+    else:
+        raw = json.loads(path.read_text())
+    known = set(OrthrosConfig.__dataclass_fields__)
+    fields = {k: v for k, v in raw.items() if k in known}
+    for key, value in fields.items():
+        if isinstance(value, str) and "${" in value:
+            raise ValueError(f"{path}: {key} is an interpolation ({value}); give it a value with --override {key}=...")
+    return fields
+
+
+def config_from_spec(spec: str, **overrides: Any) -> OrthrosConfig:
+    """An ``OrthrosConfig`` from a checkpoint directory, a JSON/YAML file, or a preset name."""
+    path = Path(spec)
+    if is_checkpoint(path):
+        fields = json.loads((path / "config.json").read_text())
+    elif path.is_file():
+        fields = _config_fields(path)
+    elif spec in PRESETS:
+        fields = dict(PRESETS[spec])
+    else:
+        raise ValueError(
+            f"{spec!r} is neither a checkpoint directory, a config file, nor a preset ({', '.join(PRESETS)})"
+        )
+    return OrthrosConfig.from_dict({**fields, **overrides})
+
+
+def load_model(
+    spec: str | Path,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> OrthrosForCausalLM:
+    """Checkpoint weights when ``spec`` is a checkpoint directory, else random weights (seeded)."""
+    device = resolve_device(device) if not isinstance(device, torch.device) else device
+    if is_checkpoint(spec):
+        model = OrthrosForCausalLM.from_pretrained(spec, **overrides)
+    else:
+        torch.manual_seed(seed)
+        model = OrthrosForCausalLM(config_from_spec(str(spec), **overrides))
+    dtype = resolve_dtype(dtype)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path, required: bool = True):
+    """The HF tokenizer saved in a checkpoint directory (None when absent and not required)."""
+    path = Path(path)
+    found = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if not found:
+        if required:
+            raise FileNotFoundError(
+                f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the tokenizer "
+                "beside the weights (tokenizer.save_pretrained(dir)) or convert the checkpoint with its tokenizer"
+            )
+        return None
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (ValueError, OSError, KeyError):
+        if not (path / "tokenizer.json").is_file():
+            raise
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def dense_twin(model: OrthrosForCausalLM, attention_type: str = "dense") -> OrthrosForCausalLM:
+    """The baseline of the same shape and weights (``dense`` or ``sliding``), same device/dtype."""
+    config = OrthrosConfig.from_dict({**model.config.to_dict(), "attention_type": attention_type})
+    twin = OrthrosForCausalLM(config)
+    twin.load_state_dict(model.state_dict())
+    p = next(model.parameters())
+    return twin.to(device=p.device, dtype=p.dtype).eval()
