@@ -60,6 +60,31 @@ class AttentionPlan:
         )
 
 
+def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache | None = None) -> AttentionPlan:
+    """Query/key bookkeeping of one forward pass (keys continue the cache rows when given)."""
+    window = UNBOUNDED if config.attention_type == "dense" else config.sliding_window
+    if cache is None:
+        key_index = torch.arange(layout.num_tokens, device=layout.input_ids.device)
+        cu, new_lengths = layout.cu_seqlens, None
+    else:
+        if layout.cu_seqlens.numel() - 1 != layout.num_rows or layout.num_rows != cache.num_rows:
+            raise ValueError("a cached forward needs exactly one document per cache row")
+        new_lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
+        cu, key_index = cache.key_space(new_lengths)
+        cu, key_index = cu.to(layout.input_ids.device), key_index.to(layout.input_ids.device)
+    # Baselines have no output stream: their outputs are read off the base stream at the end.
+    out_index = layout.output_index if config.attention_type == "orthros" else layout.output_index[:0]
+    return AttentionPlan(
+        base_positions=layout.positions,
+        out_positions=layout.positions[out_index],
+        base_key_index=key_index,
+        out_key_index=key_index[out_index],
+        key_cu_seqlens=cu,
+        base_window=window,
+        new_lengths=new_lengths,
+    )
+
+
 class OrthrosAttention(nn.Module):
     def __init__(self, config: OrthrosConfig, layer_idx: int) -> None:
         super().__init__()
@@ -173,33 +198,9 @@ class OrthrosForCausalLM(nn.Module):
     def is_orthros(self) -> bool:
         return self.config.attention_type == "orthros"
 
-    def _plan(self, layout: OrthrosLayout, cache: KVCache | None) -> AttentionPlan:
-        cfg = self.config
-        window = UNBOUNDED if cfg.attention_type == "dense" else cfg.sliding_window
-        if cache is None:
-            key_index = torch.arange(layout.num_tokens, device=layout.input_ids.device)
-            cu, new_lengths = layout.cu_seqlens, None
-        else:
-            if layout.cu_seqlens.numel() - 1 != layout.num_rows or layout.num_rows != cache.num_rows:
-                raise ValueError("a cached forward needs exactly one document per cache row")
-            new_lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
-            cu, key_index = cache.key_space(new_lengths)
-            cu, key_index = cu.to(layout.input_ids.device), key_index.to(layout.input_ids.device)
-        # Baselines have no output stream: their outputs are read off the base stream at the end.
-        out_index = layout.output_index if self.is_orthros else layout.output_index[:0]
-        return AttentionPlan(
-            base_positions=layout.positions,
-            out_positions=layout.positions[out_index],
-            base_key_index=key_index,
-            out_key_index=key_index[out_index],
-            key_cu_seqlens=cu,
-            base_window=window,
-            new_lengths=new_lengths,
-        )
-
     def hidden_states(self, layout: OrthrosLayout, cache: KVCache | None = None) -> torch.Tensor:
         """Final normed hidden states of the output tokens, ``[N, hidden]``."""
-        plan = self._plan(layout, cache)
+        plan = plan_for_layout(self.config, layout, cache)
         x = self.embed_tokens(layout.input_ids)
         # Output token p starts as a copy of input token p (layer 0); baselines have no stream y.
         y = x[layout.output_index] if self.is_orthros else x[:0]

@@ -1,0 +1,59 @@
+"""Let megatron-core's tensor-parallel code run on CPU (gloo) when no CUDA device exists.
+
+megatron-core assumes a GPU in a few places: buffers allocated on
+``torch.cuda.current_device()``, the CUDA RNG tracker around weight init and dropout, and
+``torch.cuda.synchronize()`` in checkpointing. On a machine without CUDA those calls raise, so
+this module points them at the CPU. It is the only place in the code base that knows about it,
+and ``apply_cpu_shims`` does nothing when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_APPLIED = False
+
+
+class _NullRNGTracker:
+    """Stands in for megatron's CUDA RNG tracker: forks are no-ops on CPU."""
+
+    def fork(self, name: str | None = None):
+        return contextlib.nullcontext()
+
+    def add(self, name: str, seed: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def get_states(self) -> dict:
+        return {}
+
+    def set_states(self, states: dict) -> None:
+        pass
+
+    def is_initialized(self) -> bool:
+        return True
+
+
+_TRACKER = _NullRNGTracker()
+
+
+def apply_cpu_shims() -> bool:
+    """Patch the CUDA-only calls megatron-core makes; returns whether anything was patched."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    import megatron.core.tensor_parallel.layers as mc_layers
+    import megatron.core.tensor_parallel.random as mc_random
+
+    torch.cuda.current_device = lambda: torch.device("cpu")  # buffers of the SP/TP mappings
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # dist_checkpointing save/load
+    mc_random.get_cuda_rng_tracker = lambda *args, **kwargs: _TRACKER
+    mc_layers.get_cuda_rng_tracker = lambda *args, **kwargs: _TRACKER
+    _APPLIED = True
+    return True

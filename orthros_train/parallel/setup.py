@@ -1,0 +1,110 @@
+"""Process groups and the parallel layout: torch.distributed + megatron-core parallel state."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from orthros_train.model.config import OrthrosConfig
+from orthros_train.parallel.cpu_shims import apply_cpu_shims
+
+
+@dataclass
+class ParallelConfig:
+    """The ``parallel/`` recipe group."""
+
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    data_parallel: int = 1  # must equal world_size / tensor_parallel at run time
+    zero_stage: int = 1  # DeepSpeed ZeRO stage over the data-parallel group (0-3)
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU memory
+    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
+    timeout_minutes: int = 30
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1 or self.data_parallel < 1:
+            raise ValueError(
+                f"parallel.tensor_parallel ({self.tensor_parallel}) and parallel.data_parallel "
+                f"({self.data_parallel}) must be >= 1"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("parallel.offload_optimizer needs parallel.zero_stage >= 1")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"parallel.backend must be auto|nccl|gloo, got {self.backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.data_parallel
+
+
+def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None = None) -> None:
+    """Fail fast with the numbers that do not divide (before any model is built)."""
+    problems = []
+    tp = pcfg.tensor_parallel
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(model, name)
+        if value % tp:
+            problems.append(f"model.{name}={value} is not divisible by parallel.tensor_parallel={tp}")
+    if world_size is not None:
+        if world_size % tp:
+            problems.append(f"world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
+        elif world_size // tp != pcfg.data_parallel:
+            problems.append(
+                f"world size {world_size} / parallel.tensor_parallel={tp} = {world_size // tp} data-parallel "
+                f"ranks, but parallel.data_parallel={pcfg.data_parallel}; launch {pcfg.world_size} processes "
+                f"or set parallel.data_parallel={world_size // tp}"
+            )
+    if problems:
+        raise ValueError("impossible parallel layout: " + "; ".join(problems))
+
+
+@dataclass
+class DistributedEnv:
+    """What the launcher (torchrun / Slurm) told this process; read at the entry point only."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    launched: bool = False  # True under torchrun/srun: use env:// rendezvous
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEnv) -> torch.device:
+    """Start torch.distributed (a private 1-process group when not launched) and megatron's
+    tensor/data-parallel groups; returns this process's device."""
+    check_parallel_layout(pcfg, model, env.world_size)
+    apply_cpu_shims()
+    use_cuda = torch.cuda.is_available()
+    backend = pcfg.backend if pcfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        timeout = timedelta(minutes=pcfg.timeout_minutes)
+        if env.launched:
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
+            )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=pcfg.tensor_parallel)
+    return torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
+
+
+def destroy_parallel() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

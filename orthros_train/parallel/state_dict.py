@@ -1,0 +1,123 @@
+"""Map weights between the reference model (``model/``) and its tensor-parallel twin.
+
+The reference state dict is the interchange format: checkpoints, HF conversion and random
+initialisation all go through it, so a run's weights never depend on its TP size.
+
+Per-rank layouts: q rows, gamma/beta rows, embedding and LM-head rows are contiguous chunks of
+heads/vocab; ``linear_kv`` is ``[k_r; v_r]``; the MLP's ``linear_fc1`` is ``[gate_r; up_r]``;
+``linear_proj`` and ``linear_fc2`` hold column chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from orthros_train.model.config import OrthrosConfig
+
+# reference suffix -> (parallel suffix, how it is split)
+_LAYER_MAP = {
+    "input_layernorm.weight": ("input_layernorm.weight", "replicate"),
+    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", "replicate"),
+    "self_attn.q_proj.weight": ("self_attention.linear_q.weight", "rows"),
+    "self_attn.q_proj.bias": ("self_attention.linear_q.bias", "rows"),
+    "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", "cols"),
+    "self_attn.q_norm.weight": ("self_attention.q_norm.weight", "replicate"),
+    "self_attn.k_norm.weight": ("self_attention.k_norm.weight", "replicate"),
+    "self_attn.gamma": ("self_attention.gamma", "rows"),
+    "self_attn.beta": ("self_attention.beta", "rows"),
+    "mlp.down_proj.weight": ("mlp.linear_fc2.weight", "cols"),
+}
+# Pairs fused into one column-parallel weight, per rank [first_r; second_r].
+_FUSED = {
+    ("self_attn.k_proj.weight", "self_attn.v_proj.weight"): "self_attention.linear_kv.weight",
+    ("self_attn.k_proj.bias", "self_attn.v_proj.bias"): "self_attention.linear_kv.bias",
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"): "mlp.linear_fc1.weight",
+}
+_TOP_MAP = {
+    "embed_tokens.weight": ("embedding.weight", "rows"),
+    "norm.weight": ("final_norm.weight", "replicate"),
+    "lm_head.weight": ("output_layer.weight", "rows"),
+}
+
+
+def _split(t: torch.Tensor, how: str, tp: int, rank: int) -> torch.Tensor:
+    if how == "replicate":
+        return t.clone()
+    dim = 0 if how == "rows" else 1
+    return t.chunk(tp, dim=dim)[rank].clone()
+
+
+def shard_state_dict(full: dict[str, torch.Tensor], cfg: OrthrosConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """The reference state dict -> the state dict of TP rank ``rank`` of ``tp``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, (target, how) in _TOP_MAP.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        out[target] = _split(full[name], how, tp, rank)
+    for i in range(cfg.num_hidden_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        for suffix, (target, how) in _LAYER_MAP.items():
+            if src + suffix in full:
+                out[dst + target] = _split(full[src + suffix], how, tp, rank)
+        for (a, b), target in _FUSED.items():
+            if src + a in full:
+                out[dst + target] = torch.cat(
+                    [_split(full[src + a], "rows", tp, rank), _split(full[src + b], "rows", tp, rank)]
+                )
+    return out
+
+
+def unshard_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
+    """State dicts of all TP ranks (in rank order) -> the reference state dict."""
+
+    def join(name: str, how: str) -> torch.Tensor:
+        parts = [s[name] for s in shards]
+        if how == "replicate":
+            return parts[0].clone()
+        return torch.cat(parts, dim=0 if how == "rows" else 1)
+
+    full: dict[str, torch.Tensor] = {}
+    for name, (source, how) in _TOP_MAP.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            full[name] = full["embed_tokens.weight"]
+            continue
+        full[name] = join(source, how)
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        for suffix, (source, how) in _LAYER_MAP.items():
+            if p + source in shards[0]:
+                full[p + suffix] = join(p + source, how)
+        for (a, b), source in _FUSED.items():
+            if p + source in shards[0]:
+                halves = [s[p + source].chunk(2, dim=0) for s in shards]
+                full[p + a] = torch.cat([h[0] for h in halves])
+                full[p + b] = torch.cat([h[1] for h in halves])
+    return full
+
+
+def _gather_over_tp(local: dict[str, torch.Tensor], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return unshard_state_dicts([local], cfg)
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(tp)]
+    for name, tensor in local.items():
+        gathered = [torch.empty_like(tensor) for _ in range(tp)]
+        dist.all_gather(gathered, tensor.contiguous(), group=group)
+        for r in range(tp):
+            shards[r][name] = gathered[r]
+    return unshard_state_dicts(shards, cfg)
+
+
+def gather_full_state_dict(model: torch.nn.Module, cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
+    """All-gather the TP shards of ``model`` into the reference state dict (on every rank)."""
+    local = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    return _gather_over_tp(local, cfg)
+
+
+def gather_full_grads(model: torch.nn.Module, cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
+    """The gradients of ``model`` in reference layout (tests, debugging)."""
+    grads = {n: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return _gather_over_tp(grads, cfg)
