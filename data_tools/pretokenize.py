@@ -203,7 +203,13 @@ def _work_items(records: Iterator[Record], opts: TokenizeOptions, done: set[int]
         n_records += 1
         if s in done:
             continue
-        payload = _payload(record, opts, policy)
+        try:
+            payload = _payload(record, opts, policy)
+        except DataError as e:  # raise policy: report it after the records before it (in file order)
+            if batch:
+                yield ("batch", shard, batch)
+            yield ("raise", e)
+            return
         if payload is None:
             continue
         batch.append(payload)
@@ -333,6 +339,8 @@ def _run(opts: TokenizeOptions) -> dict:
                         continue
                     writer.add_segments(*conv)
                     progress.update(1, sum(len(s) for s in conv[0]))
+            elif item[0] == "raise":
+                raise item[1]
             else:
                 _, shard, skipped, n_records = item
                 skipped = dict(Counter(skipped) + shard_late)

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ log = logging.getLogger("orthros_data")
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 DATASETS_SUFFIXES = {".txt": "text", ".text": "text", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 ON_ERROR = ("raise", "skip")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 @dataclass
@@ -90,10 +92,10 @@ def expand_inputs(inputs: list[str]) -> list[str]:
             if not files:
                 raise DataError(f"{path}: the pattern matches no readable file")
             out.extend(files)
-        elif os.sep in item or item.startswith("."):
-            raise DataError(f"{item}: no such file or directory")
+        elif _HUB_NAME.fullmatch(item) and not _kind_of(item):
+            out.append("hub:" + item)  # e.g. "HuggingFaceFW/fineweb-edu"
         else:
-            out.append("hub:" + item)
+            raise DataError(f"{item}: no such file or directory")
     return out
 
 

@@ -1,0 +1,176 @@
+"""Bad input: each case is a clear error naming the file (and line), or a counted skip under --on-error skip."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from data_helpers import make_tokenizer, write_jsonl
+
+from data_tools.cli import main as cli_main
+from data_tools.pretokenize import TokenizeOptions, run
+from orthros_train.data.indexed import DataError, ShardWriter, open_indexed, read_index_header
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return str(make_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def plain_tok_dir(tmp_path_factory):
+    return str(make_tokenizer(tmp_path_factory.mktemp("plain"), chat_template=False))
+
+
+def _opts(inputs, tok, out, **kw):
+    return TokenizeOptions([str(i) for i in inputs], tok, str(out), progress=False, **kw)
+
+
+def _messy_jsonl(path):
+    return write_jsonl(path, [
+        {"text": "good one"},
+        '{"text": "broken", ',  # malformed JSON, line 2
+        {"body": "no text field"},  # missing field, line 3
+        {"text": "   "},  # empty document, line 4
+        {"text": 42},  # wrong type, line 5
+        "[1, 2]",  # not an object, line 6
+        {"text": "good two"},
+    ])
+
+
+@pytest.mark.parametrize(
+    "row,line,message",
+    [
+        ('{"text": "broken", ', 2, "malformed JSON"),
+        ({"body": "x"}, 2, "no 'text' field (fields: body)"),
+        ({"text": ""}, 2, "empty document"),
+        ({"text": ["a"]}, 2, "field 'text' is a list, not text"),
+        ("[1, 2]", 2, "expected a JSON object"),
+    ],
+)
+def test_each_bad_record_is_a_clear_error(row, line, message, tok_dir, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}, row])
+    with pytest.raises(DataError) as err:
+        run(_opts([src], tok_dir, tmp_path / "out"))
+    assert f"{src}:{line}: {message}" in str(err.value) and "--on-error skip" in str(err.value)
+
+
+def test_skip_policy_counts_every_kind(tok_dir, tmp_path):
+    src = _messy_jsonl(tmp_path / "in.jsonl")
+    summary = run(_opts([src], tok_dir, tmp_path / "out", on_error="skip"))
+    assert summary["documents"] == 2 and summary["records"] == 7
+    assert summary["skipped"] == {"malformed": 2, "missing_field": 2, "empty": 1}
+    assert summary["skipped_examples"]["malformed"].startswith(f"{src}:2:")
+
+
+def test_non_utf8_files(tok_dir, tmp_path):
+    txt = tmp_path / "latin1.txt"
+    txt.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    good = tmp_path / "good.txt"
+    good.write_text("plain text")
+    with pytest.raises(DataError, match=f"{txt}: not valid UTF-8 \\(byte 3"):
+        run(_opts([txt, good], tok_dir, tmp_path / "a"))
+    summary = run(_opts([txt, good], tok_dir, tmp_path / "b", on_error="skip"))
+    assert summary["documents"] == 1 and summary["skipped"] == {"not_utf8": 1}
+    jl = tmp_path / "latin1.jsonl"
+    jl.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=f"{jl}:2: not valid UTF-8"):
+        run(_opts([jl], tok_dir, tmp_path / "c"))
+
+
+def test_missing_input_and_unknown_type(tok_dir, tmp_path):
+    with pytest.raises(DataError, match="no such file or directory"):
+        run(_opts([tmp_path / "nope.jsonl"], tok_dir, tmp_path / "o"))
+    (tmp_path / "x.docx").write_text("?")
+    with pytest.raises(DataError, match="unsupported file type"):
+        run(_opts([tmp_path / "x.docx"], tok_dir, tmp_path / "o"))
+    (tmp_path / "x.txt").write_text("?")
+    with pytest.raises(DataError, match="no such tokenizer"):
+        run(_opts([tmp_path / "x.txt"], str(tmp_path / "no_tok"), tmp_path / "o"))
+
+
+def test_all_records_bad_is_an_error_not_an_empty_dataset(tok_dir, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": ""}, {"text": " "}])
+    with pytest.raises(DataError, match="no usable records"):
+        run(_opts([src], tok_dir, tmp_path / "out", on_error="skip"))
+
+
+def test_tokenizer_without_chat_template(plain_tok_dir, tok_dir, tmp_path):
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "hi", "response": "hello"}])
+    with pytest.raises(DataError, match="has no chat template; pass --chat-template"):
+        run(_opts([src], plain_tok_dir, tmp_path / "o", kind="sft"))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    summary = run(_opts([src], plain_tok_dir, tmp_path / "o", kind="sft", chat_template=str(template)))
+    assert summary["documents"] == 1
+
+
+def test_bad_conversations(tok_dir, tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "user", "content": "no answer"}]},  # line 2: nothing to train
+        {"messages": [{"role": "wizard", "content": "x"}]},  # line 3: unknown role
+        {"messages": [{"role": "user"}]},  # line 4: no content
+        {"question": "?"},  # line 5: neither messages nor prompt/response
+    ]
+    src = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(DataError, match=f"{src}:2: no assistant message"):
+        run(_opts([src], tok_dir, tmp_path / "a", kind="sft"))
+    summary = run(_opts([src], tok_dir, tmp_path / "b", kind="sft", on_error="skip"))
+    assert summary["documents"] == 1
+    assert summary["skipped"] == {"no_answer": 1, "bad_role": 1, "missing_field": 2}
+
+
+def _shard(tmp_path, name, docs):
+    w = ShardWriter(str(tmp_path / name), vocab_size=1000)
+    for d in docs:
+        w.add_document(d)
+    w.finish()
+    return str(tmp_path / name)
+
+
+def test_truncated_or_mismatched_bin_idx_named_on_open(tmp_path, capsys):
+    a = _shard(tmp_path, "a", [[1, 2, 3], [4, 5]])
+    b = _shard(tmp_path, "b", [[1, 2, 3, 4, 5, 6, 7]])
+    assert read_index_header(a).num_tokens == 5 and len(open_indexed(a)) == 2
+    data = open(a + ".bin", "rb").read()
+    with open(a + ".bin", "wb") as f:
+        f.write(data[:-2])
+    with pytest.raises(DataError, match=f"{a}.bin: truncated \\(8 bytes, {a}.idx describes 10\\)"):
+        open_indexed(a)
+    os.replace(b + ".bin", a + ".bin")  # a .bin that belongs to another index
+    with pytest.raises(DataError, match=f"{a}.bin: longer than its index"):
+        open_indexed(a)
+    b = _shard(tmp_path, "c", [[1, 2, 3, 4, 5, 6, 7]])
+    idx = open(b + ".idx", "rb").read()
+    with open(b + ".idx", "wb") as f:
+        f.write(idx[:-3])
+    with pytest.raises(DataError, match=f"{b}.idx: truncated or corrupt index"):
+        read_index_header(b)
+    with open(b + ".idx", "wb") as f:
+        f.write(b"not an index at all, really")
+    with pytest.raises(DataError, match=f"{b}.idx: not a megatron indexed-dataset index"):
+        read_index_header(b)
+    os.remove(b + ".idx")
+    with pytest.raises(DataError, match=f"{b}.idx: missing"):
+        read_index_header(b)
+    assert cli_main(["inspect", a]) == 2
+    assert f"{a}.bin: longer than its index" in capsys.readouterr().err
+
+
+def test_hub_name_offline_is_a_clear_error(tok_dir, tmp_path):
+    with pytest.raises(DataError, match="some-org/some-corpus: cannot open as a hub dataset"):
+        run(_opts(["some-org/some-corpus"], tok_dir, tmp_path / "o"))
+
+
+def test_cli_exit_code_and_message(tok_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, '{"text": '])
+    code = cli_main(["tokenize", str(src), "--tokenizer", tok_dir, "--output", str(tmp_path / "o"), "--no-progress"])
+    assert code == 2
+    assert f"orthros-data: error: {src}:2: malformed JSON" in capsys.readouterr().err
+    code = cli_main(["tokenize", str(src), "--tokenizer", tok_dir, "--output", str(tmp_path / "o2"), "--no-progress",
+                     "--on-error", "skip"])
+    assert code == 0 and "skipped {'malformed': 1}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "o2.json").read_text())["skipped"] == {"malformed": 1}
