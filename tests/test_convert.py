@@ -99,65 +99,99 @@ def test_from_hf_reproduces_hf_logits_within_window(hf_dirs, tmp_path, kind):
     assert (ref[:, 2 * W :] - got[:, 2 * W :]).abs().max() > 1e-3
 
 
+# config.json of meta-llama/Llama-3.1-8B and Qwen/Qwen3-8B as published (transformers 4 names).
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
 def test_config_mapping_reads_hub_style_configs():
-    """Llama-3.1-8B / Qwen3-8B config.json as published (transformers 4 field names)."""
-    llama = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 32,
-        "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-05,
-        "rope_scaling": {
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "vocab_size": 128256,
-        "bos_token_id": 128000,
-        "eos_token_id": [128001, 128008, 128009],
-        "mlp_bias": False,
-        "attention_bias": False,
-        "pretraining_tp": 1,
-    }
-    cfg = orthros_config_from_hf(llama)
+    cfg = orthros_config_from_hf(LLAMA31_8B)
     assert (cfg.head_dim, cfg.num_key_value_heads, cfg.sliding_window) == (128, 8, 128)
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
     assert cfg.rope_scaling["original_max_position_embeddings"] == 8192
-    assert cfg.extra["hf"]["eos_token_id"] == [128001, 128008, 128009]
-    assert cfg.num_parameters() > 8.0e9
-    qwen3 = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 4096,
-        "head_dim": 128,
-        "intermediate_size": 12288,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 36,
-        "num_key_value_heads": 8,
-        "rope_scaling": None,
-        "rope_theta": 1000000,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "max_window_layers": 36,
-        "tie_word_embeddings": False,
-        "vocab_size": 151936,
-        "attention_bias": False,
+    assert cfg.extra["hf"] == {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
     }
-    cfg = orthros_config_from_hf(qwen3, sliding_window=256)
+    # Llama-3.1-8B's 8,030,261,248 parameters plus gamma and beta in each of 32 layers.
+    assert cfg.num_parameters() == 8_030_261_248 + 32 * 2 * 32 * 128
+    cfg = orthros_config_from_hf(QWEN3_8B, sliding_window=256)
     assert cfg.qk_norm and cfg.rope_scaling is None and cfg.rope_theta == 1e6 and cfg.sliding_window == 256
     # transformers 5 writes the same RoPE as rope_parameters: same Orthros config.
-    v5 = {k: v for k, v in llama.items() if k not in ("rope_scaling", "rope_theta")}
-    v5["rope_parameters"] = {**llama["rope_scaling"], "rope_theta": 500000.0}
-    assert orthros_config_from_hf(v5) == orthros_config_from_hf(llama)
+    v5 = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = {**LLAMA31_8B["rope_scaling"], "rope_theta": 500000.0}
+    assert orthros_config_from_hf(v5) == orthros_config_from_hf(LLAMA31_8B)
+
+
+@pytest.mark.parametrize("recipe, hub", [("convert_llama31_8b", LLAMA31_8B), ("convert_qwen3_8b", QWEN3_8B)])
+def test_convert_recipes_describe_the_converted_checkpoints(recipe, hub):
+    """The recipe's model section must be what `orthros-convert from-hf` writes for that model."""
+    omegaconf = pytest.importorskip("omegaconf")
+    path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
+    model = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path).model)
+    assert model.pop("init_from")
+    converted = orthros_config_from_hf(hub)
+    converted.extra = {}
+    assert OrthrosConfig(**model) == converted
 
 
 def _edit_config(src: Path, dst: Path, **changes) -> Path:
