@@ -1,0 +1,252 @@
+"""``orthros-eval``: check the Orthros claims on a checkpoint, one command each.
+
+    orthros-eval niah CKPT --lengths 1k,4k,16k --depths 0..100:11       needle in a haystack (JSON + heatmap)
+    orthros-eval recall CKPT --length 4k --num-pairs 32                MQAR accuracy vs distance
+    orthros-eval ppl CKPT DATA... --seq-len 4k                         perplexity, per position bucket
+    orthros-eval lm-eval CKPT --tasks pg_lambada,hellaswag             any lm-eval task (offline: local YAML)
+    orthros-eval bench-prefill CKPT|CONFIG|PRESET --lengths 1k..64k    TTFT + decode tok/s vs dense
+
+Every command writes JSON under ``--output-dir`` (default ``eval_results/``) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from orthros_train.eval.common import parse_depths, parse_lengths, parse_overrides, parse_size, write_json
+
+
+def _common(p: argparse.ArgumentParser, output: bool = True) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as stored)")
+    p.add_argument(
+        "--attention-backend", default=None, help="reference | triton | auto (default: the checkpoint's setting)"
+    )
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="config field to change at load time, e.g. sliding_window=256 (repeatable)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    if output:
+        p.add_argument("--output-dir", default="eval_results", help="where JSON/PNG go (default: eval_results)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orthros-eval", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("niah", help="needle in a haystack on the Paul Graham essays")
+    p.add_argument("checkpoint")
+    p.add_argument("--lengths", default="1k,2k,4k", help="prompt lengths in tokens: 1k,4k,16k or 1k..128k")
+    p.add_argument("--depths", default="0..100:11", help="needle depths in percent: 0,50,100 or 0..100:11")
+    p.add_argument("--needle", default=None, help="the needle sentence (default: the San Francisco sandwich)")
+    p.add_argument("--question", default=None)
+    p.add_argument("--answer", default=None, help="expected answer (exact match after normalisation)")
+    p.add_argument("--answer-prefix", default=None, help="text the model continues after 'Answer:'")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--prefill-chunk-size", type=parse_size, default=None)
+    p.add_argument("--no-snap", action="store_true", help="insert at the exact token depth, not at a sentence end")
+    p.add_argument("--no-plot", action="store_true")
+    _common(p)
+
+    p = sub.add_parser("recall", help="multi-query associative recall (MQAR) vs distance")
+    p.add_argument("checkpoint")
+    p.add_argument("--length", type=parse_size, default=2048)
+    p.add_argument("--num-pairs", type=int, default=16)
+    p.add_argument("--num-samples", type=int, default=8)
+    p.add_argument("--format", choices=["auto", "text", "tokens"], default="auto")
+    p.add_argument("--min-distance", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plot", action="store_true")
+    _common(p)
+
+    p = sub.add_parser("ppl", help="perplexity on text files or an indexed dataset, per position bucket")
+    p.add_argument("checkpoint")
+    p.add_argument("data", nargs="+", help="text files/dirs, embedded:paul_graham, or an indexed dataset prefix")
+    p.add_argument("--seq-len", type=parse_size, default=2048)
+    p.add_argument("--batch-tokens", type=parse_size, default=8192)
+    p.add_argument("--max-tokens", type=parse_size, default=None)
+    p.add_argument("--bucket-window", type=int, default=None, help="bucket width (default: the sliding window)")
+    _common(p)
+
+    p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks through the Orthros adapter")
+    p.add_argument("checkpoint")
+    p.add_argument("--tasks", required=True, help="comma-separated task names (pg_lambada, pg_passkey, ...)")
+    p.add_argument("--limit", type=float, default=None)
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=parse_size, default=None)
+    p.add_argument("--include-path", action="append", default=[], help="folder of your own task YAMLs")
+    p.add_argument("--tasks-dir", default=None, help="where the example tasks are written (default: ~/.cache)")
+    p.add_argument("--seed", type=int, default=1234)
+    _common(p)
+
+    p = sub.add_parser("bench-prefill", help="TTFT and decode tokens/s: Orthros vs dense of the same shape")
+    p.add_argument("model", help="checkpoint dir, config JSON/YAML, or a preset (tiny, 3m, 20m, 1p3b)")
+    p.add_argument("--lengths", default="1k..16k", help="1k..64k (powers of two) or 1k,4k,32k")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--prefill-chunk-size", type=parse_size, default=None)
+    p.add_argument("--baseline", choices=["dense", "sliding"], default="dense")
+    p.add_argument("--max-baseline-length", type=parse_size, default=None, help="skip the baseline above this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the machine-readable result here")
+    p.add_argument("--no-plot", action="store_true")
+    _common(p)
+    return parser
+
+
+def _load(args: argparse.Namespace, tokenizer_required: bool = True):
+    from orthros_train.infer.loading import is_checkpoint, load_model, load_tokenizer
+
+    if not is_checkpoint(args.checkpoint):
+        raise ValueError(f"{args.checkpoint} is not an Orthros checkpoint directory (no config.json)")
+    overrides = parse_overrides(args.override)
+    if args.attention_backend:
+        overrides["attention_backend"] = args.attention_backend
+    model = load_model(args.checkpoint, device=args.device, dtype=args.dtype, **overrides)
+    tokenizer = load_tokenizer(args.checkpoint, required=tokenizer_required)
+    return model, tokenizer
+
+
+def cmd_niah(args: argparse.Namespace) -> dict[str, Any]:
+    from orthros_train.eval.niah import Needle, run_niah, save_niah
+
+    model, tokenizer = _load(args)
+    needle = Needle()
+    for field in ("needle", "question", "answer", "answer_prefix"):
+        if getattr(args, field) is not None:
+            setattr(needle, field, getattr(args, field))
+    result = run_niah(
+        model, tokenizer, parse_lengths(args.lengths), parse_depths(args.depths), needle,
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        prefill_chunk_size=args.prefill_chunk_size, snap_to_sentence=not args.no_snap,
+    )  # fmt: skip
+    result["checkpoint"] = str(args.checkpoint)
+    paths = save_niah(result, args.output_dir, plot=not args.no_plot)
+    print(f"niah: mean exact match {result['mean_exact_match']:.3f} over {len(result['results'])} cells -> {paths}")
+    return paths
+
+
+def cmd_recall(args: argparse.Namespace) -> dict[str, Any]:
+    from orthros_train.eval.recall import run_recall, save_recall
+
+    model, tokenizer = _load(args, tokenizer_required=args.format == "text")
+    result = run_recall(
+        model, tokenizer, length=args.length, num_pairs=args.num_pairs, num_samples=args.num_samples,
+        fmt=args.format, min_distance=args.min_distance, seed=args.seed,
+    )  # fmt: skip
+    result["checkpoint"] = str(args.checkpoint)
+    paths = save_recall(result, args.output_dir, plot=not args.no_plot)
+    print(f"recall ({result['format']}): accuracy {result['accuracy']:.3f}, beyond the window {result['window']}: "
+          f"{_f(result['accuracy_beyond_window'])}, within: {_f(result['accuracy_within_window'])}")  # fmt: skip
+    for b in result["buckets"]:
+        print(f"  distance {b['label']:>16}: {_f(b['accuracy'])} ({b['queries']} queries)")
+    print(f"-> {paths}")
+    return paths
+
+
+def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
+    from orthros_train.eval.ppl import run_ppl, save_ppl, token_documents
+
+    needs_tok = any(not _looks_indexed(d) for d in args.data)
+    model, tokenizer = _load(args, tokenizer_required=needs_tok)
+    result = run_ppl(
+        model, token_documents(args.data, tokenizer), seq_len=args.seq_len, batch_tokens=args.batch_tokens,
+        max_tokens=args.max_tokens, bucket_window=args.bucket_window,
+    )  # fmt: skip
+    result["checkpoint"], result["data"] = str(args.checkpoint), list(args.data)
+    paths = save_ppl(result, args.output_dir)
+    print(f"ppl: {result['perplexity']:.3f} (loss {result['loss']:.4f}) over {result['tokens']} tokens")
+    for b in result["buckets"]:
+        if b["tokens"]:
+            print(
+                f"  positions {b['label']:>16}: loss {b['loss']:.4f}, ppl {b['perplexity']:.3f} ({b['tokens']} tokens)"
+            )
+    print(f"-> {paths}")
+    return paths
+
+
+def _looks_indexed(spec: str) -> bool:
+    from orthros_train.eval.ppl import _is_indexed
+
+    return not spec.startswith("embedded:") and _is_indexed(spec)
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from orthros_train.eval.harness import run_lm_eval
+
+    model, tokenizer = _load(args)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    result = run_lm_eval(
+        model, tokenizer, tasks, limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+        max_length=args.max_length, include_paths=args.include_path, tasks_dir=args.tasks_dir, seed=args.seed,
+    )  # fmt: skip
+    result["checkpoint"] = str(args.checkpoint)
+    path = write_json(result, Path(args.output_dir) / "lm_eval.json")
+    for task, metrics in result["results"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)))
+        print(f"lm-eval {task}: {shown}")
+    print(f"-> {path}")
+    return {"json": str(path)}
+
+
+def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from orthros_train.eval.bench import bench_prefill, format_table
+
+    overrides = parse_overrides(args.override)
+    if args.attention_backend:
+        overrides["attention_backend"] = args.attention_backend
+    print(
+        "|  length | Orthros TTFT s | dense TTFT s | prefill dense/Orthros | Orthros decode tok/s "
+        "| dense decode tok/s | decode Orthros/dense |"
+    )
+    result = bench_prefill(
+        args.model, parse_lengths(args.lengths), device=args.device, dtype=args.dtype, baseline=args.baseline,
+        decode_tokens=args.decode_tokens, repeats=args.repeats, chunk_size=args.prefill_chunk_size,
+        batch_size=args.batch_size, max_baseline_length=args.max_baseline_length, seed=args.seed,
+        overrides=overrides,
+    )  # fmt: skip
+    out = Path(args.output_dir)
+    paths = {"json": str(write_json(result, out / "bench_prefill.json"))}
+    if args.json:
+        paths["json_copy"] = str(write_json(result, args.json))
+    table = format_table(result)
+    (out / "bench_prefill.md").write_text(table + "\n")
+    paths["table"] = str(out / "bench_prefill.md")
+    if not args.no_plot:
+        from orthros_train.eval.plots import bench_plot
+
+        title = f"{args.model}: Orthros vs {args.baseline} ({result['environment']['device']})"
+        paths["png"] = str(bench_plot(result["rows"], out / "bench_prefill.png", title))
+    print(table)
+    print(f"-> {paths}")
+    return paths
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+COMMANDS = {"niah": cmd_niah, "recall": cmd_recall, "ppl": cmd_ppl, "lm-eval": cmd_lm_eval, "bench-prefill": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        print(f"orthros-eval {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""PNG figures of the eval commands (matplotlib, headless). Imported lazily by each command."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("plots need matplotlib: pip install matplotlib (or pass --no-plot)") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def niah_heatmap(
+    scores: Sequence[Sequence[float]],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    path: str | Path,
+    title: str = "Needle in a haystack",
+) -> Path:
+    """The usual NIAH picture: depth (rows, 0% at the top) x context length (columns), score 0..1."""
+    plt = _pyplot()
+    from matplotlib.colors import LinearSegmentedColormap
+
+    cmap = LinearSegmentedColormap.from_list("niah", ["#F0496E", "#EBB839", "#0CD79F"])
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(lengths) + 3), max(4, 0.45 * len(depths) + 2)))
+    im = ax.imshow(scores, cmap=cmap, vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [_k(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    for i in range(len(depths)):
+        for j in range(len(lengths)):
+            ax.text(j, i, f"{scores[i][j]:.2f}", ha="center", va="center", fontsize=7, color="black")
+    fig.colorbar(im, ax=ax, label="score")
+    ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def recall_curve(buckets: Sequence[dict], path: str | Path, window: int | None, title: str = "Recall vs distance"):
+    """Accuracy per distance bucket (x: bucket label), with the sliding window marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [b["label"] for b in buckets]
+    acc = [b["accuracy"] if b["accuracy"] is not None else float("nan") for b in buckets]
+    ax.plot(range(len(labels)), acc, marker="o")
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("distance from the key-value pair to its query (tokens)")
+    ax.set_ylabel("accuracy")
+    if window:
+        for i, b in enumerate(buckets):
+            if b["low"] >= window:
+                ax.axvline(i - 0.5, color="gray", linestyle="--", label=f"window W={window}")
+                ax.legend()
+                break
+    ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bench_plot(rows: Sequence[dict], path: str | Path, title: str) -> Path:
+    """Time to first token of both models (log-log) and the dense/Orthros ratio vs prompt length."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    lengths = [r["length"] for r in rows]
+    for key, label in (("orthros_ttft_s", "Orthros"), ("dense_ttft_s", "dense")):
+        pts = [(r["length"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax1.plot(*zip(*pts), marker="o", label=label)
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("prompt length (tokens)")
+    ax1.set_ylabel("time to first token (s)")
+    ax1.legend()
+    ax1.grid(True, which="both", alpha=0.3)
+    pts = [(r["length"], r["prefill_speedup"]) for r in rows if r.get("prefill_speedup") is not None]
+    if pts:
+        ax2.plot(*zip(*pts), marker="o", label="prefill: dense / Orthros time")
+    pts = [(r["length"], r["decode_ratio"]) for r in rows if r.get("decode_ratio") is not None]
+    if pts:
+        ax2.plot(*zip(*pts), marker="s", label="decode: Orthros / dense tokens/s")
+    ax2.axhline(1.0, color="gray", linewidth=0.8)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(lengths, [_k(n) for n in lengths])
+    ax2.set_xlabel("prompt length (tokens)")
+    ax2.set_ylabel("ratio")
+    ax2.legend()
+    ax2.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)

@@ -1,0 +1,364 @@
+"""orthros-eval: NIAH, MQAR recall, perplexity, the lm-eval adapter and bench-prefill on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orthros_train.eval.cli import main
+from orthros_train.eval.common import parse_depths, parse_lengths, parse_overrides, parse_size
+from orthros_train.eval.niah import Needle, build_prompt, normalize, place_needle, score_answer
+from orthros_train.eval.recall import _assemble, distance_buckets, make_token_sample, score_queries, summarize
+from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP barrier spins on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from orthros_train.data.embedded import corpus_documents, train_tokenizer
+
+    return train_tokenizer(corpus_documents("paul_graham"), 400, tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tokenizer):
+    """A tiny random Orthros checkpoint with its tokenizer, as ``orthros-train`` saves one."""
+    torch.manual_seed(0)
+    cfg = OrthrosConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, sliding_window=16, initializer_range=0.1,
+    )  # fmt: skip
+    model = OrthrosForCausalLM(cfg)
+    path = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    from orthros_train.infer import load_model
+
+    return load_model(ckpt, device="cpu")
+
+
+# -- argument parsing ----------------------------------------------------------------------------
+
+
+def test_parsers():
+    assert parse_size("4k") == 4096 and parse_size("1m") == 2**20 and parse_size("300") == 300
+    assert parse_lengths("1k..8k") == [1024, 2048, 4096, 8192]
+    assert parse_lengths("4k,1k,1k") == [1024, 4096]
+    assert parse_depths("0..100:5") == [0, 25, 50, 75, 100]
+    assert parse_depths("10,90") == [10, 90]
+    assert parse_overrides(["sliding_window=256", "attention_backend=reference"]) == {
+        "sliding_window": 256, "attention_backend": "reference",
+    }  # fmt: skip
+    with pytest.raises(ValueError):
+        parse_size("4x")
+
+
+# -- needle in a haystack --------------------------------------------------------------------------
+
+
+def test_niah_scoring_on_known_strings():
+    ans = "eat a sandwich and sit in Dolores Park on a sunny day"
+    assert score_answer(" eat a sandwich and sit in Dolores Park on a sunny day.", ans)["exact_match"] == 1
+    assert (
+        score_answer(" Eat a sandwich, and sit in Dolores Park on a sunny day! Then go home.", ans)["exact_match"] == 1
+    )
+    assert score_answer(" eat a sandwich and sit in Dolores Park", ans)["exact_match"] == 0
+    assert score_answer(" eat a sandwich and sit in Dolores Park on a sunny dayz", ans)["exact_match"] == 0
+    s = score_answer(" I think: eat a sandwich and sit in Dolores Park on a sunny day", ans)
+    assert s["exact_match"] == 0 and s["contains"] == 1 and s["word_recall"] == 1
+    s = score_answer(" sit in the park\neat a sandwich and sit in Dolores Park on a sunny day", ans)
+    assert s["exact_match"] == 0 and s["contains"] == 1  # exact match reads the first line only
+    assert score_answer("", ans) == {"exact_match": 0.0, "contains": 0.0, "word_recall": 0.0}
+    assert normalize("  Hello,   World!! ") == "hello world"
+
+
+@pytest.mark.parametrize("depth", [0, 10, 33.3, 50, 90, 100])
+def test_needle_goes_to_the_requested_token_depth(depth):
+    hay = list(range(1000, 1200))  # 200 tokens
+    needle = [1, 2, 3]
+    tokens, at = place_needle(hay, needle, depth)
+    assert at == round(depth / 100 * len(hay))
+    assert tokens[at : at + 3] == needle and tokens[:at] == hay[:at] and tokens[at + 3 :] == hay[at:]
+    # Snapping moves it back to just after a sentence end (here: every token divisible by 7).
+    ends = {t for t in hay if t % 7 == 0}
+    tokens, snapped = place_needle(hay, needle, depth, ends, max_backoff=10)
+    assert snapped <= at and at - snapped <= 10
+    assert snapped in (0, len(hay)) or hay[snapped - 1] in ends
+
+
+def test_niah_prompt_has_exact_length_and_needle_at_depth(tokenizer):
+    needle = Needle()
+    needle_ids = tokenizer(needle.needle, add_special_tokens=False)["input_ids"]
+    for length in (200, 500):
+        for depth in (0, 25, 50, 100):
+            p = build_prompt(tokenizer, length, depth, needle, snap_to_sentence=False)
+            ids = p["input_ids"]
+            assert len(ids) == length
+            at = p["insert_index"]
+            assert ids[at : at + len(needle_ids)] == needle_ids
+            assert at == round(depth / 100 * p["haystack_tokens"])  # no BOS in this tokenizer
+            assert tokenizer.decode(ids).rstrip().endswith("Answer: The best thing to do in San Francisco is")
+        p = build_prompt(tokenizer, length, 50, needle, snap_to_sentence=True)
+        assert abs(p["actual_depth"] - 50) <= 100 * 64 / p["haystack_tokens"]
+    with pytest.raises(ValueError, match="no room"):
+        build_prompt(tokenizer, 20, 50, needle)
+
+
+def test_niah_end_to_end_cli(ckpt, tmp_path):
+    out = tmp_path / "niah"
+    rc = main(["niah", str(ckpt), "--lengths", "192,320", "--depths", "0,50,100", "--batch-size", "3",
+               "--prefill-chunk-size", "64", "--output-dir", str(out), "--max-new-tokens", "4"])  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "niah.json").read_text())
+    assert result["lengths"] == [192, 320] and result["depths"] == [0, 50, 100]
+    assert len(result["scores"]) == 3 and all(len(r) == 2 for r in result["scores"])
+    assert len(result["results"]) == 6 and all(r["prompt_tokens"] == r["length"] for r in result["results"])
+    assert (out / "niah.png").stat().st_size > 1000
+
+
+# -- recall (MQAR) ----------------------------------------------------------------------------------
+
+
+def test_mqar_placement_and_scoring():
+    rng = random.Random(0)
+    sample = make_token_sample(vocab_size=300, length=400, num_pairs=10, rng=rng, min_distance=20)
+    ids = sample.input_ids
+    assert len(ids) == 400
+    assert len(sample.distances) == 10 and len(sample.output_positions) == 10
+    for pos, target, q in zip(sample.output_positions, sample.targets, sample.query_of_output):
+        assert ids[pos + 1] == target  # the output at pos predicts the value that follows the key
+        value_at = pos + 1 - sample.distances[q]
+        assert ids[value_at] == target and ids[value_at - 1] == ids[pos]  # the pair [k, v] sits `distance` back
+    assert min(sample.distances) >= 20
+    # Multi-token values: a query counts only when all its tokens are right.
+    assert score_queries([True, True, False, True], [0, 0, 1, 1], 2) == [True, False]
+    s = _assemble([9] * 50, [([1], [2, 3], [4]), ([5], [6], [])], [10, 30], [])
+    assert s.targets == [2, 3, 6] and s.query_of_output == [0, 0, 1]
+    buckets = summarize([True, False, True, True], [3, 20, 40, 100], window=16, length=128)
+    assert [b["label"] for b in buckets] == ["[0, 16)", "[16, 32)", "[32, 64)", "[64, 128)"]
+    assert [b["accuracy"] for b in buckets] == [1.0, 0.0, 1.0, 1.0]
+    assert distance_buckets(128, 1000)[-1] == (512, 1024)
+
+
+def test_mqar_perfect_model_scores_one(monkeypatch):
+    """With a model that always predicts the right token, every query is correct."""
+    from orthros_train.eval import recall
+
+    sample = make_token_sample(vocab_size=300, length=200, num_pairs=5, rng=random.Random(1))
+
+    class Oracle(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, ids, output_positions):
+            nxt = ids[0, output_positions + 1]
+            return SimpleNamespace(logits=F.one_hot(nxt, 300).float()[None])
+
+    assert recall.score_sample(Oracle(), sample) == [True] * 5
+
+
+@pytest.mark.parametrize("fmt", ["text", "tokens"])
+def test_recall_end_to_end_cli(ckpt, tmp_path, fmt):
+    out = tmp_path / fmt
+    rc = main(["recall", str(ckpt), "--length", "256", "--num-pairs", "4", "--num-samples", "2",
+               "--format", fmt, "--output-dir", str(out)])  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "recall.json").read_text())
+    assert result["format"] == fmt and len(result["queries"]) == 8
+    assert sum(b["queries"] for b in result["buckets"]) == 8
+    assert (out / "recall.png").is_file()
+
+
+# -- perplexity -----------------------------------------------------------------------------------------
+
+
+def test_ppl_equals_direct_computation(model, tokenizer, tmp_path):
+    from orthros_train.eval.ppl import run_ppl, token_documents
+
+    (tmp_path / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"text": "How to start a startup: make something people want."}) + "\n"
+    )
+    docs = list(token_documents([str(tmp_path)], tokenizer))
+    assert len(docs) == 2
+    result = run_ppl(model, docs, seq_len=48, batch_tokens=64, log=None)
+    nll = []
+    with torch.no_grad():
+        for doc in docs:
+            for s in range(0, len(doc), 48):
+                piece = torch.tensor(doc[s : s + 48])
+                if piece.numel() < 2:
+                    continue
+                logits = model(piece[None]).logits[0, :-1]
+                nll.append(F.cross_entropy(logits, piece[1:], reduction="none"))
+    nll = torch.cat(nll)
+    assert result["tokens"] == nll.numel()
+    assert math.isclose(result["loss"], float(nll.mean()), rel_tol=1e-5)
+    assert sum(b["tokens"] for b in result["buckets"]) == result["tokens"]
+    assert [b["label"] for b in result["buckets"]] == ["[0, 16)", "[16, 32)", "[32, 64)"]
+    assert result["buckets"][1]["beyond_window"] and not result["buckets"][0]["beyond_window"]
+
+
+def test_ppl_cli_on_text_and_indexed_data(ckpt, tokenizer, tmp_path):
+    pytest.importorskip("megatron.core")
+    from orthros_train.data.indexed import ShardWriter
+
+    text = tmp_path / "doc.txt"
+    text.write_text("Startups are companies designed to grow fast. " * 20)
+    ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids += tokenizer(text.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    writer = ShardWriter(str(tmp_path / "shard"), vocab_size=len(tokenizer))
+    import numpy as np
+
+    writer.add_document(np.array(ids))
+    writer.finish()
+    results = []
+    for data in (str(text), str(tmp_path / "shard")):
+        out = tmp_path / ("ppl_" + data.split("/")[-1])
+        assert main(["ppl", str(ckpt), data, "--seq-len", "64", "--output-dir", str(out)]) == 0
+        results.append(json.loads((out / "ppl.json").read_text()))
+    assert results[0]["tokens"] == results[1]["tokens"]  # same tokens, same windows: same numbers
+    assert math.isclose(results[0]["loss"], results[1]["loss"], rel_tol=1e-6)
+
+
+# -- lm-eval adapter -------------------------------------------------------------------------------------
+
+
+def _requests(*args):
+    return [SimpleNamespace(args=a) for a in args]
+
+
+def test_lm_eval_loglikelihood_equals_forward(model, tokenizer):
+    pytest.importorskip("lm_eval")
+    from orthros_train.eval.lm_eval_adapter import OrthrosLM
+
+    lm = OrthrosLM(model=model, tokenizer=tokenizer, max_batch_tokens=40)
+    pairs = [("The best thing to do in San Francisco is", " eat a sandwich"), ("Startups", " grow fast."),
+             ("Why ", "do founders fail?"), ("", "Hello world")]  # fmt: skip
+    results = lm.loglikelihood(_requests(*pairs))
+    for (ctx, cont), (logp, greedy) in zip(pairs, results):
+        if ctx:
+            ctx_s, cont_s = ctx.rstrip(), ctx[len(ctx.rstrip()) :] + cont  # trailing space moves to the continuation
+            whole = tokenizer(ctx_s + cont_s, add_special_tokens=False)["input_ids"]
+            n_ctx = len(tokenizer(ctx_s, add_special_tokens=False)["input_ids"])
+        else:
+            whole = [lm.prefix_token_id] + tokenizer(cont, add_special_tokens=False)["input_ids"]
+            n_ctx = 1
+        ids = torch.tensor(whole)
+        with torch.no_grad():
+            lp = F.log_softmax(model(ids[None, :-1]).logits[0].float(), -1)
+        targets = ids[n_ctx:]
+        picked = lp[n_ctx - 1 :].gather(-1, targets[:, None]).squeeze(-1)
+        assert math.isclose(logp, float(picked.sum()), rel_tol=1e-4, abs_tol=1e-4)
+        assert greedy == bool((lp[n_ctx - 1 :].argmax(-1) == targets).all())
+    # Left truncation to max_length: the same as scoring the last max_length+1 tokens directly.
+    short = OrthrosLM(model=model, tokenizer=tokenizer, max_length=8)
+    ctx, cont = "one two three four five six seven eight nine ten", " eleven"
+    (logp, _), = short.loglikelihood(_requests((ctx, cont)))  # fmt: skip
+    whole = tokenizer(ctx + cont, add_special_tokens=False)["input_ids"]
+    n_cont = len(whole) - len(tokenizer(ctx, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor(whole[-9:])
+    with torch.no_grad():
+        lp = F.log_softmax(model(ids[None, :-1]).logits[0].float(), -1)
+    assert math.isclose(logp, float(lp[-n_cont:].gather(-1, ids[-n_cont:, None]).sum()), rel_tol=1e-4)
+
+
+def test_lm_eval_rolling_and_generate_until(model, tokenizer):
+    pytest.importorskip("lm_eval")
+    from orthros_train.eval.lm_eval_adapter import OrthrosLM
+    from orthros_train.infer import generate
+
+    lm = OrthrosLM(model=model, tokenizer=tokenizer, max_length=16)
+    text = "Paul Graham wrote many essays about startups and programming languages."
+    (rolled,) = lm.loglikelihood_rolling(_requests((text,)))
+    ids = [lm.prefix_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"]
+    # Each token predicted once, with up to max_length tokens of context (the harness's windows).
+    from lm_eval import utils as lm_utils
+
+    total = 0.0
+    for ctx, cont in map(lm_utils.make_disjoint_window,
+                         lm_utils.get_rolling_token_windows(ids[1:], lm.prefix_token_id, 16, 1)):  # fmt: skip
+        full = torch.tensor((ctx + cont)[-17:])
+        with torch.no_grad():
+            lp = F.log_softmax(model(full[None, :-1]).logits[0].float(), -1)
+        total += float(lp[-len(cont) :].gather(-1, full[-len(cont) :, None]).sum())
+    assert math.isclose(rolled, total, rel_tol=1e-4)
+    lm = OrthrosLM(model=model, tokenizer=tokenizer, batch_size=2)
+    prompts = ["The pass key is", "Startups are", "How to"]
+    outs = lm.generate_until(_requests(*[(p, {"until": ["\n"], "max_gen_toks": 5}) for p in prompts]))
+    for p, o in zip(prompts, outs):
+        new = generate(model, [tokenizer(p)["input_ids"]], max_new_tokens=5, stop_token_ids=[lm.eot_token_id])
+        want = tokenizer.decode(new.sequences[0], skip_special_tokens=False).split("\n")[0]
+        assert o == want.split(tokenizer.eos_token)[0]
+
+
+def test_example_tasks_are_built_from_the_essays(tmp_path):
+    from orthros_train.eval.tasks import EXAMPLE_TASKS, write_example_tasks
+
+    d = write_example_tasks(tmp_path / "tasks")
+    for name in EXAMPLE_TASKS:
+        assert str(d) in (d / f"{name}.yaml").read_text()
+        rows = [json.loads(line) for line in (d / f"{name}.jsonl").read_text().splitlines()]
+        assert rows
+    lam = [json.loads(line) for line in (d / "pg_lambada.jsonl").read_text().splitlines()]
+    assert all(r["target"].isalpha() and len(r["context"].split()) >= 39 for r in lam)
+    key = [json.loads(line) for line in (d / "pg_passkey.jsonl").read_text().splitlines()]
+    assert all(f"The pass key is {r['answer']}." in r["context"] for r in key)
+    assert (d / "pg_essays.jsonl").read_text() == write_example_tasks(tmp_path / "again").joinpath(
+        "pg_essays.jsonl").read_text()  # fmt: skip
+
+
+def test_lm_eval_cli_runs_example_tasks_offline(ckpt, tmp_path):
+    pytest.importorskip("lm_eval")
+    out = tmp_path / "lm"
+    rc = main(["lm-eval", str(ckpt), "--tasks", "pg_lambada,pg_passkey,pg_essays", "--limit", "2",
+               "--max-length", "256", "--tasks-dir", str(tmp_path / "tasks"), "--output-dir", str(out)])  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "lm_eval.json").read_text())
+    res = result["results"]
+    assert "acc,none" in res["pg_lambada"] and "perplexity,none" in res["pg_lambada"]
+    assert "exact_match,digits" in res["pg_passkey"]
+    assert "word_perplexity,none" in res["pg_essays"]
+
+
+# -- bench-prefill -----------------------------------------------------------------------------------
+
+
+def test_bench_prefill_smoke(tmp_path):
+    out = tmp_path / "bench"
+    rc = main(["bench-prefill", "tiny", "--lengths", "64,128", "--decode-tokens", "2", "--output-dir", str(out),
+               "--json", str(tmp_path / "copy.json"), "--prefill-chunk-size", "48"])  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "bench_prefill.json").read_text())
+    assert [r["length"] for r in result["rows"]] == [64, 128]
+    for r in result["rows"]:
+        assert r["orthros_ttft_s"] > 0 and r["dense_ttft_s"] > 0 and r["prefill_speedup"] > 0
+        assert r["orthros_decode_tokens_per_s"] > 0 and r["decode_ratio"] > 0
+    assert (out / "bench_prefill.png").is_file() and (tmp_path / "copy.json").is_file()
+    assert "prefill dense/Orthros" in (out / "bench_prefill.md").read_text()
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["niah", str(tmp_path), "--lengths", "64"]) == 2
+    assert "not an Orthros checkpoint" in capsys.readouterr().err
+    assert main(["bench-prefill", "no-such-preset", "--lengths", "64"]) == 2
