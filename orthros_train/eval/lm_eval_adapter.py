@@ -44,8 +44,10 @@ class OrthrosLM(TemplateLM):
         max_length: int | None = None,
         max_batch_tokens: int = 16384,
         prefill_chunk_size: int | None = None,
+        max_batch_size: int | None = None,  # lm-eval passes it; batches here are bounded by max_batch_tokens
         **overrides: Any,
     ) -> None:
+        """``overrides`` are config fields changed at load time (e.g. ``sliding_window=256``)."""
         super().__init__()
         if model is None:
             if pretrained is None:
