@@ -52,7 +52,8 @@ class ConversationStore:
         ds = self.datasets[self.shard_of[i]]
         d = int(self.doc_of[i])
         lo, hi = int(ds.document_indices[d]), int(ds.document_indices[d + 1])
-        return ds.sequence_lengths[lo:hi], ds.index.sequence_modes[lo:hi], lo, int(self.shard_of[i])
+        # copies: megatron closes its mmaps when the dataset is collected, leaving views dangling
+        return np.array(ds.sequence_lengths[lo:hi]), np.array(ds.index.sequence_modes[lo:hi]), lo, int(self.shard_of[i])
 
     def segments(self, i: int, count: int | None = None) -> tuple[list[np.ndarray], np.ndarray]:
         """The first ``count`` segments (all by default) and their modes."""
@@ -61,7 +62,7 @@ class ConversationStore:
         if count == 0:
             return [], modes[:0]
         parts, _ = self.datasets[shard][lo : lo + count]
-        return parts, modes[:count]
+        return [np.array(p) for p in parts], modes[:count]
 
 
 def fit_segments(lengths: np.ndarray, modes: np.ndarray, seq_len: int, overlong: str) -> int:
