@@ -346,14 +346,17 @@ def test_lm_eval_cli_runs_example_tasks_offline(ckpt, tmp_path):
 
 def test_bench_prefill_smoke(tmp_path):
     out = tmp_path / "bench"
-    rc = main(["bench-prefill", "tiny", "--lengths", "64,128", "--decode-tokens", "2", "--output-dir", str(out),
-               "--json", str(tmp_path / "copy.json"), "--prefill-chunk-size", "48"])  # fmt: skip
+    rc = main(["bench-prefill", "tiny", "--lengths", "64,128", "--decode-tokens", "2", "--decode-rounds", "2",
+               "--output-dir", str(out), "--json", str(tmp_path / "copy.json"), "--prefill-chunk-size", "48",
+               "--max-baseline-length", "64"])  # fmt: skip
     assert rc == 0
     result = json.loads((out / "bench_prefill.json").read_text())
     assert [r["length"] for r in result["rows"]] == [64, 128]
     for r in result["rows"]:
-        assert r["orthros_ttft_s"] > 0 and r["dense_ttft_s"] > 0 and r["prefill_speedup"] > 0
-        assert r["orthros_decode_tokens_per_s"] > 0 and r["decode_ratio"] > 0
+        assert r["orthros_ttft_s"] > 0 and r["orthros_decode_tokens_per_s"] > 0 and r["decode_ratio"] > 0
+    assert result["rows"][0]["prefill_speedup"] > 0
+    assert "dense_ttft_s" not in result["rows"][1]  # baseline prefill skipped, its decode still measured
+    assert result["rows"][1]["cache_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # tiny: 2 layers, 2 kv heads x 16
     assert (out / "bench_prefill.png").is_file() and (tmp_path / "copy.json").is_file()
     assert "prefill dense/Orthros" in (out / "bench_prefill.md").read_text()
 

@@ -237,3 +237,19 @@ def test_generation_reserves_the_cache_once():
     finally:
         KVCache._buffers = original
     assert allocations == list(range(model.config.num_hidden_layers))  # one allocation per layer
+
+
+def test_cache_clone_is_independent_and_decodes_alike():
+    model = make_model()
+    logits, cache = prefill(model, [torch.tensor(p) for p in PROMPTS])
+    copy = cache.clone(capacity=64)
+    assert copy.capacity == 64 and copy.lengths.tolist() == cache.lengths.tolist()
+    for layer in range(model.config.num_hidden_layers):
+        for r in range(3):
+            assert torch.equal(copy.row(layer, r)[0], cache.row(layer, r)[0])
+    from orthros_train.infer import decode
+
+    nxt = logits.argmax(-1)
+    a, b = decode(model, nxt, cache), decode(model, nxt, copy)
+    assert (a - b).abs().max() <= 1e-5
+    assert cache.k[0] is not copy.k[0] and cache.lengths.tolist() == copy.lengths.tolist()

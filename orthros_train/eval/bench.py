@@ -7,12 +7,17 @@ prefill/decode code, so the ratio isolates the attention pattern: Orthros prefil
 against ``T``.
 
 TTFT = prefill of the prompt + choosing the first token (best of ``repeats``). Decode tokens/s =
-``decode_tokens`` greedy steps continuing that prompt's cache.
+``decode_tokens`` greedy steps continuing the prompt's cache, both models taking turns for
+``decode_rounds`` rounds (median), so background load hits both alike. Both decode from a copy of
+the cache Orthros' prefill built: a step costs the same whatever the cached values, and the
+baseline's quadratic prefill is then only paid for the TTFT column (``max_baseline_length``
+skips it on long prompts while the decode ratio is still measured).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,21 +36,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(
+def measure_prefill(
     model: torch.nn.Module,
     ids: torch.Tensor,
-    decode_tokens: int,
     repeats: int = 1,
     chunk_size: int | None = None,
-) -> dict[str, Any]:
-    """TTFT (best of ``repeats``) and decode tokens/s of one model on prompts ``ids [B, T]``."""
+    reserve: int = 0,
+) -> tuple[float, KVCache, torch.Tensor]:
+    """Best-of-``repeats`` time to first token on prompts ``ids [B, T]``; also the cache and first tokens."""
     device = next(model.parameters()).device
     b, t = ids.shape
     rows = list(ids.unbind(0))
-    best, cache = math.inf, None
+    best, cache, nxt = math.inf, None, None
     for _ in range(max(1, repeats)):
         cache = KVCache(model.config.num_hidden_layers, b)
-        cache.reserve(t + decode_tokens + 1)
+        cache.reserve(t + reserve)
         _sync(device)
         t0 = time.perf_counter()
         logits, cache = prefill(model, rows, cache, chunk_size)
@@ -53,21 +58,40 @@ def measure(
         nxt.cpu()
         _sync(device)
         best = min(best, time.perf_counter() - t0)
-    result: dict[str, Any] = {"ttft_s": best, "cache_bytes_per_token": cache.bytes_per_token()}
-    if decode_tokens > 0:
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(decode_tokens):
-            nxt = decode(model, nxt, cache).argmax(-1)
-        nxt.cpu()
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        result["decode_tokens_per_s"] = b * decode_tokens / elapsed
-        result["decode_step_ms"] = 1000 * elapsed / decode_tokens
-    if device.type == "cuda":
-        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
-    return result
+    return best, cache, nxt
+
+
+def measure_decode(
+    models: dict[str, torch.nn.Module],
+    cache: KVCache,
+    first: torch.Tensor,
+    steps: int,
+    rounds: int = 3,
+) -> dict[str, float]:
+    """Decode tokens/s of each model continuing (a copy of) the same cache, interleaved in rounds.
+
+    The models take turns, ``steps`` greedy steps per turn, and each reports its median over
+    ``rounds`` turns: background load hits both alike. All models share the cache's shapes
+    (same config up to the attention pattern), and a step costs the same whatever the cached
+    values, so one prefill serves all of them.
+    """
+    device = next(next(iter(models.values())).parameters()).device
+    b = cache.num_rows
+    caches = {name: cache.clone(capacity=int(cache.lengths.max()) + rounds * steps + 1) for name in models}
+    nxt = {name: first.clone() for name in models}
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(max(1, rounds)):
+        for name, model in models.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            tok = nxt[name]
+            for _ in range(steps):
+                tok = decode(model, tok, caches[name]).argmax(-1)
+            tok.cpu()
+            _sync(device)
+            samples[name].append(b * steps / (time.perf_counter() - t0))
+            nxt[name] = tok
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def bench_prefill(
@@ -81,11 +105,16 @@ def bench_prefill(
     chunk_size: int | None = None,
     batch_size: int = 1,
     max_baseline_length: int | None = None,
+    decode_rounds: int = 3,
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = print,
 ) -> dict[str, Any]:
-    """Run the benchmark; returns ``{"config", "environment", "rows": [...]}`` (one row per length)."""
+    """Run the benchmark; returns ``{"config", "environment", "rows": [...]}`` (one row per length).
+
+    Per length: TTFT of Orthros and of the baseline (the baseline skipped above
+    ``max_baseline_length``), then decode tokens/s of both from the Orthros prompt's cache.
+    """
     overrides = dict(overrides or {})
     overrides.setdefault("attention_type", "orthros")
     orthros = load_model(model_spec, device=device, dtype=dtype, seed=seed, **overrides)
@@ -96,22 +125,29 @@ def bench_prefill(
     # Warm-up: first calls pay allocator/kernel-selection costs that a long run amortises.
     warm = torch.randint(0, cfg.vocab_size, (batch_size, min(2 * cfg.sliding_window, 256)), generator=gen)
     for m in (orthros, other):
-        measure(m, warm, decode_tokens=2, chunk_size=chunk_size)
+        _, c, f = measure_prefill(m, warm, chunk_size=chunk_size, reserve=4)
+        measure_decode({"m": m}, c, f, steps=2, rounds=1)
     rows = []
     for t in lengths:
         ids = torch.randint(0, cfg.vocab_size, (batch_size, t), generator=gen)
         row: dict[str, Any] = {"length": t}
-        o = measure(orthros, ids, decode_tokens, repeats, chunk_size)
-        row.update({f"orthros_{k}": v for k, v in o.items()})
+        row["orthros_ttft_s"], cache, first = measure_prefill(orthros, ids, repeats, chunk_size)
+        row["cache_bytes_per_token"] = cache.bytes_per_token()
         if max_baseline_length is None or t <= max_baseline_length:
-            d = measure(other, ids, decode_tokens, repeats, chunk_size)
-            row.update({f"dense_{k}": v for k, v in d.items()})
-            row["prefill_speedup"] = d["ttft_s"] / o["ttft_s"]
-            if decode_tokens > 0:
-                row["decode_ratio"] = o["decode_tokens_per_s"] / d["decode_tokens_per_s"]
+            row["dense_ttft_s"], _, _ = measure_prefill(other, ids, repeats, chunk_size)
+            row["prefill_speedup"] = row["dense_ttft_s"] / row["orthros_ttft_s"]
+        if decode_tokens > 0:
+            tps = measure_decode({"orthros": orthros, "dense": other}, cache, first, decode_tokens, decode_rounds)
+            row["orthros_decode_tokens_per_s"] = tps["orthros"]
+            row["dense_decode_tokens_per_s"] = tps["dense"]
+            row["decode_ratio"] = tps["orthros"] / tps["dense"]
+        del cache
         rows.append(row)
         if log is not None:
             log(format_row(row))
+        if dev.type == "cuda":
+            row["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+            torch.cuda.reset_peak_memory_stats(dev)
     return {
         "model": str(model_spec),
         "baseline": baseline,
@@ -119,6 +155,7 @@ def bench_prefill(
         "num_parameters": cfg.num_parameters(),
         "batch_size": batch_size,
         "decode_tokens": decode_tokens,
+        "decode_rounds": decode_rounds,
         "repeats": repeats,
         "prefill_chunk_size": chunk_size,
         "environment": environment(dev),

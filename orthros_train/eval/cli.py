@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-prefill", help="TTFT and decode tokens/s: Orthros vs dense of the same shape")
     p.add_argument("model", help="checkpoint dir, config JSON/YAML, or a preset (tiny, 3m, 20m, 1p3b)")
     p.add_argument("--lengths", default="1k..16k", help="1k..64k (powers of two) or 1k,4k,32k")
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=32, help="decode steps per round and model")
+    p.add_argument("--decode-rounds", type=int, default=3, help="rounds the two models take turns (median)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--prefill-chunk-size", type=parse_size, default=None)
@@ -208,6 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         args.model, parse_lengths(args.lengths), device=args.device, dtype=args.dtype, baseline=args.baseline,
         decode_tokens=args.decode_tokens, repeats=args.repeats, chunk_size=args.prefill_chunk_size,
         batch_size=args.batch_size, max_baseline_length=args.max_baseline_length, seed=args.seed,
+        decode_rounds=args.decode_rounds,
         overrides=overrides,
     )  # fmt: skip
     out = Path(args.output_dir)

@@ -87,18 +87,14 @@ class KVCache:
         new_k = like.new_zeros(shape)
         new_v = like.new_zeros(shape)
         if k is not None:
-            old_cap = k.shape[0] // self.num_rows
             if tuple(k.shape[1:]) != tuple(like.shape[1:]):
-                raise ValueError(
-                    f"layer {layer}: K/V shape changed from {tuple(k.shape[1:])} to {tuple(like.shape[1:])}"
-                )
+                raise ValueError(f"layer {layer}: K/V shape changed {tuple(k.shape[1:])} -> {tuple(like.shape[1:])}")
+            old_cap = k.shape[0] // self.num_rows
             keep = min(old_cap, self.capacity)
-            new_k.view(self.num_rows, self.capacity, *shape[1:])[:, :keep] = k.view(self.num_rows, old_cap, *shape[1:])[
-                :, :keep
-            ]
-            new_v.view(self.num_rows, self.capacity, *shape[1:])[:, :keep] = v.view(self.num_rows, old_cap, *shape[1:])[
-                :, :keep
-            ]
+            for new, old in ((new_k, k), (new_v, v)):
+                new.view(self.num_rows, self.capacity, *shape[1:])[:, :keep] = old.view(
+                    self.num_rows, old_cap, *shape[1:]
+                )[:, :keep]
         self.k[layer], self.v[layer] = new_k, new_v
         return new_k, new_v
 
@@ -124,6 +120,19 @@ class KVCache:
         """Record that every layer now holds the new tokens (call once per forward)."""
         self.lengths = self.lengths + self._check(new_lengths)
         self._dest = None
+
+    def clone(self, capacity: int | None = None) -> "KVCache":
+        """An independent copy (optionally with more capacity per row)."""
+        other = KVCache(self.num_layers, self.num_rows, self.capacity, self.growth)
+        other.lengths = self.lengths.clone()
+        other.k = [None if t is None else t.clone() for t in self.k]
+        other.v = [None if t is None else t.clone() for t in self.v]
+        if capacity is not None and capacity > self.capacity:
+            other.capacity = int(capacity)
+            for layer, t in enumerate(other.k):
+                if t is not None:
+                    other._buffers(layer, t)
+        return other
 
     # -- views and accounting -----------------------------------------------------------------
     def select(self, rows: Sequence[int] | torch.Tensor) -> "KVCacheRows":
