@@ -196,15 +196,12 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from orthros_train.eval.bench import bench_prefill, format_table
+    from orthros_train.eval.bench import TABLE_HEADER, bench_prefill, format_table
 
     overrides = parse_overrides(args.override)
     if args.attention_backend:
         overrides["attention_backend"] = args.attention_backend
-    print(
-        "|  length | Orthros TTFT s | dense TTFT s | prefill dense/Orthros | Orthros decode tok/s "
-        "| dense decode tok/s | decode Orthros/dense |"
-    )
+    print(TABLE_HEADER.splitlines()[0])
     result = bench_prefill(
         args.model, parse_lengths(args.lengths), device=args.device, dtype=args.dtype, baseline=args.baseline,
         decode_tokens=args.decode_tokens, repeats=args.repeats, chunk_size=args.prefill_chunk_size,
