@@ -48,6 +48,12 @@ def apply_cpu_shims() -> bool:
         return False
     if _APPLIED:
         return True
+    import os
+
+    # Configuration DeepSpeed reads from the environment at import time: set before importing it.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import importlib
+
     import megatron.core.tensor_parallel.layers as mc_layers
     import megatron.core.tensor_parallel.random as mc_random
 
@@ -55,5 +61,8 @@ def apply_cpu_shims() -> bool:
     torch.cuda.synchronize = lambda *args, **kwargs: None  # dist_checkpointing save/load
     mc_random.get_cuda_rng_tracker = lambda *args, **kwargs: _TRACKER
     mc_layers.get_cuda_rng_tracker = lambda *args, **kwargs: _TRACKER
+    # import_module, not `import deepspeed.comm.torch as m`: deepspeed.comm has an attribute
+    # named `torch` (the real torch), which that statement would bind instead.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     _APPLIED = True
     return True

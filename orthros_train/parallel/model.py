@@ -336,6 +336,10 @@ class ParallelOrthrosForCausalLM(MegatronModule):
     def _shards(self) -> int:
         return self.tp if self.sequence_parallel else 1
 
+    def forward(self, layout: OrthrosLayout, return_logits: bool = False) -> OrthrosOutput:
+        """What engines (DeepSpeed) call: the training forward, loss only."""
+        return self.forward_layout(layout, return_logits=return_logits)
+
     def forward_layout(self, layout: OrthrosLayout, return_logits: bool = True) -> OrthrosOutput:
         """Loss (as in the reference model) and, unless ``return_logits=False``, the full
         ``[N, vocab]`` logits (all-gathered over TP). Training skips the logits: megatron's

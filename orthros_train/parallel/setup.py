@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,8 +96,19 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
         if env.launched:
             dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
         else:
+            port = _free_port()
+            # DeepSpeed insists on finding a launcher's variables; a one-process run has no
+            # launcher, so state the trivial layout for it.
+            for key, value in (
+                ("RANK", "0"),
+                ("LOCAL_RANK", "0"),
+                ("WORLD_SIZE", "1"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", str(port)),
+            ):
+                os.environ.setdefault(key, value)
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
             )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=pcfg.tensor_parallel)

@@ -10,6 +10,9 @@ heads/vocab; ``linear_kv`` is ``[k_r; v_r]``; the MLP's ``linear_fc1`` is ``[gat
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -49,12 +52,45 @@ def _split(t: torch.Tensor, how: str, tp: int, rank: int) -> torch.Tensor:
     return t.chunk(tp, dim=dim)[rank].clone()
 
 
-def shard_state_dict(full: dict[str, torch.Tensor], cfg: OrthrosConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+class LazyCheckpoint(Mapping[str, torch.Tensor]):
+    """Tensors of a safetensors checkpoint directory, read one at a time on access.
+
+    Sharding an 8B checkpoint for one TP rank then holds one full tensor plus the rank's slices,
+    never the whole model.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        from safetensors import safe_open
+
+        directory = Path(directory)
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {directory}: not an Orthros checkpoint directory")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {key: h for h in self._handles for key in h.keys()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise KeyError(f"the checkpoint has no tensor {key!r}")
+        return self._where[key].get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def shard_state_dict(
+    full: Mapping[str, torch.Tensor], cfg: OrthrosConfig, tp: int, rank: int
+) -> dict[str, torch.Tensor]:
     """The reference state dict -> the state dict of TP rank ``rank`` of ``tp``."""
     out: dict[str, torch.Tensor] = {}
     for name, (target, how) in _TOP_MAP.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if name not in full:
+            raise KeyError(f"weights lack {name!r} (is tie_word_embeddings set right for this checkpoint?)")
         out[target] = _split(full[name], how, tp, rank)
     for i in range(cfg.num_hidden_layers):
         src, dst = f"layers.{i}.", f"layers.{i}."

@@ -3,19 +3,39 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from orthros_train.train.config import run_config_from_dict
 
+if TYPE_CHECKING:
+    from orthros_train.parallel.setup import DistributedEnv
+
 # Recipes live at the repository root (``recipes/``), next to the package in an editable install.
 RECIPES_DIR = str(Path(__file__).resolve().parents[2] / "recipes")
 
 
+def launcher_env() -> "DistributedEnv":
+    """What torchrun / srun set for this process (the only place that reads them)."""
+    from orthros_train.parallel.setup import DistributedEnv
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return DistributedEnv(
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            launched=True,
+        )
+    return DistributedEnv()
+
+
 def run(cfg: DictConfig) -> dict:
     """Resolve the recipe into typed config, then dry-run or train."""
+    from orthros_train.parallel.setup import destroy_parallel
     from orthros_train.train.trainer import Trainer, plan_summary
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -25,13 +45,17 @@ def run(cfg: DictConfig) -> dict:
         summary = plan_summary(run_cfg)
         print(json.dumps(summary, indent=2))
         return summary
-    trainer = Trainer(run_cfg, resolved)
-    result = trainer.fit()
-    print(f"final eval loss {result['eval_loss']:.4f}; checkpoint {result['checkpoint']}")
-    prompt = run_cfg.trainer.sample_prompt
-    if prompt:
-        text = trainer.sample(prompt, run_cfg.trainer.sample_tokens)
-        print(f"sample (greedy, prefill + decode):\n  prompt: {prompt!r}\n  continuation: {text!r}")
+    trainer = Trainer(run_cfg, resolved, launcher_env())
+    try:
+        result = trainer.fit()
+        prompt = run_cfg.trainer.sample_prompt
+        text = trainer.sample(prompt, run_cfg.trainer.sample_tokens) if prompt else None
+        if trainer.is_main:
+            print(f"final eval loss {result['eval_loss']:.4f}; checkpoint {result['checkpoint']}")
+            if prompt:
+                print(f"sample (greedy, prefill + decode):\n  prompt: {prompt!r}\n  continuation: {text!r}")
+    finally:
+        destroy_parallel()
     return result
 
 

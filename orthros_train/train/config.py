@@ -11,6 +11,7 @@ from typing import Any
 
 from orthros_train.data import DataConfig
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.parallel.setup import ParallelConfig
 
 
 @dataclass
@@ -56,7 +57,6 @@ class TrainerConfig:
     seq_len: int = 256
     micro_batch_size: int = 8
     grad_accum_steps: int = 1
-    data_parallel_size: int = 1  # for planning (dry-run figures); the parallel issue makes it real
     total_tokens: int | None = None  # informational: the token budget the recipe was sized for
     precision: str = "fp32"  # fp32 | bf16 (autocast where the device supports it)
     device: str = "auto"  # auto | cpu | cuda
@@ -71,17 +71,13 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):
             self.wandb = _section(WandbConfig, self.wandb, "trainer.wandb")
-        for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "data_parallel_size"):
+        for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"trainer.precision must be fp32|bf16, got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"trainer.device must be auto|cpu|cuda, got {self.device!r}")
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.seq_len * self.micro_batch_size * self.grad_accum_steps * self.data_parallel_size
 
 
 @dataclass
@@ -97,7 +93,17 @@ class RunConfig:
     data: DataConfig
     optim: OptimConfig
     trainer: TrainerConfig
+    parallel: ParallelConfig
     init: ModelInit
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: micro batch x accumulation x data-parallel ranks."""
+        return self.trainer.micro_batch_size * self.trainer.grad_accum_steps * self.parallel.data_parallel
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.trainer.seq_len
 
 
 def _section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
@@ -114,9 +120,11 @@ def _section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
 
 def run_config_from_dict(cfg: dict[str, Any]) -> RunConfig:
     """Build the typed config from a resolved recipe (``OmegaConf.to_container(resolve=True)``)."""
-    unknown = sorted(set(cfg) - {"model", "data", "optim", "trainer", "hydra"})
+    unknown = sorted(set(cfg) - {"model", "data", "optim", "trainer", "parallel", "hydra"})
     if unknown:
-        raise ValueError(f"unknown top-level recipe section(s) {unknown}; expected model, data, optim, trainer")
+        raise ValueError(
+            f"unknown top-level recipe section(s) {unknown}; expected model, data, optim, trainer, parallel"
+        )
     model = dict(cfg.get("model") or {})
     init = ModelInit(init_from=model.pop("init_from", None))
     return RunConfig(
@@ -124,5 +132,6 @@ def run_config_from_dict(cfg: dict[str, Any]) -> RunConfig:
         data=_section(DataConfig, cfg.get("data"), "data"),
         optim=_section(OptimConfig, cfg.get("optim"), "optim"),
         trainer=_section(TrainerConfig, cfg.get("trainer"), "trainer"),
+        parallel=_section(ParallelConfig, cfg.get("parallel"), "parallel"),
         init=init,
     )

@@ -1,0 +1,77 @@
+"""DeepSpeed ZeRO over the data-parallel group, with megatron-core's parallel state as ``mpu``.
+
+DeepSpeed owns: data-parallel gradient averaging, ZeRO partitioning of optimizer states /
+gradients / parameters (stages 1-3), optional optimizer offload to CPU, bf16 master weights,
+gradient clipping with a global norm that counts tensor-parallel shards once, and gradient
+accumulation boundaries. The optimizer itself is a plain ``torch.optim.AdamW`` (fused on CUDA):
+DeepSpeed's FusedAdam/CPUAdam would first JIT-compile C++/CUDA extensions (minutes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+
+from orthros_train.parallel.setup import ParallelConfig
+from orthros_train.train.config import OptimConfig, TrainerConfig
+from orthros_train.train.optim import build_optimizer
+
+
+class MegatronMPU:
+    """megatron-core's parallel state under the names DeepSpeed's ``mpu`` protocol uses.
+
+    Without pipeline parallelism the model-parallel group is the tensor-parallel group. No
+    ``get_sequence_parallel_*``: to DeepSpeed that means Ulysses, not megatron's SP, which lives
+    inside the model and is invisible to the optimizer.
+    """
+
+    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_src_rank = staticmethod(parallel_state.get_tensor_model_parallel_src_rank)
+    get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+    get_pipeline_model_parallel_group = staticmethod(parallel_state.get_pipeline_model_parallel_group)
+    get_pipeline_model_parallel_rank = staticmethod(parallel_state.get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(parallel_state.get_pipeline_model_parallel_world_size)
+
+
+def deepspeed_config(pcfg: ParallelConfig, tcfg: TrainerConfig, ocfg: OptimConfig) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": pcfg.zero_stage}
+    if pcfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if pcfg.zero_stage >= 2:
+        zero.update({"overlap_comm": torch.cuda.is_available(), "contiguous_gradients": True})
+    return {
+        "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
+        "gradient_accumulation_steps": tcfg.grad_accum_steps,
+        "train_batch_size": tcfg.micro_batch_size * tcfg.grad_accum_steps * pcfg.data_parallel,
+        "zero_optimization": zero,
+        "bf16": {"enabled": tcfg.precision == "bf16"},
+        "gradient_clipping": ocfg.grad_clip if ocfg.grad_clip > 0 else 0.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # offload with a torch optimizer: no CPUAdam compile
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(model: torch.nn.Module, pcfg: ParallelConfig, tcfg: TrainerConfig, ocfg: OptimConfig):
+    """Wrap ``model`` in a DeepSpeed engine; returns the engine (``engine.optimizer`` inside)."""
+    import deepspeed
+
+    optimizer = build_optimizer(model, ocfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        config=deepspeed_config(pcfg, tcfg, ocfg),
+        mpu=MegatronMPU,
+        dist_init_required=False,
+    )
+    return engine
