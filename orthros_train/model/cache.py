@@ -37,6 +37,7 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = torch.zeros(num_rows, dtype=torch.long)
         self._dest: tuple[tuple[int, ...], tuple[int, ...], torch.Tensor] | None = None
+        self._dest_dev: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- key layout ---------------------------------------------------------------------------
     def reserve(self, tokens_per_row: int) -> None:
@@ -111,7 +112,11 @@ class KVCache:
         if k_new.shape[0] != int(new_lengths.sum()) or v_new.shape != k_new.shape:
             raise ValueError(f"k_new/v_new must hold {int(new_lengths.sum())} tokens, got {tuple(k_new.shape)}")
         k, v = self._buffers(layer, k_new)
-        dest = self._destinations(new_lengths).to(k.device)
+        dest = self._destinations(new_lengths)
+        if dest.device != k.device:  # one host-to-device copy per step, shared by all layers
+            if self._dest_dev is None or self._dest_dev[0] is not dest:
+                self._dest_dev = (dest, dest.to(k.device))
+            dest = self._dest_dev[1]
         k.index_copy_(0, dest, k_new.to(k.dtype))
         v.index_copy_(0, dest, v_new.to(v.dtype))
         return k, v
