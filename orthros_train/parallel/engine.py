@@ -66,6 +66,10 @@ def build_engine(model: torch.nn.Module, pcfg: ParallelConfig, tcfg: TrainerConf
     """Wrap ``model`` in a DeepSpeed engine; returns the engine (``engine.optimizer`` inside)."""
     import deepspeed
 
+    if pcfg.zero_stage == 3 and getattr(model, "ocfg", None) is not None and model.ocfg.tie_word_embeddings:
+        # The tied LM head uses the embedding's weight from another module; ZeRO-3 only gathers a
+        # partitioned parameter around its own module unless told about such outside uses.
+        deepspeed.zero.register_external_parameter(model.output_layer, model.embedding.weight)
     optimizer = build_optimizer(model, ocfg)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -1,0 +1,85 @@
+"""Run under torchrun (2 ranks, DP=2): three optimizer steps with DeepSpeed ZeRO 1/2/3 equal a
+single process that sees the same global batch. Prints ``RESULT <json>`` on rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def main() -> None:
+    import deepspeed
+
+    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+    from orthros_train.parallel.engine import build_engine
+    from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
+    from orthros_train.parallel.setup import DistributedEnv, ParallelConfig, destroy_parallel, init_parallel
+    from orthros_train.parallel.state_dict import gather_full_state_dict, shard_state_dict
+    from orthros_train.phase import pretrain_layout
+    from orthros_train.train.config import OptimConfig, TrainerConfig
+    from orthros_train.train.optim import build_optimizer
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = OrthrosConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        sliding_window=4,
+        tie_word_embeddings=True,
+    )
+    ocfg = OptimConfig(lr=1e-2, min_lr=1e-2, warmup_steps=0, schedule="constant", grad_clip=1.0)
+    tcfg = TrainerConfig(micro_batch_size=1, grad_accum_steps=1, seq_len=12)
+    init_parallel(
+        ParallelConfig(tensor_parallel=1, data_parallel=world),
+        cfg,
+        DistributedEnv(rank=rank, world_size=world, local_rank=rank, launched=True),
+    )
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (world, 12), generator=g) for _ in range(3)]
+
+    torch.manual_seed(0)
+    init = OrthrosForCausalLM(cfg).state_dict()
+    ref = OrthrosForCausalLM(cfg)
+    ref.load_state_dict(init)
+    opt = build_optimizer(ref, ocfg)
+    for batch in batches:
+        opt.zero_grad()
+        loss = sum(ref.forward_layout(pretrain_layout(batch[r : r + 1])).loss for r in range(world)) / world
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), ocfg.grad_clip)
+        opt.step()
+    expected = ref.state_dict()
+
+    results = {}
+    for stage, offload in ((0, False), (1, False), (2, False), (3, False), (2, True)):
+        pcfg = ParallelConfig(tensor_parallel=1, data_parallel=world, zero_stage=stage, offload_optimizer=offload)
+        model = ParallelOrthrosForCausalLM(cfg, megatron_config(cfg, 1, False, torch.float32))
+        model.load_state_dict(shard_state_dict(init, cfg, 1, 0), strict=False)
+        engine = build_engine(model, pcfg, tcfg, ocfg)
+        losses = []
+        for batch in batches:
+            out = engine(pretrain_layout(batch[rank : rank + 1]))
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(float(out.loss))
+        if stage == 3:
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                got = {k: v.clone() for k, v in gather_full_state_dict(engine.module, cfg).items()}
+        else:
+            got = gather_full_state_dict(engine.module, cfg)
+        results[f"zero{stage}" + ("_offload" if offload else "")] = max(
+            float((got[k] - expected[k]).abs().max()) for k in expected
+        )
+        del engine
+    if rank == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Tensor/sequence parallelism and ZeRO against the single-device model (CPU, gloo, 2 ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orthros_train.model import OrthrosConfig
+from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
+
+SCRIPTS = Path(__file__).parent / "parallel_scripts"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args: str, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
+
+
+def result_of(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_equal_reference():
+    results = result_of(torchrun(str(SCRIPTS / "tp_equivalence.py")))
+    assert set(results) == {"tp-orthros", "sp-orthros", "sp-dense"}
+    for variant, errs in results.items():
+        for what, err in errs.items():
+            assert err <= 1e-5, (variant, what, err)
+
+
+@pytest.mark.slow
+def test_zero_stages_equal_single_process():
+    results = result_of(torchrun(str(SCRIPTS / "zero_equivalence.py")))
+    assert set(results) == {"zero0", "zero1", "zero2", "zero3", "zero2_offload"}
+    for stage, err in results.items():
+        assert err <= 1e-5, (stage, err)
+
+
+@pytest.mark.slow
+def test_trainer_tp2_sp_losses_equal_tp1(tmp_path):
+    """The real CLI: a TP=2+SP run under torchrun logs the same losses as a one-process run."""
+    common = [
+        "--config-name",
+        "tiny_cpu",
+        "trainer.max_steps=3",
+        "trainer.eval_every=0",
+        "trainer.progress=false",
+        "trainer.sample_prompt=null",
+        "trainer.wandb.enabled=false",
+        "model.hidden_size=64",
+        "model.num_hidden_layers=2",
+        "trainer.micro_batch_size=2",
+        "trainer.seq_len=64",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run(
+        [sys.executable, "-m", "orthros_train.train.cli", *common, f"trainer.run_dir={tmp_path / 'tp1'}"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert single.returncode == 0, single.stderr[-4000:]
+    parallel = torchrun(
+        "-m",
+        "orthros_train.train.cli",
+        *common,
+        f"trainer.run_dir={tmp_path / 'tp2'}",
+        "parallel.tensor_parallel=2",
+        "parallel.sequence_parallel=true",
+        cwd=tmp_path,
+    )
+    assert parallel.returncode == 0, parallel.stderr[-4000:]
+
+    def losses(run: str) -> list[float]:
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["loss"] for x in lines]
+
+    a, b = losses("tp1"), losses("tp2")
+    assert len(a) == len(b) == 3
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+
+
+@pytest.mark.parametrize(
+    "pcfg, world, message",
+    [
+        (ParallelConfig(tensor_parallel=3), 3, "num_attention_heads=8 is not divisible by parallel.tensor_parallel=3"),
+        (ParallelConfig(tensor_parallel=2, data_parallel=2), 3, "world size 3 is not divisible"),
+        (ParallelConfig(tensor_parallel=2, data_parallel=4), 4, "parallel.data_parallel=4"),
+    ],
+)
+def test_impossible_layout_names_the_numbers(pcfg, world, message):
+    cfg = OrthrosConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=96,
+    )
+    with pytest.raises(ValueError, match=message):
+        check_parallel_layout(pcfg, cfg, world)
+
+
+def test_kv_heads_must_split_too():
+    cfg = OrthrosConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=96,
+    )
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        check_parallel_layout(ParallelConfig(tensor_parallel=4), cfg)
+
+
+def test_parallel_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="zero_stage"):
+        ParallelConfig(zero_stage=4)
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        ParallelConfig(zero_stage=0, offload_optimizer=True)
