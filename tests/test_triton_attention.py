@@ -315,7 +315,7 @@ def test_tile_work_is_proportional_to_the_mask(kind):
     }[kind]
     q_index, q_window = _queries(t, w, out)
     cu = torch.tensor([0, t])
-    work = ta.forward_tile_work(q_index, q_window, cu, t, block_m=64, block_n=64)
+    work = ta.forward_tile_work(q_index, q_window, cu, t, blocks={"band": (64, 64), "full": (64, 64)})
     ideal = int(sum(e - s + 1 for s, e in zip(*[x.tolist() for x in key_ranges(q_index, q_window, cu)])))
     assert work["unmasked"] == ideal
     # base band: a 64-query tile spans 64 + W - 1 keys -> 3 key tiles for 128 keys a query;

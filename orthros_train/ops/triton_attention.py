@@ -65,13 +65,25 @@ def _configs(gpu: list[tuple[int, int, int, int]], interp: tuple[int, int]) -> l
     ]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); not measured yet (see docs/benchmarks.md).
-_FWD_CONFIGS = _configs(
-    [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 2)],
-    (32, 32),
-)
-_BWD_DQ_CONFIGS = _configs([(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4)], (32, 32))
-_BWD_DKDV_CONFIGS = _configs([(32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4)], (32, 32))
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); not measured on a GPU yet (see docs/benchmarks.md).
+# Each kernel is launched twice: once over the windowed queries (the base stream: a band of W
+# keys, where a BLOCK_M-query tile spans BLOCK_M + W - 1 keys, so smaller tiles waste less) and
+# once over the whole-document queries (the output stream: causal-like, large tiles).
+_FWD_CONFIGS = {
+    "band": _configs([(64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 3), (32, 64, 4, 4), (128, 64, 8, 3)], (16, 16)),
+    "full": _configs(
+        [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 2)],
+        (32, 32),
+    ),
+}
+_BWD_DQ_CONFIGS = {
+    "band": _configs([(64, 32, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 32, 4, 4)], (16, 16)),
+    "full": _configs([(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4)], (32, 32)),
+}
+_BWD_DKDV_CONFIGS = {
+    "band": _configs([(32, 64, 4, 3), (64, 64, 4, 3), (32, 32, 4, 4), (64, 32, 4, 3)], (16, 16)),
+    "full": _configs([(32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4)], (32, 32)),
+}
 
 # Explicit block sizes for tests: when set, kernels run without autotune at these sizes.
 _FORCED_BLOCKS: tuple[int, int] | None = None
@@ -91,8 +103,8 @@ def set_block_sizes(block_m: int | None, block_n: int | None = None) -> None:
 @triton.jit
 def _lower_bound(ptr, n, target):
     """First index i in [0, n) with ptr[i] >= target (ptr sorted), n if none."""
-    lo = 0
-    hi = n
+    lo = tl.program_id(0) * 0  # int32 tensors: loop-carried types must not change
+    hi = lo + n
     while lo < hi:
         mid = (lo + hi) // 2
         lt = tl.load(ptr + mid) < target
@@ -104,8 +116,8 @@ def _lower_bound(ptr, n, target):
 @triton.jit
 def _upper_bound(ptr, n, target):
     """First index i in [0, n) with ptr[i] > target (ptr sorted), n if none."""
-    lo = 0
-    hi = n
+    lo = tl.program_id(0) * 0  # int32 tensors: loop-carried types must not change
+    hi = lo + n
     while lo < hi:
         mid = (lo + hi) // 2
         le = tl.load(ptr + mid) <= target
@@ -172,7 +184,7 @@ def _fwd_inner(
 @triton.jit
 def _tile_segments(qs, qe, row_ok, BLOCK_N: tl.constexpr):
     """Key-tile bounds of one query tile: [lo, a) masked, [a, b) mask-free, [b, hi) masked."""
-    big = 2147483647
+    big = 1073741824  # > any key index (n_k < 2**30); +1 must not overflow int32
     lo = tl.min(tl.where(row_ok, qs, big))
     hi = tl.max(tl.where(row_ok, qe, -1)) + 1
     max_start = tl.max(tl.where(row_ok, qs, -1))
@@ -189,10 +201,9 @@ def _tile_segments(qs, qe, row_ok, BLOCK_N: tl.constexpr):
     return lo, a, b, hi
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["BLOCK_D", "GROUP", "PRECISION"])
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, LSE, PERM, QSTART, QEND,
+    Q, K, V, Out, LSE, PERM, QSTART, QEND, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om, stride_oh,
     n_q, n_k, qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -202,8 +213,9 @@ def _attn_fwd_kernel(
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_q
+    # this launch covers the sorted rows [ROWS[0], ROWS[1]) (one stream class)
+    rows = tl.load(ROWS) + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(ROWS + 1)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -261,10 +273,9 @@ def _bwd_dq_inner(
     return dq
 
 
-@triton.autotune(configs=_BWD_DQ_CONFIGS, key=["BLOCK_D", "GROUP", "PRECISION"])
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, PERM, QSTART, QEND,
+    Q, K, V, DO, DQ, LSE, DELTA, PERM, QSTART, QEND, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh,
     n_q, n_k, sm_scale, qk_scale,
@@ -275,8 +286,9 @@ def _attn_bwd_dq_kernel(
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_q
+    # this launch covers the sorted rows [ROWS[0], ROWS[1]) (one stream class)
+    rows = tl.load(ROWS) + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(ROWS + 1)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -341,19 +353,18 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(
-    configs=_BWD_DKDV_CONFIGS, key=["BLOCK_D", "GROUP", "PRECISION", "ATOMIC_DQ"], reset_to_zero=["DQ"]
-)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ, LSE, DELTA, PERM, QSTART, QEND, COMP_START, COMP_END, NGROUPS,
+    Q, K, V, DO, DK, DV, DKA, DVA, DQ, LSE, DELTA, PERM, QSTART, QEND, COMP_START, COMP_END, NGROUPS, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
     stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_dqm, stride_dqh,
     n_q, n_k, sm_scale, qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dk/dv of one key tile from the sorted rows [ROWS[0], ROWS[1]); with ACCUMULATE, adds the
+    fp32 partial sums DKA/DVA of an earlier launch (same layout as DK/DV) before storing."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -371,6 +382,8 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
+    row_lo = tl.load(ROWS)
+    row_hi = tl.load(ROWS + 1)
     n_groups = tl.load(NGROUPS)
     for g in range(0, n_groups):
         # Sorted rows of window class g: comp = g * (n_k + 1) + start/end, both non-decreasing.
@@ -379,6 +392,8 @@ def _attn_bwd_dkdv_kernel(
         q_hi = _upper_bound(COMP_START, n_q, base + n1)  # first row with start > n1
         f_lo = _lower_bound(COMP_END, n_q, base + n1)  # first row with end >= n1
         f_hi = _upper_bound(COMP_START, n_q, base + n0)  # first row with start > n0
+        q_lo = tl.maximum(q_lo, row_lo)
+        q_hi = tl.minimum(q_hi, row_hi)
         f_lo = tl.maximum(f_lo, q_lo)
         f_hi = tl.minimum(f_hi, q_hi)
         n_full = tl.maximum(f_hi - f_lo, 0) // BLOCK_M
@@ -408,10 +423,28 @@ def _attn_bwd_dkdv_kernel(
                 BLOCK_M, True, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
             )
     out_mask = col_ok[:, None] & d_mask[None, :]
+    dk = dk * sm_scale
+    if ACCUMULATE:
+        acc_off = hk * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :]
+        dk += tl.load(DKA + acc_off, mask=out_mask, other=0.0).to(tl.float32)
+        dv += tl.load(DVA + acc_off, mask=out_mask, other=0.0).to(tl.float32)
     dk_ptrs = DK + hk * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + hk * stride_dvh + cols64[:, None] * stride_dvn + offs_d[None, :]
-    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_mask)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
+
+
+def _autotuned(fn, configs: dict, key: list[str], **kw) -> dict:
+    """One autotuner per stream class, so each class keeps its own best config."""
+    return {cls: triton.autotune(configs=cfgs, key=key, **kw)(fn) for cls, cfgs in configs.items()}
+
+
+_FWD = _autotuned(_attn_fwd_kernel, _FWD_CONFIGS, ["BLOCK_D", "GROUP", "PRECISION"])
+_BWD_DQ = _autotuned(_attn_bwd_dq_kernel, _BWD_DQ_CONFIGS, ["BLOCK_D", "GROUP", "PRECISION"])
+_BWD_DKDV = _autotuned(
+    _attn_bwd_dkdv_kernel, _BWD_DKDV_CONFIGS, ["BLOCK_D", "GROUP", "PRECISION", "ATOMIC_DQ", "ACCUMULATE"],
+    restore_value=["DQ"],  # the full launch's atomics add onto the band launch's dq
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,24 +453,30 @@ def _attn_bwd_dkdv_kernel(
 
 
 def _plan(q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor, n_k: int, backward: bool):
-    """Sort queries by (window class, end); no host-device sync.
+    """Sort queries by (window, end); no host-device sync.
 
-    Returns ``perm`` (sorted position -> query), the sorted ranges and, for the backward, the
-    composite keys ``group * (n_k + 1) + start/end`` plus the number of window classes.
+    Returns ``perm`` (sorted position -> query), the sorted ranges, ``rows`` (int32
+    ``[0, n_band, n_band, n_q]``: the sorted rows of the windowed queries and of the
+    whole-document queries, one kernel launch each) and, for the backward, the composite keys
+    ``class * (n_k + 1) + start/end`` plus the number of window classes.
     """
     device = q_index.device
     cu = cu_seqlens.to(device)
     start, end = key_ranges(q_index, q_window, cu)
-    # Windows >= n_k + 1 all mean "whole document": one class.
+    # Windows >= n_k + 1 all mean "whole document": one class, sorted last.
     win = q_window.long().clamp(max=n_k + 1)
     order = torch.argsort(win * (n_k + 1) + end, stable=True)
+    win_sorted = win[order]
+    n_band = (win_sorted <= n_k).sum().to(torch.int32).reshape(1)
+    n_q = torch.full((1,), order.numel(), dtype=torch.int32, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
     plan = {
         "perm": order.to(torch.int32),
         "start": start[order].to(torch.int32).contiguous(),
         "end": end[order].to(torch.int32).contiguous(),
+        "rows": {"band": torch.cat([zero, n_band]), "full": torch.cat([n_band, n_q])},
     }
     if backward:
-        win_sorted = win[order]
         gid = torch.zeros_like(win_sorted)
         gid[1:] = torch.cumsum((win_sorted[1:] != win_sorted[:-1]).long(), 0)
         plan["comp_start"] = (gid * (n_k + 1) + start[order]).contiguous()
@@ -487,8 +526,11 @@ def _contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+_CLASSES = ("band", "full")
+
+
 def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float):
-    """Launch the forward kernel; returns ``(out, lse)``."""
+    """Launch the forward kernel (once per stream class); returns ``(out, lse)``."""
     _check_device(q)
     q, k, v = _contig(q), _contig(k), _contig(v)
     n_q, h_q, _ = q.shape
@@ -498,21 +540,27 @@ def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float):
     if n_q == 0:
         return out, lse
     plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=False)
-    _launch(
-        _attn_fwd_kernel,
-        lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), h_q),
-        (
-            q, k, v, out, lse, plan["perm"], plan["start"], plan["end"],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), n_q, n_k, scale * LOG2E,
-        ),
-        _common(q, k),
-    )
+    for cls in _CLASSES:
+        _launch(
+            _FWD[cls],
+            lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), h_q),
+            (
+                q, k, v, out, lse, plan["perm"], plan["start"], plan["end"], plan["rows"][cls],
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                out.stride(0), out.stride(1), n_q, n_k, scale * LOG2E,
+            ),
+            _common(q, k),
+        )
     return out, lse
 
 
 def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic):
-    """Launch the backward kernels; returns ``(dq, dk, dv)`` in the input dtypes."""
+    """Launch the backward kernels; returns ``(dq, dk, dv)`` in the input dtypes.
+
+    dk/dv: the band launch writes fp32 partial sums, the full launch adds them and stores the
+    result (two launches in a fixed order: still deterministic). dq: one program per query tile
+    (``deterministic``) or atomics from the dk/dv kernel.
+    """
     _check_device(q)
     q, k, v, dout = _contig(q), _contig(k), _contig(v), _contig(dout)
     n_q, h_q, _ = q.shape
@@ -523,8 +571,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seql
         delta = delta - dlse.float()
     delta = delta.contiguous()
     lse = lse.contiguous()
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, like the fp32 partials
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if n_q == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=True)
@@ -534,31 +582,37 @@ def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seql
         dq_acc = dq  # unused by the dk/dv kernel when ATOMIC_DQ is off
     else:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    _launch(
-        _attn_bwd_dkdv_kernel,
-        lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), h_kv),
-        (
-            q, k, v, dout, dk, dv, dq_acc, lse, delta, plan["perm"], plan["start"], plan["end"],
-            plan["comp_start"], plan["comp_end"], plan["n_groups"],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            dq_acc.stride(0), dq_acc.stride(1), n_q, n_k, scale, scale * LOG2E,
-        ),
-        {**common, "ATOMIC_DQ": not deterministic},
-    )
+    dk_part = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+    dv_part = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for cls, (dk_out, dv_out) in zip(_CLASSES, ((dk_part, dv_part), (dk, dv))):
+        _launch(
+            _BWD_DKDV[cls],
+            lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), h_kv),
+            (
+                q, k, v, dout, dk_out, dv_out, dk_part, dv_part, dq_acc, lse, delta,
+                plan["perm"], plan["start"], plan["end"], plan["comp_start"], plan["comp_end"],
+                plan["n_groups"], plan["rows"][cls],
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                dout.stride(0), dout.stride(1), dk_out.stride(0), dk_out.stride(1),
+                dv_out.stride(0), dv_out.stride(1), dq_acc.stride(0), dq_acc.stride(1),
+                n_q, n_k, scale, scale * LOG2E,
+            ),
+            {**common, "ATOMIC_DQ": not deterministic, "ACCUMULATE": cls == "full"},
+        )
     if not deterministic:
         return dq_acc.to(q.dtype), dk, dv
-    _launch(
-        _attn_bwd_dq_kernel,
-        lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), h_q),
-        (
-            q, k, v, dout, dq, lse, delta, plan["perm"], plan["start"], plan["end"],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-            n_q, n_k, scale, scale * LOG2E,
-        ),
-        common,
-    )
+    for cls in _CLASSES:
+        _launch(
+            _BWD_DQ[cls],
+            lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), h_q),
+            (
+                q, k, v, dout, dq, lse, delta, plan["perm"], plan["start"], plan["end"], plan["rows"][cls],
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+                n_q, n_k, scale, scale * LOG2E,
+            ),
+            common,
+        )
     return dq, dk, dv
 
 
@@ -567,26 +621,33 @@ def forward_tile_work(
     q_window: torch.Tensor,
     cu_seqlens: torch.Tensor,
     n_k: int,
-    block_m: int = 128,
-    block_n: int = 64,
+    blocks: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, int]:
-    """Work of the forward kernel at these block sizes, mirrored on the host (plain torch).
+    """Work of the forward kernel at given ``{class: (BLOCK_M, BLOCK_N)}``, mirrored on the host.
 
     ``visited``: query-key pairs in the key tiles the kernel loads (per head); ``unmasked``: the
     pairs the mask allows. ``visited / unmasked`` near 1 means work proportional to the mask.
     """
+    blocks = blocks or {"band": (64, 64), "full": (128, 64)}
     plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=False)
-    n_q = plan["perm"].numel()
-    if n_q == 0:
-        return {"visited": 0, "unmasked": 0, "key_tiles": 0}
-    pad = (-n_q) % block_m
-    start = torch.nn.functional.pad(plan["start"].long(), (0, pad), value=2**62).view(-1, block_m)
-    end = torch.nn.functional.pad(plan["end"].long(), (0, pad), value=-1).view(-1, block_m)
-    lo = start.min(1).values // block_n * block_n
-    hi = (end.max(1).values + block_n) // block_n * block_n
-    tiles = int(((hi - lo) // block_n).sum())
+    visited = tiles = 0
+    for cls in _CLASSES:
+        bm, bn = blocks[cls]
+        lo_row, hi_row = (int(x) for x in plan["rows"][cls])
+        if hi_row <= lo_row:
+            continue
+        start = plan["start"][lo_row:hi_row].long()
+        end = plan["end"][lo_row:hi_row].long()
+        pad = (-start.numel()) % bm
+        start = torch.nn.functional.pad(start, (0, pad), value=2**62).view(-1, bm)
+        end = torch.nn.functional.pad(end, (0, pad), value=-1).view(-1, bm)
+        lo = start.min(1).values // bn * bn
+        hi = (end.max(1).values + bn) // bn * bn
+        n = int(((hi - lo) // bn).sum())
+        tiles += n
+        visited += n * bm * bn
     unmasked = int((plan["end"].long() - plan["start"].long() + 1).sum())
-    return {"visited": tiles * block_m * block_n, "unmasked": unmasked, "key_tiles": tiles}
+    return {"visited": visited, "unmasked": unmasked, "key_tiles": tiles}
 
 
 # --------------------------------------------------------------------------------------------

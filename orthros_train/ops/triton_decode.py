@@ -107,14 +107,15 @@ def _decode_combine_kernel(
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    # pass 1: max partial lse
-    m = -1.0e30
+    # pass 1: max partial lse (tensor accumulators: loop-carried types stay fixed)
+    m_vec = tl.full([BLOCK_S], -1.0e30, tl.float32)
     for s0 in range(0, n_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         lp = tl.load(LP + i * stride_lpm + h * stride_lph + offs_s, mask=offs_s < n_splits, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lp, 0))
+        m_vec = tl.maximum(m_vec, lp)
+    m = tl.max(m_vec, 0)
     # pass 2: weighted sum
-    l_sum = 0.0
+    l_vec = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, n_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
@@ -126,8 +127,9 @@ def _decode_combine_kernel(
             mask=s_ok[:, None] & d_mask[None, :],
             other=0.0,
         )
-        l_sum += tl.sum(w, 0)
+        l_vec += w
         acc += tl.sum(w[:, None] * op, 0)
+    l_sum = tl.sum(l_vec, 0)
     tl.store(Out + i * stride_om + h * stride_oh + offs_d, (acc / l_sum).to(Out.dtype.element_ty), mask=d_mask)
     tl.store(LSE + h * n_q + i, (m + tl.math.log2(l_sum)) * 0.6931471805599453)
 

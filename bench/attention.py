@@ -1,0 +1,482 @@
+"""Benchmark of the Orthros attention kernels (issue #3).
+
+GPU: a table of ms and TFLOP/s (counting only the pairs the mask allows) for forward and
+backward at T = 4K..128K for the pretrain, sft (10% answer tokens) and prefill layouts, next to
+torch SDPA (flash backend, full causal over the same T tokens) and FlexAttention with the same
+mask, plus the issue's targets:
+
+* output stream (full causal) >= 70% of SDPA-flash TFLOP/s on the same causal problem;
+* base stream (window 128) time <= 1.3x its unmasked FLOPs at the output stream's throughput;
+* prefill layout at 128K >= 10x faster than full causal SDPA over the same tokens.
+
+CPU (no CUDA): a small correctness smoke on the Triton interpreter instead (kernel vs reference
+op, the FlexAttention mask vs the reference, decode kernel), plus the host-side count of the key
+tiles the forward kernel visits at the real sizes (work proportional to the mask).
+``--compile-sm90`` compiles every kernel for an H100/H200 (sm_90) without a GPU.
+
+    python bench/attention.py [--json] [--seqlens 4096,16384] [--layouts pretrain,sft,prefill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import sys
+import time
+from datetime import date
+
+import torch
+
+if not torch.cuda.is_available() and "--compile-sm90" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+
+from orthros_train.ops import triton_attention as ta  # noqa: E402
+from orthros_train.ops.reference import UNBOUNDED, attention_reference, key_ranges  # noqa: E402
+from orthros_train.ops.triton_decode import decode_attention  # noqa: E402
+
+LAYOUTS = ("pretrain", "sft", "prefill")
+
+
+# ---------------------------------------------------------------------------------------------
+# problems
+# ---------------------------------------------------------------------------------------------
+
+
+def output_positions(layout: str, t: int, seed: int = 0) -> torch.Tensor:
+    """Output-token positions of one row of length t (sft: 10% of tokens in answer spans)."""
+    if layout == "pretrain":
+        return torch.arange(t)
+    if layout == "prefill":
+        return torch.tensor([t - 1])
+    if layout == "sft":
+        g = torch.Generator().manual_seed(seed)
+        n_ans = max(1, t // 10)
+        span = max(1, min(256, t // 20))
+        n_spans = math.ceil(n_ans / span)
+        slots = torch.sort(torch.randperm(t // span - 1, generator=g)[:n_spans] + 1).values
+        targets = (slots[:, None] * span + torch.arange(span)[None, :]).flatten()[:n_ans]
+        return targets - 1  # output token p predicts answer token p + 1
+    raise ValueError(layout)
+
+
+def make_queries(layout: str, t: int, window: int, streams: str = "both"):
+    """q_index/q_window of ``[base; output]`` (or one stream) and cu_seqlens of one document."""
+    out = output_positions(layout, t)
+    parts_i, parts_w = [], []
+    if streams in ("both", "base"):
+        parts_i.append(torch.arange(t))
+        parts_w.append(torch.full((t,), window))
+    if streams in ("both", "output"):
+        parts_i.append(out)
+        parts_w.append(torch.full((out.numel(),), UNBOUNDED))
+    return torch.cat(parts_i), torch.cat(parts_w), torch.tensor([0, t], dtype=torch.int32)
+
+
+def unmasked_pairs(q_index, q_window, cu) -> int:
+    start, end = key_ranges(q_index, q_window, cu)
+    return int((end - start + 1).sum())
+
+
+def flops(pairs: int, heads: int, d: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs: 2 matmuls forward, 5 backward (dq, dk, dv, recomputed s, dp)."""
+    fwd = 4.0 * pairs * heads * d
+    return fwd, 2.5 * fwd
+
+
+# ---------------------------------------------------------------------------------------------
+# implementations (device-agnostic; the CPU smoke runs the same code small)
+# ---------------------------------------------------------------------------------------------
+
+
+def orthros_fn(q, k, v, q_index, q_window, cu, deterministic=True):
+    return lambda: ta.attention_triton(q, k, v, q_index, q_window, cu, deterministic=deterministic, decode=False)[0]
+
+
+def sdpa_causal_fn(q, k, v, flash: bool):
+    """Full causal SDPA over q [1, H, T, D] (k/v already expanded to H heads)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION] if flash else [SDPBackend.MATH]
+
+    def run():
+        with sdpa_kernel(backends):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return run
+
+
+def flex_mask(q_index, q_window, cu, n_k, device, block=128, compile_mask=False):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    qi = q_index.to(device).long()
+    qw = q_window.to(device).long()
+    doc = torch.repeat_interleave(
+        torch.arange(cu.numel() - 1, device=device), (cu[1:] - cu[:-1]).long().to(device)
+    )
+
+    def mask_mod(b, h, q, kv):
+        p = qi[q]
+        return (kv <= p) & (p - kv < qw[q]) & (doc[kv] == doc[p])
+
+    return create_block_mask(
+        mask_mod, None, None, qi.numel(), n_k, device=device, BLOCK_SIZE=block, _compile=compile_mask
+    )
+
+
+def flex_fn(q, k, v, block_mask, compiled: bool):
+    """FlexAttention on [1, H, Nq, D] x [1, Hkv, Nk, D] with the Orthros mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fa = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    return lambda: fa(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+
+
+def time_ms(fn, cuda: bool, reps: int = 3) -> float:
+    if cuda:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def fwd_bwd_ms(make_out, inputs, cuda: bool, reps: int = 3) -> tuple[float, float]:
+    fwd = time_ms(lambda: make_out(), cuda, reps)
+    out = make_out()
+    dout = torch.randn_like(out)
+    bwd = time_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), cuda, reps)
+    return fwd, bwd
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU benchmark
+# ---------------------------------------------------------------------------------------------
+
+
+def gpu_bench(args) -> dict:
+    dev = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    h, hkv, d, w = args.heads, args.kv_heads, args.head_dim, args.window
+    rows = []
+
+    def record(layout, t, impl, pairs, fwd_ms, bwd_ms, **extra):
+        f_fl, b_fl = flops(pairs, h, d)
+        row = {
+            "layout": layout, "T": t, "impl": impl, "pairs": pairs,
+            "fwd_ms": fwd_ms, "fwd_tflops": f_fl / fwd_ms / 1e9 if fwd_ms else None,
+            "bwd_ms": bwd_ms, "bwd_tflops": b_fl / bwd_ms / 1e9 if bwd_ms else None, **extra,
+        }
+        rows.append(row)
+        if not args.json:
+            print(_fmt_row(row), flush=True)
+
+    if not args.json:
+        print(_fmt_header())
+    for t in args.seqlens:
+        g = torch.Generator(device=dev).manual_seed(0)
+        k = torch.randn(t, hkv, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+        v = torch.randn(t, hkv, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+        # SDPA flash, full causal over the same T tokens (k/v expanded to H heads outside timing)
+        qs = torch.randn(1, h, t, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+        ks = k.detach().transpose(0, 1).repeat_interleave(h // hkv, 0)[None].requires_grad_()
+        vs = v.detach().transpose(0, 1).repeat_interleave(h // hkv, 0)[None].requires_grad_()
+        causal_pairs = t * (t + 1) // 2
+        sd_f, sd_b = fwd_bwd_ms(sdpa_causal_fn(qs, ks, vs, flash=True), (qs, ks, vs), True)
+        record("causal", t, "sdpa_flash", causal_pairs, sd_f, sd_b)
+        del qs, ks, vs
+        for layout in args.layouts:
+            parts = ["both"] + (["output", "base"] if layout == "pretrain" else [])
+            for streams in parts:
+                qi, qw, cu = make_queries(layout, t, w, streams)
+                pairs = unmasked_pairs(qi, qw, cu)
+                qi, qw, cu = qi.to(dev), qw.to(dev), cu.to(dev)
+                q = torch.randn(qi.numel(), h, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+                name = "orthros" if streams == "both" else f"orthros[{streams}]"
+                o_f, o_b = fwd_bwd_ms(orthros_fn(q, k, v, qi, qw, cu), (q, k, v), True)
+                record(layout, t, name, pairs, o_f, o_b, sdpa_speedup_fwd=sd_f / o_f, sdpa_speedup_bwd=sd_b / o_b)
+                if streams == "both" and not args.no_flex:
+                    try:
+                        bm = flex_mask(qi, qw, cu, t, dev, compile_mask=True)
+                        qf = q.detach().transpose(0, 1)[None].requires_grad_()
+                        kf = k.detach().transpose(0, 1)[None].requires_grad_()
+                        vf = v.detach().transpose(0, 1)[None].requires_grad_()
+                        f_f, f_b = fwd_bwd_ms(flex_fn(qf, kf, vf, bm, compiled=True), (qf, kf, vf), True)
+                        record(layout, t, "flex", pairs, f_f, f_b)
+                        del qf, kf, vf, bm
+                    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+                        record(layout, t, "flex", pairs, None, None, error=f"{type(exc).__name__}: {exc}"[:200])
+                del q
+        torch.cuda.empty_cache()
+    return {
+        "device": torch.cuda.get_device_name(),
+        "date": date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "config": {"heads": h, "kv_heads": hkv, "head_dim": d, "window": w, "dtype": args.dtype},
+        "rows": rows,
+        "targets": targets(rows),
+    }
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's three targets, per T where the rows exist."""
+    out = []
+    by = {(r["layout"], r["T"], r["impl"]): r for r in rows}
+    for t in sorted({r["T"] for r in rows}):
+        sd = by.get(("causal", t, "sdpa_flash"))
+        o = by.get(("pretrain", t, "orthros[output]"))
+        b = by.get(("pretrain", t, "orthros[base]"))
+        p = by.get(("prefill", t, "orthros"))
+        if sd and o:
+            for ph in ("fwd", "bwd"):
+                ratio = o[f"{ph}_tflops"] / sd[f"{ph}_tflops"]
+                out.append({"T": t, "target": f"output stream {ph} TFLOP/s vs SDPA flash", "value": ratio,
+                            "goal": ">= 0.70", "met": ratio >= 0.70})
+        if o and b:
+            for ph in ("fwd", "bwd"):
+                ideal_ms = flops(b["pairs"], 1, 1)[ph == "bwd"] / flops(o["pairs"], 1, 1)[ph == "bwd"] * o[f"{ph}_ms"]
+                ratio = b[f"{ph}_ms"] / ideal_ms
+                out.append({"T": t, "target": f"base stream {ph} time / unmasked FLOPs at output throughput",
+                            "value": ratio, "goal": "<= 1.3", "met": ratio <= 1.3})
+        if sd and p and t >= 131072:
+            ratio = sd["fwd_ms"] / p["fwd_ms"]
+            out.append({"T": t, "target": "prefill fwd speed-up vs full causal SDPA", "value": ratio,
+                        "goal": ">= 10", "met": ratio >= 10})
+    return out
+
+
+def _fmt_header() -> str:
+    return f"{'layout':9} {'T':>7} {'impl':17} {'fwd ms':>9} {'TFLOP/s':>8} {'bwd ms':>9} {'TFLOP/s':>8}"
+
+
+def _fmt_row(r: dict) -> str:
+    def f(x, spec):
+        return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0]))
+
+    return (f"{r['layout']:9} {r['T']:>7} {r['impl']:17} {f(r['fwd_ms'], '9.3f')} {f(r['fwd_tflops'], '8.1f')} "
+            f"{f(r['bwd_ms'], '9.3f')} {f(r['bwd_tflops'], '8.1f')}" + (f"  {r['error']}" if "error" in r else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU smoke
+# ---------------------------------------------------------------------------------------------
+
+
+def cpu_smoke(args) -> dict:
+    h, hkv, d, w = 4, 2, 32, 16
+    ta.set_block_sizes(32, 32)
+    checks, rows = [], []
+    for layout in LAYOUTS:
+        t = 192
+        qi, qw, cu = make_queries(layout, t, w)
+        cu = torch.tensor([0, 70, t], dtype=torch.int32)  # two packed documents
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(qi.numel(), h, d, generator=g).requires_grad_()
+        k = torch.randn(t, hkv, d, generator=g).requires_grad_()
+        v = torch.randn(t, hkv, d, generator=g).requires_grad_()
+        pairs = unmasked_pairs(qi, qw, cu)
+        o_f, o_b = fwd_bwd_ms(orthros_fn(q, k, v, qi, qw, cu), (q, k, v), False, reps=1)
+        ref = functools.partial(attention_reference, q, k, v, qi, qw, cu)
+        r_f, r_b = fwd_bwd_ms(lambda ref=ref: ref()[0], (q, k, v), False, reps=1)
+        rows.append({"layout": layout, "T": t, "impl": "orthros (interpreter)", "pairs": pairs,
+                     "fwd_ms": o_f, "bwd_ms": o_b})
+        rows.append({"layout": layout, "T": t, "impl": "reference (torch)", "pairs": pairs,
+                     "fwd_ms": r_f, "bwd_ms": r_b})
+        # correctness: kernel vs reference (out, lse, grads), and the benchmark's Flex mask
+        dout = torch.randn(q.shape, generator=g)
+        out, lse = ta.attention_triton(q, k, v, qi, qw, cu, decode=False)
+        got = [out, lse, *torch.autograd.grad(out, (q, k, v), dout)]
+        out2, lse2 = attention_reference(q, k, v, qi, qw, cu)
+        want = [out2, lse2, *torch.autograd.grad(out2, (q, k, v), dout)]
+        err = max(float((a - b).abs().max()) for a, b in zip(got, want))
+        checks.append({"check": f"{layout}: triton vs reference (out, lse, dq, dk, dv)", "max_abs_err": err,
+                       "ok": err < 1e-5})
+        bm = flex_mask(qi, qw, cu, t, "cpu", block=32)
+        flex_out = flex_fn(q.detach().transpose(0, 1)[None], k.detach().transpose(0, 1)[None],
+                           v.detach().transpose(0, 1)[None], bm, compiled=False)()
+        err = float((flex_out[0].transpose(0, 1) - out2.detach()).abs().max())
+        checks.append({"check": f"{layout}: FlexAttention mask vs reference (fwd)", "max_abs_err": err,
+                       "ok": err < 1e-5})
+    # decode: ragged cache lengths, base + output query per row
+    lens = [300, 17, 1]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    last = (cu[1:] - 1).long()
+    qi = last.repeat_interleave(2)
+    qw = torch.tensor([w, UNBOUNDED]).repeat(len(lens))
+    g = torch.Generator().manual_seed(1)
+    n_k = int(cu[-1])
+    q, k, v = (torch.randn(n, hh, d, generator=g) for n, hh in ((qi.numel(), h), (n_k, hkv), (n_k, hkv)))
+    t0 = time.perf_counter()
+    out, lse = decode_attention(q, k, v, qi, qw, cu, split=64)
+    dec_ms = (time.perf_counter() - t0) * 1e3
+    out2, lse2 = attention_reference(q, k, v, qi, qw, cu)
+    err = max(float((out - out2).abs().max()), float((lse - lse2).abs().max()))
+    checks.append({"check": f"decode (ragged {lens}, split 64): vs reference", "max_abs_err": err, "ok": err < 1e-5,
+                   "ms": dec_ms})
+    ta.set_block_sizes(None)
+
+    # work proportional to the mask at the real sizes (host mirror of the kernel's tile bounds)
+    work = []
+    for t in args.seqlens:
+        for layout in LAYOUTS:
+            for streams in ("base", "output"):
+                qi, qw, cu = make_queries(layout, t, args.window, streams)
+                wk = ta.forward_tile_work(qi, qw, cu, t, blocks=args.blocks)
+                work.append({"layout": layout, "T": t, "stream": streams, "unmasked_pairs": wk["unmasked"],
+                             "visited_pairs": wk["visited"], "visited_over_unmasked": wk["visited"] / wk["unmasked"],
+                             "visited_over_causal": wk["visited"] / (t * (t + 1) / 2)})
+    return {
+        "device": f"CPU ({platform.processor() or platform.machine()}), Triton interpreter",
+        "date": date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "smoke": {"config": {"heads": h, "kv_heads": hkv, "head_dim": d, "window": w}, "rows": rows,
+                  "checks": checks},
+        "tile_work": {"blocks": args.blocks, "window": args.window, "rows": work},
+    }
+
+
+def print_cpu(res: dict) -> None:
+    print(f"# Orthros attention: CPU smoke ({res['device']}, torch {res['torch']}, triton {res['triton']})")
+    print("# GPU figures need CUDA; this is correctness + work accounting only.\n")
+    print(f"{'layout':9} {'T':>5} {'impl':22} {'fwd ms':>9} {'bwd ms':>9}")
+    for r in res["smoke"]["rows"]:
+        print(f"{r['layout']:9} {r['T']:>5} {r['impl']:22} {r['fwd_ms']:9.1f} {r['bwd_ms']:9.1f}")
+    print()
+    for c in res["smoke"]["checks"]:
+        print(f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']}: max abs err {c['max_abs_err']:.2e}")
+    tw = res["tile_work"]
+    blocks = ", ".join(f"{c} {m}x{n}" for c, (m, n) in tw["blocks"].items())
+    print(f"\n# forward key tiles visited (BLOCK_MxBLOCK_N: {blocks}; W={tw['window']})")
+    print(f"{'layout':9} {'T':>7} {'stream':7} {'unmasked':>14} {'visited':>14} {'vis/unm':>8} {'vis/causal':>10}")
+    for r in tw["rows"]:
+        print(f"{r['layout']:9} {r['T']:>7} {r['stream']:7} {r['unmasked_pairs']:>14} {r['visited_pairs']:>14} "
+              f"{r['visited_over_unmasked']:8.3f} {r['visited_over_causal']:10.5f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# AOT compile for sm_90 (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def compile_sm90(args) -> dict:
+    """Compile each kernel for sm_90 with triton's bundled ptxas; reports shared memory per config."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from orthros_train.ops import triton_decode as td
+
+    target = GPUTarget("cuda", 90, 32)
+    special = {"PERM": "*i32", "QSTART": "*i32", "QEND": "*i32", "COMP_START": "*i64", "COMP_END": "*i64",
+               "NGROUPS": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "LP": "*fp32", "OP": "*fp32", "DQ": "*fp32"}
+    results = []
+
+    def build(fn, dtype, consts, num_warps=4, num_stages=3):
+        sig = {}
+        for name in fn.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name in special:
+                sig[name] = special[name]
+            elif name in ("qk_scale", "sm_scale"):
+                sig[name] = "fp32"
+            elif name.startswith("stride") or name in ("n_q", "n_k", "split", "n_splits"):
+                sig[name] = "i32"
+            else:
+                sig[name] = "*" + dtype
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        t0 = time.perf_counter()
+        try:
+            kern = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+            res = {"ok": True, "shared_bytes": kern.metadata.shared}
+        except Exception as exc:  # noqa: BLE001
+            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        res.update(kernel=fn.__name__, dtype=dtype, consts={k: v for k, v in consts.items() if k.startswith("BLOCK")},
+                   num_warps=num_warps, num_stages=num_stages, seconds=time.perf_counter() - t0)
+        results.append(res)
+        if not args.json:
+            status = f"ok shared={res['shared_bytes']}" if res["ok"] else f"FAIL {res['error']}"
+            print(f"{res['kernel']:24} {dtype:5} {res['consts']} w{num_warps} s{num_stages}: {status}", flush=True)
+
+    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
+    d = args.head_dim
+    common = {"GROUP": args.heads // args.kv_heads, "D": d, "BLOCK_D": d, "EVEN_D": True, "UPCAST": False,
+              "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+    for cfg in ta._FWD_CONFIGS:
+        build(ta._attn_fwd_kernel.fn, dtype, {**common, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
+    for cfg in ta._BWD_DQ_CONFIGS:
+        build(ta._attn_bwd_dq_kernel.fn, dtype, {**common, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
+    for atomic in (False, True):
+        for cfg in ta._BWD_DKDV_CONFIGS:
+            build(ta._attn_bwd_dkdv_kernel.fn, dtype, {**common, "ATOMIC_DQ": atomic, **cfg.kwargs},
+                  cfg.num_warps, cfg.num_stages)
+    build(td._decode_split_kernel, dtype, {"GROUP": common["GROUP"], "D": d, "BLOCK_G": 16, "BLOCK_D": d,
+                                           "BLOCK_N": 64, "EVEN_D": True, "UPCAST": False,
+                                           "PRECISION": common["PRECISION"]})
+    build(td._decode_combine_kernel, dtype, {"D": d, "BLOCK_S": 64, "BLOCK_D": d})
+    return {"target": "cuda sm_90", "results": results}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--seqlens", default="4096,16384,65536,131072")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
+    p.add_argument("--band-blocks", default="64x64", help="BLOCK_MxBLOCK_N of the windowed queries (CPU work count)")
+    p.add_argument("--full-blocks", default="128x64", help="BLOCK_MxBLOCK_N of the whole-document queries")
+    p.add_argument("--compile-sm90", action="store_true", help="compile the kernels for sm_90 (no GPU needed)")
+    args = p.parse_args(argv)
+    args.seqlens = [int(x) for x in args.seqlens.split(",") if x]
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    args.blocks = {
+        cls: tuple(int(x) for x in spec.lower().split("x"))
+        for cls, spec in (("band", args.band_blocks), ("full", args.full_blocks))
+    }
+
+    if args.compile_sm90:
+        res = compile_sm90(args)
+        if args.json:
+            print(json.dumps(res, indent=2))
+        return 0 if all(r["ok"] for r in res["results"]) else 1
+    if torch.cuda.is_available():
+        res = gpu_bench(args)
+        if args.json:
+            print(json.dumps(res, indent=2))
+        else:
+            print(f"\n# {res['device']}, {res['date']}, torch {res['torch']}, triton {res['triton']}, {res['config']}")
+            for tgt in res["targets"]:
+                print(f"{'MET ' if tgt['met'] else 'MISS'} T={tgt['T']}: {tgt['target']} = {tgt['value']:.2f} "
+                      f"(goal {tgt['goal']})")
+        return 0
+    res = cpu_smoke(args)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_cpu(res)
+    return 0 if all(c["ok"] for c in res["smoke"]["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
