@@ -22,6 +22,7 @@ import glob
 import json
 import logging
 import os
+import re
 import struct
 import warnings
 from collections.abc import Sequence
@@ -211,7 +212,10 @@ def find_summary(path: str) -> str | None:
 
 
 def load_summary(path: str) -> dict | None:
+    """The summary of an output, also when ``path`` names one of its shards (``PREFIX_00003``)."""
     found = find_summary(path)
+    if found is None and re.search(r"_\d{5}(\.bin|\.idx)?$", path):
+        found = find_summary(re.sub(r"_\d{5}(\.bin|\.idx)?$", "", path))
     if found is None:
         return None
     with open(found) as f:

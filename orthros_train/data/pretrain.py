@@ -62,6 +62,9 @@ class IndexedPretrainData:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.sampler = ResumableSampler(len(self.train), micro_batch_size, seed, dp_rank, dp_size)
         self.last_dataset_ids: list[int] = []
+        if self.valid is None:
+            log.warning("no validation data: no dataset of %s has a document in the valid share of its split; "
+                        "valid_batches() returns nothing", ", ".join(splits.prefixes))
 
     @property
     def consumed_samples(self) -> int:

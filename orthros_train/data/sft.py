@@ -196,6 +196,8 @@ class SFTData:
         self.eod_token_id = int(eod_token_id)
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.sampler = ResumableSampler(len(self.train), micro_batch_size, seed, dp_rank, dp_size)
+        if self.valid is None or len(self.valid) == 0:
+            log.warning("no SFT validation conversations under split %s; valid_batches() returns nothing", split)
 
     @property
     def consumed_samples(self) -> int:
