@@ -365,3 +365,18 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["niah", str(tmp_path), "--lengths", "64"]) == 2
     assert "not an Orthros checkpoint" in capsys.readouterr().err
     assert main(["bench-prefill", "no-such-preset", "--lengths", "64"]) == 2
+
+
+def test_generate_text_cuts_at_stop_strings(model, tokenizer):
+    from orthros_train.infer import generate, generate_text
+
+    prompts = ["The best thing to do", "Startups"]
+    texts, out = generate_text(model, tokenizer, prompts, max_new_tokens=6)
+    for p, t, seq in zip(prompts, texts, out.sequences):
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+        ref = generate(model, [ids], max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id]).sequences[0]
+        assert seq == ref
+        assert t == tokenizer.decode([x for x in ref if x != tokenizer.eos_token_id], skip_special_tokens=True)
+    stop = texts[0][2:4] if len(texts[0]) >= 4 else texts[0]
+    cut, _ = generate_text(model, tokenizer, prompts[:1], max_new_tokens=6, stop_strings=[stop])
+    assert stop not in cut[0] and texts[0].startswith(cut[0])
