@@ -33,7 +33,13 @@ def _common(p: argparse.ArgumentParser, output: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="orthros-eval", description=__doc__.split("\n\n")[0])
+    parts = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(
+        prog="orthros-eval",
+        description=parts[0].replace("``", ""),
+        epilog="examples:\n" + parts[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("niah", help="needle in a haystack on the Paul Graham essays")
