@@ -253,3 +253,23 @@ def test_cache_clone_is_independent_and_decodes_alike():
     a, b = decode(model, nxt, cache), decode(model, nxt, copy)
     assert (a - b).abs().max() <= 1e-5
     assert cache.k[0] is not copy.k[0] and cache.lengths.tolist() == copy.lengths.tolist()
+
+
+def test_chunked_prefill_bounds_the_queries_of_every_forward(monkeypatch):
+    """No forward of a chunked prefill sees more than chunk base queries (+ one output) per row."""
+    import orthros_train.model.orthros as orthros_module
+
+    seen = []
+    real = orthros_module.orthros_attention
+
+    def spy(q, k, v, q_index, q_window, cu_seqlens, **kw):
+        seen.append(q.shape[0])
+        return real(q, k, v, q_index, q_window, cu_seqlens, **kw)
+
+    monkeypatch.setattr(orthros_module, "orthros_attention", spy)
+    model = make_model()
+    prompt = torch.randint(0, VOCAB, (50,))
+    logits, _ = prefill(model, [prompt], chunk_size=8)
+    assert max(seen) <= 8 + 1 and len(seen) == 7 * model.config.num_hidden_layers
+    with torch.no_grad():
+        assert (model(prompt[None]).logits[0, -1] - logits[0]).abs().max() <= 1e-4
