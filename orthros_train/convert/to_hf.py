@@ -153,10 +153,16 @@ def convert_to_hf(
     if tokenizer is not None:
         side += [n for n in copy_side_files(Path(tokenizer), dst) if n not in side]
     hf = hf_config_from_orthros(config, dtype_name(cast or stored))
+    generation = dst / "generation_config.json"
+    if generation.is_file():  # token ids a trainer checkpoint's config did not keep
+        known = json.loads(generation.read_text())
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key not in hf and known.get(key) is not None:
+                hf[key] = known[key]
     (dst / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
-    if not (dst / "generation_config.json").is_file():
+    if not generation.is_file():
         gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
-        (dst / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        generation.write_text(json.dumps(gen, indent=2) + "\n")
     return ConversionReport(
         config=config,
         num_tensors=len(plan),
