@@ -90,14 +90,23 @@ def test_trainer_tp2_sp_losses_equal_tp1(tmp_path):
         env=env,
     )
     assert single.returncode == 0, single.stderr[-4000:]
-    parallel = torchrun(
-        "-m",
-        "orthros_train.train.cli",
-        *common,
-        f"trainer.run_dir={tmp_path / 'tp2'}",
-        "parallel.tensor_parallel=2",
-        "parallel.sequence_parallel=true",
+    # Through the launcher users run (launch/torchrun.sh): 2 CPU ranks with gloo.
+    parallel = subprocess.run(
+        [
+            "bash",
+            str(REPO / "launch" / "torchrun.sh"),
+            "2",
+            "tiny_cpu",
+            *common[2:],
+            f"trainer.run_dir={tmp_path / 'tp2'}",
+            "parallel.tensor_parallel=2",
+            "parallel.sequence_parallel=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
         cwd=tmp_path,
+        env={**env, "PYTHON": sys.executable, "MASTER_PORT": str(free_port())},
     )
     assert parallel.returncode == 0, parallel.stderr[-4000:]
 

@@ -64,6 +64,7 @@ class TrainerConfig:
     eval_every: int = 100  # <= 0: only at the end
     eval_batches: int = 4
     progress: bool = True
+    peak_tflops: float | None = None  # per-device peak for MFU; None: known GPUs (H100 989), else no MFU
     sample_prompt: str | None = None  # greedy continuation printed after training
     sample_tokens: int = 40
     wandb: WandbConfig = field(default_factory=WandbConfig)

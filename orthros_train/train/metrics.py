@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.phase.layout import OrthrosLayout
 
 
 def model_flops_per_token(
@@ -44,6 +47,55 @@ def model_flops_per_token(
         attn = n_layers * keys * per_pair
     forward = 2 * matmul + attn
     return 3 * forward if training else forward
+
+
+def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = True) -> float:
+    """Model FLOPs of one batch from its actual layout (any phase).
+
+    Counts what the model really computes: token-wise weights on the base tokens of layers
+    0..L-2 (+ the last layer's K/V projections) and on every output token in all layers, the LM
+    head on output tokens, and attention over the exact number of visible (query, key) pairs of
+    each stream (window-clipped for base queries, document-clipped for both). For an sft layout
+    with few answer tokens this is close to a sliding-window model; for pretrain it is the
+    Orthros cost of DESIGN.md section 2 (T*W + T^2/2 pairs per layer).
+    """
+    from orthros_train.ops.reference import UNBOUNDED, key_ranges
+
+    d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * cfg.intermediate_size
+    k_v = 2 * d * kv * hd
+    n_layers = cfg.num_hidden_layers
+    t, n = layout.num_tokens, layout.num_outputs
+    base_index = torch.arange(t)
+    window = UNBOUNDED if cfg.attention_type == "dense" else cfg.sliding_window
+    start, end = key_ranges(base_index, torch.full((t,), window), layout.cu_seqlens.cpu())
+    base_pairs = float((end - start + 1).sum())
+    per_pair = 4 * h * hd
+    if cfg.attention_type == "orthros":
+        out_idx = layout.output_index.cpu()
+        s_out, e_out = key_ranges(out_idx, torch.full((n,), UNBOUNDED), layout.cu_seqlens.cpu())
+        out_pairs = float((e_out - s_out + 1).sum())
+        matmul = t * ((n_layers - 1) * layer + k_v) + n * (n_layers * layer + d * cfg.vocab_size)
+        attn = per_pair * ((n_layers - 1) * base_pairs + n_layers * out_pairs)
+    else:
+        matmul = t * n_layers * layer + n * d * cfg.vocab_size
+        attn = per_pair * n_layers * base_pairs
+    forward = 2 * matmul + attn
+    return 3 * forward if training else forward
+
+
+# Dense bf16 tensor-core peaks (TFLOP/s per device) used for MFU, as Megatron/torchtitan do.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def peak_tflops(device: torch.device, override: float | None = None) -> float | None:
+    """The device's peak for MFU: ``override`` (``trainer.peak_tflops``) or a known GPU's."""
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
 class MetricsLog:

@@ -27,7 +27,13 @@ from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_co
 from orthros_train.parallel.setup import DistributedEnv, check_parallel_layout, init_parallel
 from orthros_train.parallel.state_dict import LazyCheckpoint, gather_full_state_dict, shard_state_dict
 from orthros_train.train.config import RunConfig
-from orthros_train.train.metrics import MetricsLog, model_flops_per_token
+from orthros_train.train.metrics import (
+    PEAK_BF16_TFLOPS,
+    MetricsLog,
+    layout_flops,
+    model_flops_per_token,
+    peak_tflops,
+)
 from orthros_train.train.optim import lr_at
 
 
@@ -66,6 +72,20 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         "seq_len": t.seq_len,
         "sliding_window": cfg.model.sliding_window,
         "init_from": cfg.init.init_from,
+        # What a cluster would do: H100 bf16 peak (or trainer.peak_tflops) at a stated 40% MFU.
+        "expected_at_40pct_mfu": _expected_throughput(cfg, flops, 0.40),
+    }
+
+
+def _expected_throughput(cfg: RunConfig, flops_per_token: float, mfu: float) -> dict[str, float]:
+    peak = cfg.trainer.peak_tflops or PEAK_BF16_TFLOPS["H100"]
+    tokens_per_s = mfu * peak * 1e12 * cfg.parallel.world_size / flops_per_token
+    return {
+        "peak_tflops_per_device": peak,
+        "devices": cfg.parallel.world_size,
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": cfg.tokens_per_step / tokens_per_s,
+        "days_for_run": cfg.trainer.max_steps * cfg.tokens_per_step / tokens_per_s / 86400,
     }
 
 
@@ -121,7 +141,7 @@ class Trainer:
         self.engine = build_engine(self.model, p, t, cfg.optim)
         self.step = 0
         self._grad_norm = math.nan
-        self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
+        self.peak = peak_tflops(self.device, t.peak_tflops)
 
     def _build_model(self) -> ParallelOrthrosForCausalLM:
         """Weights come from the reference model (random init, identical for every TP size) or,
@@ -148,9 +168,10 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        total_loss, tokens = 0.0, 0
+        total_loss, tokens, flops = 0.0, 0, 0.0
         for _ in range(t.grad_accum_steps):
             layout = self.data.next_batch().to(self.device)
+            flops += layout_flops(self.cfg.model, layout)
             loss = engine(layout).loss
             engine.backward(loss)  # DeepSpeed scales by 1 / grad_accum_steps
             if engine.is_gradient_accumulation_boundary() and self.cfg.parallel.zero_stage == 0:
@@ -163,7 +184,7 @@ class Trainer:
             grad_norm = self._grad_norm
         self.step += 1
         # Report the data-parallel mean (every DP rank saw different samples).
-        stats = torch.tensor([total_loss, float(tokens)], dtype=torch.float64)
+        stats = torch.tensor([total_loss, float(tokens), flops], dtype=torch.float64)
         dp_group = parallel_state.get_data_parallel_group()
         dist.all_reduce(stats, group=dp_group)
         dp = parallel_state.get_data_parallel_world_size()
@@ -172,6 +193,8 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "tokens": int(stats[1]),
+            # Every TP rank of a DP group computes the same layout: count each group once.
+            "flops": float(stats[2]),
         }
 
     @torch.no_grad()
@@ -208,9 +231,13 @@ class Trainer:
                     "grad_norm": stats["grad_norm"],
                     "tokens_per_s": stats["tokens"] / elapsed,
                     "tokens_per_s_per_device": stats["tokens"] / elapsed / world,
-                    "model_tflops_per_s": self.flops_per_token * stats["tokens"] / elapsed / 1e12,
+                    "model_tflops_per_s": stats["flops"] / elapsed / 1e12,
                     "consumed_samples": self.data.consumed_samples,
                 }
+                if self.peak is not None:
+                    record["mfu"] = stats["flops"] / elapsed / 1e12 / (self.peak * world)
+                if self.device.type == "cuda":
+                    record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
                     eval_loss = self.evaluate()
                     record["eval_loss"] = eval_loss

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One node, N processes (GPUs, or CPU ranks with gloo):
+#   launch/torchrun.sh NPROC RECIPE [hydra overrides ...]
+#   launch/torchrun.sh 8 pretrain_1p3b trainer.run_dir=/scratch/runs/1p3b
+# The parallel layout comes from the recipe's `parallel` group; NPROC must equal
+# parallel.tensor_parallel x parallel.data_parallel (the trainer checks and names the numbers).
+set -euo pipefail
+if [[ $# -lt 2 ]]; then
+  echo "usage: $0 NPROC RECIPE [hydra overrides ...]" >&2
+  exit 2
+fi
+NPROC=$1
+RECIPE=$2
+shift 2
+PYTHON=${PYTHON:-python}
+PORT=${MASTER_PORT:-$(( 20000 + RANDOM % 20000 ))}
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes 1 --nproc_per_node "$NPROC" \
+  --master_addr 127.0.0.1 --master_port "$PORT" \
+  -m orthros_train.train.cli --config-name "$RECIPE" "$@"
