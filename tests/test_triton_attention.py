@@ -102,7 +102,7 @@ def layouts(draw):
     return q_index, q_window, cu, h_kv * group, h_kv, d, blocks
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts())
 def test_random_layouts_match_reference(case):
     q_index, q_window, cu, h_q, h_kv, d, blocks = case

@@ -140,19 +140,6 @@ def _load_rows(base, rows64, stride, offs_d, row_mask, d_mask, EVEN_D: tl.conste
 
 
 @triton.jit
-def _load_rows_t(base, rows64, stride, offs_d, row_mask, d_mask, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
-    """Transposed tile [BLOCK_D, len(rows)]."""
-    ptrs = base + rows64[None, :] * stride + offs_d[:, None]
-    if EVEN_D:
-        x = tl.load(ptrs, mask=row_mask[None, :], other=0.0)
-    else:
-        x = tl.load(ptrs, mask=row_mask[None, :] & d_mask[:, None], other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, lo, hi, n_k,
     offs_n, offs_d, d_mask, qk_scale,
@@ -166,7 +153,19 @@ def _fwd_inner(
             col_ok = cols < n_k
         else:
             col_ok = cols >= 0  # all true; lets the compiler drop the mask
-        kt = _load_rows_t(k_base, cols64, stride_kn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
+        # loads written out here, not through a helper: the interpreter re-patches triton.language
+        # on every nested jit call, which dominates its run time inside loops
+        if EVEN_D:
+            kt_mask = col_ok[None, :]
+            v_mask = col_ok[:, None]
+        else:
+            kt_mask = col_ok[None, :] & d_mask[:, None]
+            v_mask = col_ok[:, None] & d_mask[None, :]
+        kt = tl.load(k_base + cols64[None, :] * stride_kn + offs_d[:, None], mask=kt_mask, other=0.0)
+        v = tl.load(v_base + cols64[:, None] * stride_vn + offs_d[None, :], mask=v_mask, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         if MASKED:
             allowed = (cols[None, :] >= qs[:, None]) & (cols[None, :] <= qe[:, None])
@@ -175,7 +174,6 @@ def _fwd_inner(
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_base, cols64, stride_vn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -260,8 +258,15 @@ def _bwd_dq_inner(
             col_ok = cols < n_k
         else:
             col_ok = cols >= 0
-        kt = _load_rows_t(k_base, cols64, stride_kn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
-        vt = _load_rows_t(v_base, cols64, stride_vn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
+        if EVEN_D:
+            t_mask = col_ok[None, :]
+        else:
+            t_mask = col_ok[None, :] & d_mask[:, None]
+        kt = tl.load(k_base + cols64[None, :] * stride_kn + offs_d[:, None], mask=t_mask, other=0.0)
+        vt = tl.load(v_base + cols64[None, :] * stride_vn + offs_d[:, None], mask=t_mask, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         if MASKED:
             allowed = (cols[None, :] >= qs[:, None]) & (cols[None, :] <= qe[:, None])
@@ -331,8 +336,15 @@ def _bwd_dkdv_inner(
         else:
             row_ok = rows >= 0
         qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
-        q = _load_rows(q_base, qi, stride_qm, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
-        do = _load_rows(do_base, qi, stride_dom, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
+        if EVEN_D:
+            r_mask = row_ok[:, None]
+        else:
+            r_mask = row_ok[:, None] & d_mask[None, :]
+        q = tl.load(q_base + qi[:, None] * stride_qm + offs_d[None, :], mask=r_mask, other=0.0)
+        do = tl.load(do_base + qi[:, None] * stride_dom + offs_d[None, :], mask=r_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
         lse2 = tl.load(LSE_H + qi, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA_H + qi, mask=row_ok, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
@@ -475,7 +487,13 @@ def _plan(q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tenso
         "start": start[order].to(torch.int32).contiguous(),
         "end": end[order].to(torch.int32).contiguous(),
         "rows": {"band": torch.cat([zero, n_band]), "full": torch.cat([n_band, n_q])},
+        # Row counts per class when they are free to read (CPU): exact grids, empty launches
+        # skipped. On a GPU that would cost a sync, so grids are sized for all n_q rows there.
+        "counts": None,
     }
+    if device.type == "cpu":
+        nb = int(n_band)
+        plan["counts"] = {"band": nb, "full": order.numel() - nb}
     if backward:
         gid = torch.zeros_like(win_sorted)
         gid[1:] = torch.cumsum((win_sorted[1:] != win_sorted[:-1]).long(), 0)
@@ -529,6 +547,13 @@ def _contig(x: torch.Tensor) -> torch.Tensor:
 _CLASSES = ("band", "full")
 
 
+def _class_rows(plan: dict, n_q: int) -> list[tuple[str, int]]:
+    """(class, rows to cover) per launch: exact and non-empty when known, else all n_q rows."""
+    if plan["counts"] is None:
+        return [(cls, n_q) for cls in _CLASSES]
+    return [(cls, plan["counts"][cls]) for cls in _CLASSES if plan["counts"][cls] > 0]
+
+
 def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float):
     """Launch the forward kernel (once per stream class); returns ``(out, lse)``."""
     _check_device(q)
@@ -540,10 +565,10 @@ def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float):
     if n_q == 0:
         return out, lse
     plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=False)
-    for cls in _CLASSES:
+    for cls, rows in _class_rows(plan, n_q):
         _launch(
             _FWD[cls],
-            lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), h_q),
+            lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), h_q),
             (
                 q, k, v, out, lse, plan["perm"], plan["start"], plan["end"], plan["rows"][cls],
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -584,7 +609,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seql
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk_part = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     dv_part = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    for cls, (dk_out, dv_out) in zip(_CLASSES, ((dk_part, dv_part), (dk, dv))):
+    launches = [cls for cls, _ in _class_rows(plan, n_q)]
+    for cls in launches:
+        accumulate = len(launches) == 2 and cls == "full"
+        dk_out, dv_out = (dk_part, dv_part) if len(launches) == 2 and cls == "band" else (dk, dv)
         _launch(
             _BWD_DKDV[cls],
             lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), h_kv),
@@ -597,14 +625,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seql
                 dv_out.stride(0), dv_out.stride(1), dq_acc.stride(0), dq_acc.stride(1),
                 n_q, n_k, scale, scale * LOG2E,
             ),
-            {**common, "ATOMIC_DQ": not deterministic, "ACCUMULATE": cls == "full"},
+            {**common, "ATOMIC_DQ": not deterministic, "ACCUMULATE": accumulate},
         )
     if not deterministic:
         return dq_acc.to(q.dtype), dk, dv
-    for cls in _CLASSES:
+    for cls, rows in _class_rows(plan, n_q):
         _launch(
             _BWD_DQ[cls],
-            lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), h_q),
+            lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), h_q),
             (
                 q, k, v, dout, dq, lse, delta, plan["perm"], plan["start"], plan["end"], plan["rows"][cls],
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
