@@ -20,7 +20,6 @@ import os
 from dataclasses import dataclass, field
 
 from orthros_train.data.embedded import EOD_TOKEN, corpus_documents, corpus_files, train_tokenizer
-from orthros_train.data.loader import PackedTokenData
 
 SOURCES = ("embedded", "indexed")
 KINDS = ("auto", "pretrain", "sft")
@@ -160,4 +159,4 @@ def _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
     return IndexedPretrainData(splits, tokenizer, eod, seq_len, micro_batch_size, seed, dp_rank, dp_size)
 
 
-__all__ = ["DataConfig", "build_data", "PackedTokenData", "prepare_embedded"]
+__all__ = ["DataConfig", "build_data", "prepare_embedded"]

@@ -61,8 +61,11 @@ def _positions_and_cu(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t = doc.numel()
     boundaries = torch.nonzero(doc[1:] != doc[:-1]).flatten() + 1
     cu = torch.cat([doc.new_zeros(1), boundaries, doc.new_full((1,), t)])
-    lengths = cu[1:] - cu[:-1]
-    starts = torch.repeat_interleave(cu[:-1], lengths)
+    # Start of each token's document: a running max over document starts. (repeat_interleave
+    # does the same but stalls for milliseconds per call when torch runs several threads.)
+    marks = torch.zeros(t, dtype=torch.long, device=doc.device)
+    marks[cu[:-1]] = cu[:-1]
+    starts = torch.cummax(marks, 0).values
     return torch.arange(t, device=doc.device) - starts, cu.to(torch.int32)
 
 

@@ -51,7 +51,8 @@ def run(cfg: DictConfig) -> dict:
         prompt = run_cfg.trainer.sample_prompt
         text = trainer.sample(prompt, run_cfg.trainer.sample_tokens) if prompt else None
         if trainer.is_main:
-            print(f"final eval loss {result['eval_loss']:.4f}; checkpoint {result['checkpoint']}")
+            loss = result["eval_loss"]
+            print(f"final eval loss {'n/a' if loss is None else f'{loss:.4f}'}; checkpoint {result['checkpoint']}")
             if prompt:
                 print(f"sample (greedy, prefill + decode):\n  prompt: {prompt!r}\n  continuation: {text!r}")
     finally:

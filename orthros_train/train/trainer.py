@@ -198,14 +198,15 @@ class Trainer:
         }
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
+        """Token-weighted validation loss; None when the data has no validation split."""
         self.engine.eval()
         total, weight = 0.0, 0
         for layout in self.data.valid_batches(self.cfg.trainer.eval_batches):
             out = self.engine(layout.to(self.device))
             total += float(out.loss) * layout.num_loss_tokens
             weight += layout.num_loss_tokens
-        return total / max(weight, 1)
+        return total / weight if weight else None
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -240,7 +241,8 @@ class Trainer:
                     record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
                     eval_loss = self.evaluate()
-                    record["eval_loss"] = eval_loss
+                    if eval_loss is not None:
+                        record["eval_loss"] = eval_loss
                 history.append(record)
                 if log is not None:
                     log.log(record)
