@@ -33,6 +33,19 @@ def launcher_env() -> "DistributedEnv":
     return DistributedEnv()
 
 
+def git_commit() -> str | None:
+    """The commit of the code that runs (logged with the recipe), when it is a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def run(cfg: DictConfig) -> dict:
     """Resolve the recipe into typed config, then dry-run or train."""
     from orthros_train.parallel.setup import destroy_parallel
@@ -45,9 +58,12 @@ def run(cfg: DictConfig) -> dict:
         summary = plan_summary(run_cfg)
         print(json.dumps(summary, indent=2))
         return summary
+    resolved["git_commit"] = git_commit()
     trainer = Trainer(run_cfg, resolved, launcher_env())
     try:
         result = trainer.fit()
+        if result.get("preempted"):
+            return result
         prompt = run_cfg.trainer.sample_prompt
         text = trainer.sample(prompt, run_cfg.trainer.sample_tokens) if prompt else None
         if trainer.is_main:
@@ -64,9 +80,13 @@ def run(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     if not cfg:
         raise SystemExit("orthros-train: pick a recipe, e.g. `orthros-train --config-name tiny_cpu`")
+    from orthros_train.train.checkpoint import CheckpointError
+    from orthros_train.train.trainer import NonFiniteTrainingError
+
     try:
-        run(cfg)
-    except ValueError as exc:  # configuration errors: one clear line, not a traceback
+        run(cfg)  # a preempted run (SIGTERM/SIGUSR1) saved and returns normally: exit 0, requeue
+    except (ValueError, CheckpointError, NonFiniteTrainingError) as exc:
+        # configuration errors and run-stopping faults: one clear line, not a traceback
         raise SystemExit(f"orthros-train: {exc}") from exc
 
 

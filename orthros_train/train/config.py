@@ -65,6 +65,15 @@ class TrainerConfig:
     eval_batches: int = 4
     progress: bool = True
     peak_tflops: float | None = None  # per-device peak for MFU; None: known GPUs (H100 989), else no MFU
+    # checkpoints and resume (see orthros_train/train/checkpoint.py)
+    save_every: int = 0  # steps between checkpoints; 0: only the final one
+    keep_last_k: int = 3  # checkpoints kept (older ones deleted after a successful save); 0 keeps all
+    checkpoint_hashes: bool = True  # sha256 of every file in the manifest (sizes are always checked)
+    resume: str = "auto"  # auto: latest complete checkpoint in run_dir, if any | none | a checkpoint path
+    # faults
+    max_nonfinite_steps: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
+    loss_spike_factor: float = 3.0  # log a spike when loss > factor x running mean (0 disables)
+    fail_at_step: int | None = None  # fault injection for tests: this process dies after that step
     sample_prompt: str | None = None  # greedy continuation printed after training
     sample_tokens: int = 40
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -77,6 +86,8 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"trainer.precision must be fp32|bf16, got {self.precision!r}")
+        if self.save_every < 0 or self.keep_last_k < 0 or self.max_nonfinite_steps < 1:
+            raise ValueError("trainer.save_every and trainer.keep_last_k must be >= 0, max_nonfinite_steps >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"trainer.device must be auto|cpu|cuda, got {self.device!r}")
 

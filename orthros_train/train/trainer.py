@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from orthros_train.parallel.engine import build_engine
 from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
 from orthros_train.parallel.setup import DistributedEnv, check_parallel_layout, init_parallel
 from orthros_train.parallel.state_dict import LazyCheckpoint, gather_full_state_dict, shard_state_dict
+from orthros_train.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from orthros_train.train.config import RunConfig
 from orthros_train.train.metrics import (
     PEAK_BF16_TFLOPS,
@@ -142,6 +146,64 @@ class Trainer:
         self.step = 0
         self._grad_norm = math.nan
         self.peak = peak_tflops(self.device, t.peak_tflops)
+        self.skipped_steps = 0
+        self.nonfinite_in_a_row = 0
+        self.wandb_run_id: str | None = None
+        self.checkpoints = CheckpointManager(self.run_dir, t.keep_last_k, t.checkpoint_hashes)
+        self._stop_signal = 0
+        self.resumed_from = self._resume()
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def layout_signature(self) -> dict[str, Any]:
+        p = self.cfg.parallel
+        return {"tp": p.tensor_parallel, "sp": p.sequence_parallel, "dp": p.data_parallel, "zero": p.zero_stage}
+
+    def _resume(self) -> Path | None:
+        mode = self.cfg.trainer.resume
+        if mode == "none":
+            return None
+        if mode == "auto":
+            path = self.checkpoints.find_latest()
+            if path is None:
+                return None
+        else:
+            path = Path(mode)
+            problem = verify_checkpoint(path) if path.is_dir() else "no such directory"
+            if problem:
+                raise ValueError(f"trainer.resume={mode}: {problem}")
+        meta = self.checkpoints.load(self, path)
+        self.step = int(meta["step"])
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.wandb_run_id = meta.get("wandb_run_id")
+        if self.is_main:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+        return path
+
+    def load_reference_weights(self, directory: Path) -> None:
+        """Weights from a reference-layout checkpoint into this run's shards (any TP/DP)."""
+        if self.cfg.parallel.zero_stage == 3:
+            raise ValueError(
+                "resuming a checkpoint written with another parallel layout under ZeRO-3 is not supported; "
+                f"start a new run with model.init_from={directory}"
+            )
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        tp, rank = self.cfg.parallel.tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
+        local = shard_state_dict(LazyCheckpoint(directory), self.cfg.model, tp, rank)
+        params = dict(self.engine.module.named_parameters())
+        with torch.no_grad():
+            for name, value in local.items():
+                params[name].copy_(value)
+                safe_set_full_fp32_param(params[name], value.float().to(params[name].device))
+
+    def save_checkpoint(self) -> Path | None:
+        """A checkpoint of the current step; a failed save is reported and training goes on."""
+        try:
+            return self.checkpoints.save(self, self.step)
+        except CheckpointError as exc:
+            if self.is_main:
+                print(f"ERROR: {exc}", file=sys.stderr, flush=True)
+            return None
 
     def _build_model(self) -> ParallelOrthrosForCausalLM:
         """Weights come from the reference model (random init, identical for every TP size) or,
@@ -163,38 +225,58 @@ class Trainer:
 
     # -- one optimizer step -------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
+        """One optimizer step over ``grad_accum_steps`` micro batches.
+
+        A micro batch whose loss is NaN/Inf on any rank contributes zero gradients instead, and
+        the step is then taken with lr = 0: the weights stay exactly as they were (Adam's moments
+        decay by one step). The step is counted as skipped.
+        """
         t, engine = self.cfg.trainer, self.engine
         engine.train()
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        total_loss, tokens, flops = 0.0, 0, 0.0
+        total_loss, tokens, flops, nonfinite = 0.0, 0, 0.0, False
         for _ in range(t.grad_accum_steps):
             layout = self.data.next_batch().to(self.device)
             flops += layout_flops(self.cfg.model, layout)
             loss = engine(layout).loss
+            bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach())) else 1.0])
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same path
+            if bool(bad.item()):
+                nonfinite = True
+                loss = sum((p * 0).sum() for p in engine.module.parameters() if p.requires_grad)
             engine.backward(loss)  # DeepSpeed scales by 1 / grad_accum_steps
-            if engine.is_gradient_accumulation_boundary() and self.cfg.parallel.zero_stage == 0:
-                self._grad_norm = tensor_parallel_grad_norm(engine.module)
+            if engine.is_gradient_accumulation_boundary():
+                if self.cfg.parallel.zero_stage == 0:
+                    self._grad_norm = tensor_parallel_grad_norm(engine.module)
+                    nonfinite = nonfinite or not math.isfinite(self._grad_norm)
+                for group in engine.optimizer.param_groups:
+                    group["lr"] = 0.0 if nonfinite else lr
+                if nonfinite:
+                    for p in engine.module.parameters():
+                        if p.grad is not None:
+                            p.grad.zero_()
             engine.step()  # steps the optimizer at the accumulation boundary only
-            total_loss += float(loss.detach()) / t.grad_accum_steps
+            total_loss += float(loss.detach()) / t.grad_accum_steps if not nonfinite else math.nan
             tokens += layout.num_tokens
         grad_norm = engine.get_global_grad_norm()  # None without ZeRO: see _grad_norm
         if grad_norm is None:
             grad_norm = self._grad_norm
+        grad_norm = float(grad_norm)
+        if not nonfinite and not math.isfinite(grad_norm):
+            nonfinite = True  # under ZeRO the norm is known only after the update: count, stop if it repeats
         self.step += 1
         # Report the data-parallel mean (every DP rank saw different samples).
         stats = torch.tensor([total_loss, float(tokens), flops], dtype=torch.float64)
-        dp_group = parallel_state.get_data_parallel_group()
-        dist.all_reduce(stats, group=dp_group)
+        dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
         dp = parallel_state.get_data_parallel_world_size()
         return {
             "loss": float(stats[0]) / dp,
             "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "grad_norm": grad_norm,
             "tokens": int(stats[1]),
             # Every TP rank of a DP group computes the same layout: count each group once.
             "flops": float(stats[2]),
+            "nonfinite": nonfinite,
         }
 
     @torch.no_grad()
@@ -209,6 +291,14 @@ class Trainer:
         return total / weight if weight else None
 
     # -- the loop -----------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signum  # acted on at the end of the current step
+
+    def _should_stop(self) -> bool:
+        flag = torch.tensor([float(self._stop_signal)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one preempted rank stops them all
+        return bool(flag.item())
+
     def fit(self) -> dict[str, Any]:
         t = self.cfg.trainer
         log = None
@@ -216,10 +306,13 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.json").write_text(json.dumps(self.recipe, indent=2, default=str))
             log = MetricsLog(self.run_dir, self._wandb())
-        progress = _progress(t.max_steps, enabled=t.progress and self.is_main)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        progress = _progress(t.max_steps, enabled=t.progress and self.is_main, initial=self.step)
         history: list[dict[str, Any]] = []
         eval_loss = None
         world = dist.get_world_size()
+        running_loss: float | None = None
+        preempted = False
         try:
             while self.step < t.max_steps:
                 start = time.perf_counter()
@@ -234,7 +327,33 @@ class Trainer:
                     "tokens_per_s_per_device": stats["tokens"] / elapsed / world,
                     "model_tflops_per_s": stats["flops"] / elapsed / 1e12,
                     "consumed_samples": self.data.consumed_samples,
+                    "skipped_steps": self.skipped_steps,
                 }
+                if stats["nonfinite"]:
+                    self.skipped_steps += 1
+                    self.nonfinite_in_a_row += 1
+                    record.update(skipped=True, skipped_steps=self.skipped_steps)
+                    if self.is_main:
+                        progress.write(f"step {self.step}: non-finite loss or grad norm, update skipped")
+                    if self.nonfinite_in_a_row >= t.max_nonfinite_steps:
+                        raise NonFiniteTrainingError(
+                            f"{self.nonfinite_in_a_row} consecutive steps with a NaN/Inf loss or gradient norm "
+                            f"(last at step {self.step}); stopping. Lower optim.lr, check the data near sample "
+                            f"{self.data.consumed_samples}, or resume from an earlier checkpoint."
+                        )
+                else:
+                    self.nonfinite_in_a_row = 0
+                    if (
+                        running_loss is not None
+                        and t.loss_spike_factor > 0
+                        and stats["loss"] > t.loss_spike_factor * running_loss
+                    ):
+                        record["loss_spike"] = True
+                        if self.is_main:
+                            progress.write(
+                                f"step {self.step}: loss spike {stats['loss']:.3f} vs mean {running_loss:.3f}"
+                            )
+                    running_loss = stats["loss"] if running_loss is None else 0.95 * running_loss + 0.05 * stats["loss"]
                 if self.peak is not None:
                     record["mfu"] = stats["flops"] / elapsed / 1e12 / (self.peak * world)
                 if self.device.type == "cuda":
@@ -254,12 +373,31 @@ class Trainer:
                         f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:.0f} tok/s"
                         + (f" | eval {eval_loss:.4f}" if "eval_loss" in record else "")
                     )
+                if t.save_every > 0 and self.step % t.save_every == 0 and self.step < t.max_steps:
+                    self.save_checkpoint()
+                if t.fail_at_step is not None and self.step == t.fail_at_step:
+                    os._exit(17)  # fault injection (tests): die without cleanup, like a lost node
+                if self._should_stop():
+                    preempted = True
+                    break
         finally:
             progress.close()
             if log is not None:
                 log.close()
-        final_dir = self.save("final")
-        return {"history": history, "eval_loss": eval_loss, "checkpoint": str(final_dir)}
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if not history and self.resumed_from is not None:
+            saved: Path | None = self.resumed_from  # resumed at the end: nothing new to save
+        else:
+            saved = self.save_checkpoint()
+        if preempted:
+            if self.is_main:
+                print(f"stopped by signal {self._stop_signal} at step {self.step}; checkpoint {saved}", flush=True)
+            return {"history": history, "eval_loss": eval_loss, "checkpoint": str(saved), "preempted": True}
+        if saved is None:
+            raise CheckpointError(f"the final checkpoint of step {self.step} could not be saved (see above)")
+        final_dir = self.export("final")
+        return {"history": history, "eval_loss": eval_loss, "checkpoint": str(final_dir), "preempted": False}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in reference layout, on every rank (ZeRO-3 shards gathered first)."""
@@ -277,16 +415,13 @@ class Trainer:
         model.load_state_dict({k: v.float().cpu() for k, v in self.full_state_dict().items()})
         return model
 
-    def save(self, name: str) -> Path:
-        """Model in reference layout (``OrthrosForCausalLM.from_pretrained`` loads it) + tokenizer."""
+    def export(self, name: str) -> Path:
+        """The weights in reference layout + tokenizer (``OrthrosForCausalLM.from_pretrained``)."""
         target = self.run_dir / "checkpoints" / name
         model = self.reference_model()
         if self.is_main:
             model.save_pretrained(target)
             self.data.tokenizer.save_pretrained(target)
-            (target / "trainer_state.json").write_text(
-                json.dumps({"step": self.step, "data": self.data.state_dict()}, indent=2)
-            )
         dist.barrier()
         return target
 
@@ -303,18 +438,26 @@ class Trainer:
             return None
         import wandb
 
-        return wandb.init(
+        run = wandb.init(
             project=w.project,
             name=w.name,
             group=w.group,
             mode=w.mode,
             dir=str(self.run_dir),
             config=self.recipe,
+            id=self.wandb_run_id,  # a resumed run continues its wandb run
+            resume="allow" if self.wandb_run_id else None,
             reinit="finish_previous",
         )
+        self.wandb_run_id = run.id
+        return run
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, initial: int = 0):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, disable=not enabled, dynamic_ncols=True, desc="train")
+    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, desc="train")
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many consecutive NaN/Inf steps."""
