@@ -1,0 +1,215 @@
+"""Operating long runs: exact resume, safe checkpoints, faults and preemption."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orthros_train.train.checkpoint import CheckpointManager, verify_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "--config-name", "tiny_cpu", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
+    "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=2",
+    "trainer.micro_batch_size=2", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=2",
+]  # fmt: skip
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*overrides: str, nproc: int = 1, cwd: Path, **popen) -> subprocess.Popen:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "orthros_train.train.cli", *TINY, *overrides]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *popen.pop("torchrun_args", []),
+            "-m", "orthros_train.train.cli", *TINY, *overrides,
+        ]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 900) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Last logged loss of every step (a resumed run logs the steps after its checkpoint again)."""
+    out: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]
+    return out
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        if path.is_file() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines()):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+@pytest.mark.slow
+def test_kill_9_two_process_run_resumes_bitwise(tmp_path):
+    steps = ["trainer.max_steps=8", "trainer.save_every=3", "parallel.data_parallel=2", "parallel.zero_stage=1"]
+    rc, _, err = finish(cli(*steps, f"trainer.run_dir={tmp_path / 'straight'}", nproc=2, cwd=tmp_path))
+    assert rc == 0, err[-3000:]
+    run = tmp_path / "killed"
+    proc = cli(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path, start_new_session=True)
+    wait_for_step(run, 4, proc)  # the checkpoint of step 3 exists once step 4 is logged
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000000003"
+    rc, out, err = finish(cli(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path))
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out and "step_000000003" in out
+    straight, resumed = losses(tmp_path / "straight"), losses(run)
+    assert sorted(straight) == sorted(resumed) == list(range(1, 9))
+    assert all(straight[s] == resumed[s] for s in straight), (straight, resumed)  # bitwise
+
+
+@pytest.mark.slow
+def test_rank_death_under_max_restarts_resumes_from_latest(tmp_path):
+    run = tmp_path / "run"
+    steps = ["trainer.max_steps=6", "trainer.save_every=2", "trainer.fail_at_step=4", "parallel.data_parallel=2"]
+    rc, out, err = finish(
+        cli(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path, torchrun_args=["--max-restarts", "1"])
+    )
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out and "step_000000004" in out
+    assert sorted(losses(run)) == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+    run = tmp_path / "run"
+    proc = cli("trainer.max_steps=400", f"trainer.run_dir={run}", cwd=tmp_path)
+    wait_for_step(run, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 0, err[-3000:]
+    assert "stopped by signal" in out
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(latest.split("_")[1])
+    assert stopped_at >= 2 and verify_checkpoint(run / "checkpoints" / latest) is None
+    rc, out, err = finish(cli(f"trainer.max_steps={stopped_at + 2}", f"trainer.run_dir={run}", cwd=tmp_path))
+    assert rc == 0, err[-3000:]
+    assert f"at step {stopped_at}" in out
+    assert max(losses(run)) == stopped_at + 2
+
+
+# -- in-process: checkpoint integrity and faults --------------------------------------------------
+
+
+@pytest.fixture
+def make_trainer(tmp_path):
+    """A one-process Trainer on the tiny recipe (torch.distributed torn down afterwards)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from orthros_train.parallel.setup import destroy_parallel
+    from orthros_train.train.config import run_config_from_dict
+    from orthros_train.train.trainer import Trainer
+
+    made = []
+
+    def make(*overrides: str) -> Trainer:
+        with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
+            cfg = compose(
+                "tiny_cpu",
+                overrides=[*TINY[2:], f"trainer.run_dir={tmp_path / 'run'}", "trainer.wandb.name=test", *overrides],
+            )
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved.pop("hydra", None)
+        if made:
+            destroy_parallel()
+        trainer = Trainer(run_config_from_dict(resolved), resolved)
+        made.append(trainer)
+        return trainer
+
+    yield make
+    destroy_parallel()
+
+
+def test_corrupt_and_partial_checkpoints_are_skipped(make_trainer, tmp_path, caplog):
+    trainer = make_trainer("trainer.max_steps=2", "trainer.save_every=1")
+    trainer.fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_000000002"
+    # Corrupt the newest (same size, other bytes) and leave a partial save behind.
+    victim = root / "step_000000002" / "model" / "model.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    (root / "step_000000003").mkdir()
+    manager = CheckpointManager(tmp_path / "run")
+    with caplog.at_level("WARNING"):
+        found = manager.find_latest()
+    assert found == root / "step_000000001"
+    assert "step_000000002" in caplog.text and "sha256" in caplog.text
+    assert "step_000000003" in caplog.text and "manifest" in caplog.text
+
+
+def test_failed_save_keeps_previous_checkpoint_and_training_state(make_trainer, tmp_path, monkeypatch, capsys):
+    trainer = make_trainer("trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_last_k=0")
+    import orthros_train.train.checkpoint as ckpt
+
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if trainer.step == 4:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    with pytest.raises(ckpt.CheckpointError, match="final checkpoint"):
+        trainer.fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_000000002"
+    assert verify_checkpoint(root / "step_000000002") is None
+    assert not list(root.glob(".step_*"))  # no half-written directory left behind
+    assert not (root / "step_000000004").exists()
+    assert "No space left on device" in capsys.readouterr().err
+    assert trainer.step == 4  # the training state itself is intact
+
+
+def test_nonfinite_steps_are_skipped_then_stop(make_trainer, monkeypatch):
+    from orthros_train.train.trainer import NonFiniteTrainingError
+
+    trainer = make_trainer("trainer.max_steps=10", "trainer.max_nonfinite_steps=3")
+    trainer.train_step()  # one healthy step first
+    before = {k: v.clone() for k, v in trainer.engine.module.state_dict().items() if torch.is_tensor(v)}
+    module = trainer.engine.module
+    real_forward = module.forward
+
+    def nan_forward(layout, return_logits=False):
+        out = real_forward(layout, return_logits)
+        out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(module, "forward", nan_forward)
+    with pytest.raises(NonFiniteTrainingError, match="3 consecutive steps"):
+        trainer.fit()
+    assert trainer.skipped_steps == 3
+    after = module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # skipped steps changed no weight
