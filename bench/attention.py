@@ -381,10 +381,15 @@ def compile_sm90(args) -> dict:
 
     target = GPUTarget("cuda", 90, 32)
     special = {"PERM": "*i32", "QSTART": "*i32", "QEND": "*i32", "COMP_START": "*i64", "COMP_END": "*i64",
-               "NGROUPS": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "LP": "*fp32", "OP": "*fp32", "DQ": "*fp32"}
+               "NGROUPS": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "LP": "*fp32", "OP": "*fp32", "DQ": "*fp32",
+               "ROWS": "*i32", "DKA": "*fp32", "DVA": "*fp32"}
     results = []
 
     def build(fn, dtype, consts, num_warps=4, num_stages=3):
+        ident = (fn.__name__, tuple(sorted(consts.items())), num_warps, num_stages)
+        if ident in seen:
+            return
+        seen.add(ident)
         sig = {}
         for name in fn.arg_names:
             if name in consts:
@@ -403,7 +408,7 @@ def compile_sm90(args) -> dict:
             kern = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
             res = {"ok": True, "shared_bytes": kern.metadata.shared}
         except Exception as exc:  # noqa: BLE001
-            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-600:]}
         res.update(kernel=fn.__name__, dtype=dtype, consts={k: v for k, v in consts.items() if k.startswith("BLOCK")},
                    num_warps=num_warps, num_stages=num_stages, seconds=time.perf_counter() - t0)
         results.append(res)
@@ -415,14 +420,16 @@ def compile_sm90(args) -> dict:
     d = args.head_dim
     common = {"GROUP": args.heads // args.kv_heads, "D": d, "BLOCK_D": d, "EVEN_D": True, "UPCAST": False,
               "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
-    for cfg in ta._FWD_CONFIGS:
-        build(ta._attn_fwd_kernel.fn, dtype, {**common, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
-    for cfg in ta._BWD_DQ_CONFIGS:
-        build(ta._attn_bwd_dq_kernel.fn, dtype, {**common, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
-    for atomic in (False, True):
-        for cfg in ta._BWD_DKDV_CONFIGS:
-            build(ta._attn_bwd_dkdv_kernel.fn, dtype, {**common, "ATOMIC_DQ": atomic, **cfg.kwargs},
-                  cfg.num_warps, cfg.num_stages)
+    seen = set()
+    for cls in ("band", "full"):
+        for cfg in ta._FWD_CONFIGS[cls]:
+            build(ta._attn_fwd_kernel, dtype, {**common, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
+        for cfg in ta._BWD_DQ_CONFIGS[cls]:
+            build(ta._attn_bwd_dq_kernel, dtype, {**common, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
+        for atomic in (False, True):
+            for cfg in ta._BWD_DKDV_CONFIGS[cls]:
+                consts = {**common, "ATOMIC_DQ": atomic, "ACCUMULATE": cls == "full", **cfg.kwargs}
+                build(ta._attn_bwd_dkdv_kernel, dtype, consts, cfg.num_warps, cfg.num_stages)
     build(td._decode_split_kernel, dtype, {"GROUP": common["GROUP"], "D": d, "BLOCK_G": 16, "BLOCK_D": d,
                                            "BLOCK_N": 64, "EVEN_D": True, "UPCAST": False,
                                            "PRECISION": common["PRECISION"]})

@@ -277,6 +277,38 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(a, b, **FP32_TOL)
 
 
+def test_orthros_block_compiles_fullgraph():
+    """A whole Orthros layer (both streams) with the triton backend: one graph, same numbers."""
+    from orthros_train.model.config import OrthrosConfig
+    from orthros_train.model.orthros import OrthrosForCausalLM, plan_for_layout
+
+    torch._dynamo.reset()
+    cfg = OrthrosConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, sliding_window=6, attention_backend="triton",
+    )
+    model = OrthrosForCausalLM(cfg)
+    lay = sft_layout(torch.randint(0, 64, (2, 24)), [[(4, 10)], [(15, 24)]])
+    plan = plan_for_layout(cfg, lay)
+    x = model.embed_tokens(lay.input_ids)
+    y = x[lay.output_index]
+    block = model.layers[0]
+    want = block(x, y, plan)
+    got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, y, plan)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **FP32_TOL)
+    torch.autograd.grad(got[1].sum(), list(block.parameters()))
+
+
+def test_no_queries():
+    q, k, v = _tensors(0, 10, 2, 1, 16)
+    idx = torch.zeros(0, dtype=torch.long)
+    out, lse = ta.attention_triton(q, k, v, idx, idx, torch.tensor([0, 10]))
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+    dk = torch.autograd.grad(out.sum(), k, allow_unused=True)[0]
+    assert dk is None or not dk.any()
+
+
 def test_model_with_triton_backend_matches_reference():
     from orthros_train.model.config import OrthrosConfig
     from orthros_train.model.orthros import OrthrosForCausalLM
