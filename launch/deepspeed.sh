@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Multi-node launch with DeepSpeed's launcher and an MPI-style hostfile ("node1 slots=8" lines):
+#   launch/deepspeed.sh HOSTFILE RECIPE [hydra overrides ...]
+#   launch/deepspeed.sh hostfile.txt scaling/orthros_2p7b trainer.run_dir=/scratch/runs/2p7b
+# The launcher sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR for every process, which the trainer
+# reads at its entry point; the parallel layout comes from the recipe.
+set -euo pipefail
+if [[ $# -lt 2 ]]; then
+  echo "usage: $0 HOSTFILE RECIPE [hydra overrides ...]" >&2
+  exit 2
+fi
+HOSTFILE=$1
+RECIPE=$2
+shift 2
+if [[ ! -f $HOSTFILE ]]; then
+  echo "$0: hostfile $HOSTFILE not found (one 'hostname slots=N' line per node)" >&2
+  exit 2
+fi
+exec deepspeed --hostfile "$HOSTFILE" --master_port "${MASTER_PORT:-29500}" \
+  --module orthros_train.train.cli --config-name "$RECIPE" "$@"
