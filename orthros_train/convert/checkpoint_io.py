@@ -8,6 +8,7 @@ shard at a time, saves it and lets it go. Peak memory is about one output shard.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -190,10 +191,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for s in self.shape:
-            numel *= s
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def write_sharded(
