@@ -387,6 +387,23 @@ def test_to_hf_generate_left_padded_batch_equals_each_prompt_alone(orthros_dir, 
     assert torch.equal(out[1, len(long) :], model.generate_greedy(short[None], W)[0])
 
 
+def test_to_hf_beam_search_reorders_the_cache_consistently(exported):
+    """Beam search reorders the DynamicCache between steps: the score it reports for each best
+    beam must equal that sequence's log-probability under a full, cache-free forward."""
+    hf = _load_hf(exported, trust_remote_code=True)
+    hf.generation_config.eos_token_id = None
+    prompt = torch.randint(3, VOCAB, (2, W + 4))
+    new = 8
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, pad_token_id=0)
+    beam = hf.generate(prompt, num_beams=3, do_sample=False, return_dict_in_generate=True, output_scores=True, **kwargs)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(beam.sequences).logits[:, W + 3 : -1].float(), -1)
+    full = logp.gather(-1, beam.sequences[:, W + 4 :, None]).sum((1, 2)) / new  # length_penalty 1
+    assert torch.allclose(beam.sequences_scores, full, atol=1e-4)
+    sampled = hf.generate(prompt, do_sample=True, top_k=5, **kwargs)
+    assert sampled.shape == (2, W + 4 + new)
+
+
 def test_round_trip_keeps_every_hf_tensor(hf_dirs, tmp_path):
     convert_from_hf(hf_dirs["qwen3"], tmp_path / "orthros", sliding_window=W)
     convert_to_hf(tmp_path / "orthros", tmp_path / "back")
