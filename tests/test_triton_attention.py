@@ -102,12 +102,23 @@ def layouts(draw):
     return q_index, q_window, cu, h_kv * group, h_kv, d, blocks
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layouts())
-def test_random_layouts_match_reference(case):
+def _check_case(case):
     q_index, q_window, cu, h_q, h_kv, d, blocks = case
     ta.set_block_sizes(*blocks)
     _check(q_index, q_window, cu, h_q=h_q, h_kv=h_kv, d=d)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_random_layouts_match_reference(case):
+    _check_case(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_random_layouts_match_reference_many(case):
+    _check_case(case)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,10 +183,11 @@ def test_half_precision_inputs(dtype, tol):
     assert out.dtype == dtype and dq.dtype == dtype and lse.dtype == torch.float32
 
 
-def test_head_dim_64_with_default_blocks():
-    ta.set_block_sizes(None)  # the single interpreter autotune config (32 x 32)
-    q_index, q_window = _queries(70, 16, torch.tensor([3, 40, 69]))
-    _check(q_index, q_window, torch.tensor([0, 70], dtype=torch.int32), h_q=2, h_kv=1, d=64)
+@pytest.mark.parametrize("d", [64, 128])
+def test_model_head_dims_with_default_blocks(d):
+    ta.set_block_sizes(None)  # the interpreter's single autotune config per stream class
+    q_index, q_window = _queries(40, 16, torch.tensor([3, 30, 39]))
+    _check(q_index, q_window, torch.tensor([0, 40], dtype=torch.int32), h_q=2, h_kv=1, d=d)
 
 
 # ---------------------------------------------------------------------------------------------

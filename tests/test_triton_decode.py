@@ -51,20 +51,34 @@ def _check(q_index, q_window, cu, h_q, h_kv, d, dtype=torch.float32, tol=FP32_TO
     torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    lengths=st.lists(st.integers(1, 200), min_size=1, max_size=4),
-    window=st.sampled_from([1, 4, 16, 1000]),
-    pairs=st.lists(st.sampled_from([1, 2]), min_size=4, max_size=4),
-    new_tokens=st.sampled_from([1, 1, 2]),
-    group=st.sampled_from([1, 2, 4, 8]),
-    d=st.sampled_from([16, 24, 32]),
-    split=st.sampled_from([None, 16, 32, 80]),
-)
-def test_ragged_decode_matches_reference(lengths, window, pairs, new_tokens, group, d, split):
+_RAGGED = {
+    "lengths": st.lists(st.integers(1, 200), min_size=1, max_size=4),
+    "window": st.sampled_from([1, 4, 16, 1000]),
+    "pairs": st.lists(st.sampled_from([1, 2]), min_size=4, max_size=4),
+    "new_tokens": st.sampled_from([1, 1, 2]),
+    "group": st.sampled_from([1, 2, 4, 8]),
+    "d": st.sampled_from([16, 24, 32]),
+    "split": st.sampled_from([None, 16, 32, 80]),
+}
+
+
+def _ragged(lengths, window, pairs, new_tokens, group, d, split):
     q_index, q_window, cu = _decode_batch(lengths, window, pairs[: len(lengths)], new_tokens)
     h_kv = 1 if group == 8 else 2
     _check(q_index, q_window, cu, h_kv * group, h_kv, d, split=split)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**_RAGGED)
+def test_ragged_decode_matches_reference(lengths, window, pairs, new_tokens, group, d, split):
+    _ragged(lengths, window, pairs, new_tokens, group, d, split)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**_RAGGED)
+def test_ragged_decode_matches_reference_many(lengths, window, pairs, new_tokens, group, d, split):
+    _ragged(lengths, window, pairs, new_tokens, group, d, split)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])

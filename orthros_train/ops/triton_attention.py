@@ -778,13 +778,15 @@ def attention_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``triton`` backend: ``(out, lse)`` with the contract of ``attention_reference``.
 
-    ``deterministic`` picks the atomic-free backward (default). ``decode`` routes to the
+    ``deterministic`` picks the atomic-free backward (default; also forced when
+    ``torch.use_deterministic_algorithms(True)`` is on). ``decode`` routes to the
     flash-decoding kernel (``ops/triton_decode.py``); ``None`` does so when no gradient is needed
     and there are at most two queries per document (a decode step).
     """
     if not torch.compiler.is_compiling():  # value checks read tensors: not inside a compiled graph
         check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if decode is None:
         decode = not needs_grad and q.shape[0] <= 2 * (cu_seqlens.shape[0] - 1)
@@ -792,4 +794,4 @@ def attention_triton(
         from orthros_train.ops.triton_decode import decode_attention_op
 
         return decode_attention_op(q, k, v, q_index, q_window, cu_seqlens, scale)
-    return torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, bool(deterministic))
+    return torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic)
