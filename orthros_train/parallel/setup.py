@@ -73,7 +73,11 @@ class DistributedEnv:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    launched: bool = False  # True under torchrun/srun: use env:// rendezvous
+    launched: bool = False  # True under torchrun/srun/deepspeed: rendezvous at master_addr:master_port
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    restart_count: int = 0  # torchrun --max-restarts: which attempt this is
+    agent_store: bool = False  # torchrun's agent already serves the store at master_port
 
 
 def _free_port() -> int:
@@ -94,7 +98,18 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
     if not dist.is_initialized():
         timeout = timedelta(minutes=pcfg.timeout_minutes)
         if env.launched:
-            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            # Keys in the rendezvous store are namespaced by restart attempt: after a rank dies
+            # and torchrun restarts everyone, the new groups must not read the dead attempt's
+            # addresses (gloo/nccl would try to connect to ports nobody listens on).
+            store = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=env.rank == 0 and not env.agent_store,
+                timeout=timeout,
+            )
+            store = dist.PrefixStore(f"orthros/attempt_{env.restart_count}", store)
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         else:
             port = _free_port()
             # DeepSpeed insists on finding a launcher's variables; a one-process run has no

@@ -29,6 +29,10 @@ def launcher_env() -> "DistributedEnv":
             world_size=int(os.environ["WORLD_SIZE"]),
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
             launched=True,
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("MASTER_PORT", 29500)),
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         )
     return DistributedEnv()
 
@@ -39,7 +43,11 @@ def git_commit() -> str | None:
 
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
         return None

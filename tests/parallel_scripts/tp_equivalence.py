@@ -27,7 +27,7 @@ def reference_grads(ref, cfg):
 def main() -> None:
     from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
     from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
-    from orthros_train.parallel.setup import DistributedEnv, ParallelConfig, destroy_parallel, init_parallel
+    from orthros_train.parallel.setup import ParallelConfig, destroy_parallel, init_parallel
     from orthros_train.parallel.state_dict import (
         LazyCheckpoint,
         gather_full_grads,
@@ -35,6 +35,7 @@ def main() -> None:
         shard_state_dict,
     )
     from orthros_train.phase import pretrain_layout, sft_layout
+    from orthros_train.train.cli import launcher_env
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     variants = [(False, "orthros"), (True, "orthros"), (True, "dense")]
@@ -53,7 +54,7 @@ def main() -> None:
     init_parallel(
         ParallelConfig(tensor_parallel=world, data_parallel=1),
         OrthrosConfig(**base_cfg),
-        DistributedEnv(rank=rank, world_size=world, launched=True),
+        launcher_env(),
     )
     ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
     layouts = {

@@ -15,9 +15,10 @@ def main() -> None:
     from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
     from orthros_train.parallel.engine import build_engine
     from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
-    from orthros_train.parallel.setup import DistributedEnv, ParallelConfig, destroy_parallel, init_parallel
+    from orthros_train.parallel.setup import ParallelConfig, destroy_parallel, init_parallel
     from orthros_train.parallel.state_dict import gather_full_state_dict, shard_state_dict
     from orthros_train.phase import pretrain_layout
+    from orthros_train.train.cli import launcher_env
     from orthros_train.train.config import OptimConfig, TrainerConfig
     from orthros_train.train.optim import build_optimizer
 
@@ -37,7 +38,7 @@ def main() -> None:
     init_parallel(
         ParallelConfig(tensor_parallel=1, data_parallel=world),
         cfg,
-        DistributedEnv(rank=rank, world_size=world, local_rank=rank, launched=True),
+        launcher_env(),
     )
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 64, (world, 12), generator=g) for _ in range(3)]
