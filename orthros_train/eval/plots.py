@@ -73,32 +73,45 @@ def recall_curve(buckets: Sequence[dict], path: str | Path, window: int | None, 
 
 
 def bench_plot(rows: Sequence[dict], path: str | Path, title: str) -> Path:
-    """Time to first token of both models (log-log) and the dense/Orthros ratio vs prompt length."""
+    """Time to first token of both models (log-log) and the ratios vs prompt length.
+
+    Solid: wall clock. Dashed: process CPU time (the robust figure on a busy shared CPU).
+    """
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     lengths = [r["length"] for r in rows]
-    for key, label in (("orthros_ttft_s", "Orthros"), ("dense_ttft_s", "dense")):
-        pts = [(r["length"], r[key]) for r in rows if r.get(key) is not None]
-        if pts:
-            ax1.plot(*zip(*pts), marker="o", label=label)
+
+    def series(key: str) -> list[tuple[int, float]]:
+        return [(r["length"], r[key]) for r in rows if r.get(key) is not None]
+
+    for model, color in (("orthros", "C0"), ("dense", "C1")):
+        label = "Orthros" if model == "orthros" else "dense"
+        for suffix, style, what in (("ttft_s", "-", "wall"), ("ttft_cpu_s", "--", "CPU time")):
+            pts = series(f"{model}_{suffix}")
+            if pts:
+                ax1.plot(*zip(*pts), style, marker="o", color=color, label=f"{label} ({what})")
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
+    ax1.set_xticks(lengths, [_k(n) for n in lengths])
     ax1.set_xlabel("prompt length (tokens)")
     ax1.set_ylabel("time to first token (s)")
-    ax1.legend()
+    ax1.legend(fontsize=8)
     ax1.grid(True, which="both", alpha=0.3)
-    pts = [(r["length"], r["prefill_speedup"]) for r in rows if r.get("prefill_speedup") is not None]
-    if pts:
-        ax2.plot(*zip(*pts), marker="o", label="prefill: dense / Orthros time")
-    pts = [(r["length"], r["decode_ratio"]) for r in rows if r.get("decode_ratio") is not None]
-    if pts:
-        ax2.plot(*zip(*pts), marker="s", label="decode: Orthros / dense tokens/s")
+    for key, style, label, marker in (
+        ("prefill_speedup", "-", "prefill: dense / Orthros time (wall)", "o"),
+        ("prefill_speedup_cpu", "--", "prefill: dense / Orthros time (CPU)", "o"),
+        ("decode_ratio", "-", "decode: Orthros / dense tokens/s (wall)", "s"),
+        ("decode_ratio_cpu", "--", "decode: Orthros / dense tokens/s (CPU)", "s"),
+    ):
+        pts = series(key)
+        if pts:
+            ax2.plot(*zip(*pts), style, marker=marker, color="C2" if "prefill" in key else "C3", label=label)
     ax2.axhline(1.0, color="gray", linewidth=0.8)
     ax2.set_xscale("log", base=2)
     ax2.set_xticks(lengths, [_k(n) for n in lengths])
     ax2.set_xlabel("prompt length (tokens)")
     ax2.set_ylabel("ratio")
-    ax2.legend()
+    ax2.legend(fontsize=8)
     ax2.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
