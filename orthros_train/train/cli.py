@@ -61,6 +61,10 @@ def run(cfg: DictConfig) -> dict:
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
+    if "rl" in resolved:  # an RL recipe (rl + task sections): the GRPO loop of train/rl_cli.py
+        from orthros_train.train.rl_cli import run_rl
+
+        return run_rl(resolved)
     run_cfg = run_config_from_dict(resolved)
     if run_cfg.trainer.dry_run:
         summary = plan_summary(run_cfg)
