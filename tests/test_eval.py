@@ -219,8 +219,20 @@ def test_ppl_equals_direct_computation(model, tokenizer, tmp_path):
     assert result["buckets"][1]["beyond_window"] and not result["buckets"][0]["beyond_window"]
 
 
-def test_ppl_cli_on_text_and_indexed_data(ckpt, tokenizer, tmp_path):
+def test_ppl_cli_on_text(ckpt, tmp_path):
+    text = tmp_path / "doc.txt"
+    text.write_text("Startups are companies designed to grow fast. " * 20)
+    assert main(["ppl", str(ckpt), str(text), "embedded:paul_graham", "--seq-len", "64", "--max-tokens", "300",
+                 "--output-dir", str(tmp_path / "out")]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "out" / "ppl.json").read_text())
+    assert result["tokens"] == 300 and math.isfinite(result["perplexity"])
+
+
+@pytest.mark.slow  # importing megatron-core takes 10-30 s on the shared CPU
+def test_ppl_on_indexed_dataset_equals_text(ckpt, tokenizer, tmp_path):
     pytest.importorskip("megatron.core")
+    import numpy as np
+
     from orthros_train.data.indexed import ShardWriter
 
     text = tmp_path / "doc.txt"
@@ -228,8 +240,6 @@ def test_ppl_cli_on_text_and_indexed_data(ckpt, tokenizer, tmp_path):
     ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     ids += tokenizer(text.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     writer = ShardWriter(str(tmp_path / "shard"), vocab_size=len(tokenizer))
-    import numpy as np
-
     writer.add_document(np.array(ids))
     writer.finish()
     results = []
