@@ -41,6 +41,7 @@ class DataConfig:
     train_samples: int | None = None  # samples to build the blend for (None: about one pass)
     valid_samples: int | None = None
     overlong: str = "truncate"  # sft: conversations longer than seq_len: truncate | drop
+    loss_average: str = "token"  # sft training loss: token (every answer token counts the same) | sequence
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -49,6 +50,8 @@ class DataConfig:
             raise ValueError(f"data.kind must be one of {KINDS}, got {self.kind!r}")
         if self.overlong not in ("truncate", "drop"):
             raise ValueError(f"data.overlong must be truncate|drop, got {self.overlong!r}")
+        if self.loss_average not in ("token", "sequence"):
+            raise ValueError(f"data.loss_average must be token|sequence, got {self.loss_average!r}")
         if self.source == "indexed" and not self.paths:
             raise ValueError("data.source=indexed needs data.paths (orthros-data outputs or .bin/.idx prefixes)")
         if self.weights is not None and len(self.weights) != len(self.paths):
@@ -145,7 +148,9 @@ def _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
             raise DataError("RL prompt sets feed the RL loop (orthros_train.data.rl.PromptSet), not next_batch()")
         store = ConversationStore(prefixes)
         return SFTData(store, tokenizer, eod, seq_len, micro_batch_size, seed, dp_rank, dp_size,
-                       split=cfg.split, overlong=cfg.overlong)
+                       split=cfg.split, overlong=cfg.overlong, loss_average=cfg.loss_average)
+    if cfg.loss_average != "token":
+        raise DataError("data.loss_average=sequence applies to SFT conversations; pretraining averages per token")
     weights = None
     if cfg.weights is not None:  # a path's weight is shared by its shards in proportion to their tokens
         weights = []

@@ -13,6 +13,7 @@ A conversation longer than ``seq_len`` is never split inside an answer. ``overlo
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ import torch
 from orthros_train.data.indexed import MODE_ANSWER, MODE_REFERENCE, DataError, open_indexed, read_index_header
 from orthros_train.data.sampler import ResumableSampler
 from orthros_train.phase.builders import sft_layout
-from orthros_train.phase.layout import OrthrosLayout
+from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
 log = logging.getLogger(__name__)
 OVERLONG = ("truncate", "drop")
@@ -155,12 +156,34 @@ class PackedConversations:
         return np.concatenate(tokens).astype(np.int64), np.concatenate(docs), spans
 
 
-def rows_to_layout(rows: list[tuple[np.ndarray, np.ndarray, list]]) -> OrthrosLayout:
-    return sft_layout(
+def rows_to_layout(rows: list[tuple[np.ndarray, np.ndarray, list]], loss_average: str = "token") -> OrthrosLayout:
+    layout = sft_layout(
         [torch.from_numpy(t) for t, _, _ in rows],
         [spans for _, _, spans in rows],
         document_ids=[torch.from_numpy(d) for _, d, _ in rows],
     )
+    return average_per_sequence(layout) if loss_average == "sequence" else layout
+
+
+def average_per_sequence(layout: OrthrosLayout) -> OrthrosLayout:
+    """Loss weights that make the layout loss a mean over conversations of their mean answer loss.
+
+    The models' loss is ``sum(w * CE) / N`` over the ``N`` labelled output tokens. With
+    ``w = N / (D * n_d)`` for a token of conversation (document) ``d`` that has ``n_d`` labelled
+    tokens, out of ``D`` conversations with any, it equals ``(1/D) sum_d (1/n_d) sum_{t in d} CE_t``:
+    a short answer weighs as much as a long one. Existing weights are multiplied in.
+    """
+    valid = layout.labels != IGNORE_INDEX
+    n = int(valid.sum())
+    if n == 0:
+        return layout
+    doc = layout.document_ids()[layout.output_index]
+    counts = torch.bincount(doc[valid], minlength=layout.cu_seqlens.numel() - 1).to(layout.loss_weights.dtype)
+    n_docs = int((counts > 0).sum())
+    scale = torch.where(valid, n / (counts[doc].clamp(min=1) * n_docs), torch.zeros_like(counts[doc]))
+    out = copy.copy(layout)
+    out.loss_weights = layout.loss_weights * scale
+    return out
 
 
 def split_conversations(n: int, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -185,7 +208,11 @@ class SFTData:
         dp_size: int = 1,
         split: str = "98,2,0",
         overlong: str = "truncate",
+        loss_average: str = "token",
     ) -> None:
+        if loss_average not in ("token", "sequence"):
+            raise ValueError(f"loss_average must be token|sequence, got {loss_average!r}")
+        self.loss_average = loss_average
         train_idx, valid_idx = split_conversations(len(store), split)
         self.train = PackedConversations(store, train_idx, seq_len, seed, overlong)
         self.valid = PackedConversations(store, valid_idx, seq_len, seed, overlong) if valid_idx.size else None
@@ -204,7 +231,7 @@ class SFTData:
         return self.sampler.consumed_samples
 
     def next_batch(self) -> OrthrosLayout:
-        return rows_to_layout([self.train.row(i) for i in self.sampler.next_indices()])
+        return rows_to_layout([self.train.row(i) for i in self.sampler.next_indices()], self.loss_average)
 
     def valid_batches(self, n: int) -> list[OrthrosLayout]:
         if self.valid is None or len(self.valid) == 0:
