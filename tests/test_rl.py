@@ -287,3 +287,61 @@ def test_toy_task_reward_rises():
     first = sum(h["reward_mean"] for h in history[:5]) / 5
     last = sum(h["reward_mean"] for h in history[-5:]) / 5
     assert last > first + 1.0, (first, last)  # hits per 6-token response
+
+
+def _recipe(tmp_path, task: dict, rl: dict, vocab: int = V, steps: int = 2, **sections) -> dict:
+    return {
+        "model": {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "intermediate_size": 64, "sliding_window": 4, "init_from": None},
+        "optim": {"lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
+        "trainer": {"max_steps": steps, "run_dir": str(tmp_path / "run"), "device": "cpu", "log_every": 0,
+                    "seed": 0, "wandb": {"enabled": False}},
+        "parallel": {"zero_stage": 0},
+        "rl": rl,
+        "task": task,
+        **sections,
+    }
+
+
+def _metrics(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_rl_trains_on_an_external_engines_rollouts(tmp_path):
+    from orthros_train.train.rl_cli import run_rl
+
+    rollouts = make_rollouts(9, with_old=True) + make_rollouts(10, with_old=True)
+    save_rollouts(tmp_path / "r.jsonl", rollouts)
+    summary = run_rl(_recipe(tmp_path, {"name": "rollouts", "rollouts": str(tmp_path / "r.jsonl")},
+                             {"group_size": 5, "prompts_per_step": 1, "kl_coef": 0.02}, steps=5))
+    records = _metrics(tmp_path)
+    assert summary["steps"] == 2 and [r["step"] for r in records] == [1, 2]  # 10 rollouts, 5 per update
+    assert all(r["loss_tokens"] == sum(len(x.response_ids) for x in rollouts[5 * i : 5 * i + 5])
+               for i, r in enumerate(records))
+    assert all(math.isfinite(r["loss"]) and r["kl"] >= 0 for r in records)
+    model = OrthrosForCausalLM.from_pretrained(summary["checkpoint"])
+    assert model.config.vocab_size == V
+
+
+def test_run_rl_prompt_set_with_reference_rewards(tmp_path):
+    from data_helpers import make_tokenizer, write_jsonl
+
+    from data_tools.chat import ChatFields
+    from data_tools.pretokenize import TokenizeOptions, run
+    from orthros_train.train.rl_cli import run_rl
+
+    tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=300)
+    rows = [{"prompt": f"Count to {n}", "answer": " ".join(str(i) for i in range(n))} for n in range(2, 8)]
+    src = write_jsonl(tmp_path / "p.jsonl", rows)
+    run(TokenizeOptions([str(src)], str(tok_dir), str(tmp_path / "rl"), kind="rl", progress=False,
+                        fields=ChatFields(reference="answer")))
+    summary = run_rl(_recipe(
+        tmp_path,
+        {"name": "prompts", "reward": "orthros_train.train.rl:reference_match_reward", "stop_token_ids": [0]},
+        {"group_size": 2, "prompts_per_step": 3, "max_new_tokens": 4},
+        vocab=300,
+        data={"source": "indexed", "paths": [str(tmp_path / "rl")]},
+    ))
+    records = _metrics(tmp_path)
+    assert summary["steps"] == 2 and len(records) == 2
+    assert all(0 < r["response_len_mean"] <= 4 and math.isfinite(r["loss"]) for r in records)

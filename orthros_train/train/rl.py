@@ -378,6 +378,17 @@ class RolloutGenerator:
         return rollouts
 
 
+def reference_match_reward(
+    prompt_ids: list[int], response_ids: list[int], reference_ids: list[int] | None
+) -> list[float]:
+    """Per-token reward: 1 where response token ``i`` equals reference token ``i`` (a simple
+    verifiable reward for prompt sets with reference answers, e.g. ``orthros-data rl --reference-field``).
+    Tokens past the reference earn 0, so stopping on time pays."""
+    if reference_ids is None:
+        raise ValueError("reference_match_reward needs prompts with a reference answer")
+    return [1.0 if i < len(reference_ids) and t == reference_ids[i] else 0.0 for i, t in enumerate(response_ids)]
+
+
 def rollout_reward(r: Rollout) -> float:
     """The total reward of a rollout (sum of per-token rewards), for logging."""
     if r.reward is not None:
@@ -618,6 +629,7 @@ __all__ = [
     "grpo_loss",
     "load_rollouts",
     "normalizer",
+    "reference_match_reward",
     "response_logprobs",
     "rollout_layout",
     "rollout_reward",

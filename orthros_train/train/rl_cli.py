@@ -150,9 +150,13 @@ def run_rl(resolved: dict[str, Any]) -> dict[str, Any]:
         history = trainer.train(lambda step: pattern.prompts(rl_cfg.prompts_per_step), generator, log=record)
         summary["greedy_accuracy_end"] = pattern.score(policy, task.eval_prompts)
     elif task.name == "prompts":
+        from orthros_train.data.indexed import resolve_prefixes
         from orthros_train.data.rl import PromptSet
 
-        prompt_set = PromptSet(run.data.paths, rl_cfg.prompts_per_step, t.seed)
+        if run.data.source != "indexed":
+            raise ValueError("task.name=prompts reads an `orthros-data rl` set: data.source=indexed, data.paths")
+        prefixes = [p for path in run.data.paths for p in resolve_prefixes(path)]
+        prompt_set = PromptSet(prefixes, rl_cfg.prompts_per_step, t.seed)
         stops = task.stop_token_ids
         if stops is None:
             eos = getattr(tokenizer, "eos_token_id", None)
