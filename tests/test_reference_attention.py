@@ -77,3 +77,26 @@ def test_base_stream_memory_is_linear_at_4k():
         torch.einsum = orig_einsum
     assert max(spans) <= chunk + w
     assert out.shape == q.shape
+
+
+def test_decode_step_scores_window_plus_document_not_twice_the_cache():
+    """A base query and an output query of one decode step go to separate chunks."""
+    t, w = 1000, 16
+    spans = []
+    orig_einsum = torch.einsum
+
+    def spy(eq, *ops):
+        if eq == "chgd,shd->hgcs":
+            spans.append(ops[1].shape[0])
+        return orig_einsum(eq, *ops)
+
+    torch.einsum = spy
+    try:
+        k = torch.randn(t, 1, 8)
+        q = torch.randn(2, 1, 8)
+        attention_reference(
+            q, k, k, torch.tensor([t - 1, t - 1]), torch.tensor([w, UNBOUNDED]), torch.tensor([0, t], dtype=torch.int32)
+        )
+    finally:
+        torch.einsum = orig_einsum
+    assert sorted(spans) == [w, t]

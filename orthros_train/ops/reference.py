@@ -95,12 +95,19 @@ def attention_reference(
     out_dtype = q.dtype
     start, end = key_ranges(q_index, q_window, cu_seqlens)
 
-    # Sorting by range start groups base queries of one window together and output queries of
-    # one document together, which keeps each chunk's key span small.
-    order = torch.argsort(start * (k.shape[0] + 1) + end, stable=True)
+    # Windowed queries first, then unbounded ones, each sorted by range start: a chunk then never
+    # mixes a base query (few keys) with an output query (its whole document), so base chunks span
+    # at most chunk + W keys and a decode step scores T + W keys, not 2T.
+    unbounded = (q_window.long() >= UNBOUNDED).to(start.device)
+    n_k1 = k.shape[0] + 1
+    order = torch.argsort((unbounded.long() * n_k1 + start) * n_k1 + end, stable=True)
+    n_windowed = int((~unbounded).sum())
+    bounds = [*range(0, n_windowed, chunk_size), *range(n_windowed, n_q, chunk_size), n_q]
     outs, lses = [], []
-    for c0 in range(0, n_q, chunk_size):
-        idx = order[c0 : c0 + chunk_size]
+    for c0, c1 in zip(bounds[:-1], bounds[1:]):
+        idx = order[c0 : min(c1, c0 + chunk_size)]
+        if idx.numel() == 0:
+            continue
         s_lo, e_hi = int(start[idx].min()), int(end[idx].max())
         kc = k[s_lo : e_hi + 1].float()  # [S, Hkv, D]
         vc = v[s_lo : e_hi + 1].float()
