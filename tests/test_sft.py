@@ -201,3 +201,27 @@ def test_sft_tiny_cpu_recipe_trains_with_eval(plain_tokenizer_dir, tmp_path):
     assert len(evals) == 2 and evals[1] < evals[0]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
     assert (run_dir / "checkpoints").is_dir()
+
+
+def test_bench_sweep_attention_work_follows_answer_tokens():
+    """bench/train_step.py --sweep: output-stream pairs grow with answer tokens x T, base pairs with T*W."""
+    w = 16
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "train_step.py"), "--json", "--lengths", "64", "128", "--hidden", "32",
+         "--layers", "1", "--heads", "2", "--vocab", "64", "--window", str(w), "--steps", "1", "--warmup", "0",
+         "--layouts", "rl", "--sweep", "--sweep-answer", "8", "--sweep-answers", "8", "32"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert [r["layout"] for r in result["rows"]] == ["rl", "rl"]
+    sweep = result["sweep"]
+    assert {(r["layout"], r["seq_len"], r["answer_tokens"]) for r in sweep} == {
+        (k, t, a) for k in ("sft", "rl") for t, a in ((64, 8), (128, 8), (128, 32))
+    }
+    for r in sweep:
+        t, a = r["seq_len"], r["answer_tokens"]
+        assert r["outputs"] == a
+        assert r["output_pairs"] == sum(p + 1 for p in range(t - a - 1, t - 1))  # answer queries see all keys
+        assert r["base_pairs"] == sum(min(w, p + 1) for p in range(t))
+        assert r["dense_pairs"] == t * (t + 1) // 2

@@ -404,7 +404,7 @@ class GRPOTrainer:
     ``forward_layout`` returning logits).
 
     ``update(rollouts)`` trains on a batch of rollouts (ours or an external engine's);
-    ``train(prompt_fn, reward_fn)`` runs the synchronous generate -> score -> update loop.
+    ``train(prompt_fn, generator)`` runs the synchronous generate -> score -> update loop.
     """
 
     def __init__(
@@ -418,7 +418,7 @@ class GRPOTrainer:
     ) -> None:
         self.policy = policy
         self.cfg = cfg
-        # RL fine-tuning defaults: constant lr after a short warmup, no weight decay.
+        # RL fine-tuning defaults: a small constant lr, no weight decay.
         self.optim = optim or OptimConfig(lr=1e-5, min_lr=1e-5, weight_decay=0.0, warmup_steps=0, schedule="constant")
         self.max_steps = max_steps
         if cfg.kl_coef > 0 and ref_model is None:
