@@ -75,7 +75,11 @@ def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
     from data_tools.pretokenize import TokenizeOptions, run  # lazy: data_tools imports this package
 
     tokenizer = train_tokenizer(corpus_documents(cfg.corpus), cfg.tokenizer_vocab_size, cfg.cache_dir)
-    digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+    # The key covers where the corpus files live too: two checkouts (two venvs) of the project
+    # share ~/.cache but must not share a tokenized copy recorded with the other's input paths.
+    files = corpus_files(cfg.corpus)
+    key = tokenizer.backend_tokenizer.to_str() + "\n" + "\n".join(str(p) for p in files)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = _cache(cfg, "embedded", f"{cfg.corpus}-{cfg.tokenizer_vocab_size}-{digest}")
     tok_dir = os.path.join(folder, "tokenizer")
     if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
@@ -87,7 +91,7 @@ def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
             pass
     output = os.path.join(folder, "corpus")
     run(TokenizeOptions(
-        inputs=[str(p) for p in corpus_files(cfg.corpus)],
+        inputs=[str(p) for p in files],
         tokenizer=tok_dir,
         output=output,
         eod_token=EOD_TOKEN,
