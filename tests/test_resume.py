@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,19 +24,13 @@ TINY = [
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cli(*overrides: str, nproc: int = 1, cwd: Path, **popen) -> subprocess.Popen:
     if nproc == 1:
         cmd = [sys.executable, "-m", "orthros_train.train.cli", *TINY, *overrides]
     else:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *popen.pop("torchrun_args", []),
+            "--standalone", *popen.pop("torchrun_args", []),
             "-m", "orthros_train.train.cli", *TINY, *overrides,
         ]  # fmt: skip
     return subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)

@@ -111,9 +111,10 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
             store = dist.PrefixStore(f"orthros/attempt_{env.restart_count}", store)
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         else:
+            # One process, no launcher: an in-memory store, so no port can be taken by another
+            # process between choosing it and binding it.
             port = _free_port()
-            # DeepSpeed insists on finding a launcher's variables; a one-process run has no
-            # launcher, so state the trivial layout for it.
+            # DeepSpeed insists on finding a launcher's variables; state the trivial layout.
             for key, value in (
                 ("RANK", "0"),
                 ("LOCAL_RANK", "0"),
@@ -122,9 +123,7 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
                 ("MASTER_PORT", str(port)),
             ):
                 os.environ.setdefault(key, value)
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
-            )
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=pcfg.tensor_parallel)
     return torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
