@@ -17,12 +17,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics, cast back before the weight: the Llama/Qwen convention, so converted
         # checkpoints reproduce HF logits.
-        dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

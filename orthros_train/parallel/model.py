@@ -44,14 +44,14 @@ from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.model.layers import RotaryEmbedding, apply_rope
+from orthros_train.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from orthros_train.model.orthros import AttentionPlan, OrthrosOutput, plan_for_layout
 from orthros_train.ops.attention import orthros_attention
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
 
-class TPReducedRMSNorm(nn.Module):
+class TPReducedRMSNorm(RMSNorm):
     """RMSNorm; with ``partial_grad`` its weight gradient is summed over the TP group.
 
     ``partial_grad`` is for norms that see only this rank's part of the work: the hidden-state
@@ -60,17 +60,12 @@ class TPReducedRMSNorm(nn.Module):
     """
 
     def __init__(self, dim: int, eps: float, partial_grad: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
         self.partial_grad = partial_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = copy_to_tensor_model_parallel_region(self.weight) if self.partial_grad else self.weight
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(dtype)
+        return weight * self.normalize(x)
 
 
 def megatron_config(cfg: OrthrosConfig, tp: int, sequence_parallel: bool, dtype: torch.dtype) -> TransformerConfig:
