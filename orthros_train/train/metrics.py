@@ -12,41 +12,12 @@ from orthros_train.model.config import OrthrosConfig
 from orthros_train.phase.layout import OrthrosLayout
 
 
-def model_flops_per_token(
-    cfg: OrthrosConfig, seq_len: int, output_fraction: float = 1.0, training: bool = True
-) -> float:
-    """Matmul FLOPs per input token of one step (forward, or forward+backward when training).
+def model_flops_per_token(cfg: OrthrosConfig, seq_len: int) -> float:
+    """Training FLOPs per token of one pretraining sequence of ``seq_len`` (an output token on
+    every position): ``layout_flops`` of that layout, so planning and live MFU share one formula."""
+    from orthros_train.phase.builders import pretrain_layout
 
-    Orthros runs the token-wise weights on both streams: every base token in layers 0..L-2 plus
-    the K/V projections of the last layer, and every output token (``output_fraction`` of the
-    tokens) in all layers plus the LM head. Attention counts 4 * heads * head_dim FLOPs per
-    (query, visible key) pair: a base query sees min(W, position + 1) keys, an output query
-    (pretrain) sees position + 1 keys. Dense/sliding baselines have one stream.
-    """
-    d, h, kv, hd, f = (
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-    )
-    q_o = 2 * d * h * hd
-    k_v = 2 * d * kv * hd
-    mlp = 3 * d * f
-    layer = q_o + k_v + mlp
-    t, w, n_layers = seq_len, cfg.sliding_window, cfg.num_hidden_layers
-    causal_keys = (t + 1) / 2  # mean visible keys of a full causal query over positions 0..T-1
-    window_keys = (w * (w + 1) / 2 + max(t - w, 0) * w) / t if t > w else causal_keys
-    per_pair = 4 * h * hd
-    if cfg.attention_type == "orthros":
-        matmul = (n_layers - 1) * layer + k_v + output_fraction * (n_layers * layer + d * cfg.vocab_size)
-        attn = (n_layers - 1) * window_keys * per_pair + output_fraction * n_layers * causal_keys * per_pair
-    else:
-        keys = causal_keys if cfg.attention_type == "dense" else window_keys
-        matmul = n_layers * layer + d * cfg.vocab_size
-        attn = n_layers * keys * per_pair
-    forward = 2 * matmul + attn
-    return 3 * forward if training else forward
+    return layout_flops(cfg, pretrain_layout(torch.zeros((1, seq_len), dtype=torch.long))) / seq_len
 
 
 def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = True) -> float:
