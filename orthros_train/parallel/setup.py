@@ -14,6 +14,8 @@ from megatron.core import parallel_state
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.parallel.cpu_shims import apply_cpu_shims
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
 
 @dataclass
 class ParallelConfig:
@@ -21,18 +23,23 @@ class ParallelConfig:
 
     tensor_parallel: int = 1
     sequence_parallel: bool = False
-    data_parallel: int = 1  # must equal world_size / tensor_parallel at run time
+    context_parallel: int = 1  # ranks one packed sequence is split across (long context)
+    data_parallel: int = 1  # must equal world_size / (tensor_parallel * context_parallel) at run time
     zero_stage: int = 1  # DeepSpeed ZeRO stage over the data-parallel group (0-3)
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU memory
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_minutes: int = 30
+    # Activation recompute: "none"; "selective" (attention core recomputed in the backward:
+    # its inputs are kept, its softmax intermediates are not); "full" (each layer recomputed
+    # from its input, megatron's recompute_granularity=full/uniform).
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel < 1 or self.data_parallel < 1:
-            raise ValueError(
-                f"parallel.tensor_parallel ({self.tensor_parallel}) and parallel.data_parallel "
-                f"({self.data_parallel}) must be >= 1"
-            )
+        for name in ("tensor_parallel", "context_parallel", "data_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"parallel.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload_optimizer and self.zero_stage == 0:
@@ -42,7 +49,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.data_parallel
+        return self.tensor_parallel * self.context_parallel * self.data_parallel
 
 
 def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None = None) -> None:
@@ -53,14 +60,20 @@ def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size
         value = getattr(model, name)
         if value % tp:
             problems.append(f"model.{name}={value} is not divisible by parallel.tensor_parallel={tp}")
+    cp = pcfg.context_parallel
     if world_size is not None:
-        if world_size % tp:
-            problems.append(f"world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
-        elif world_size // tp != pcfg.data_parallel:
+        model_ranks = tp * cp
+        if world_size % model_ranks:
             problems.append(
-                f"world size {world_size} / parallel.tensor_parallel={tp} = {world_size // tp} data-parallel "
-                f"ranks, but parallel.data_parallel={pcfg.data_parallel}; launch {pcfg.world_size} processes "
-                f"or set parallel.data_parallel={world_size // tp}"
+                f"world size {world_size} is not divisible by parallel.tensor_parallel={tp} x "
+                f"parallel.context_parallel={cp} = {model_ranks}"
+            )
+        elif world_size // model_ranks != pcfg.data_parallel:
+            dp = world_size // model_ranks
+            problems.append(
+                f"world size {world_size} / (parallel.tensor_parallel={tp} x parallel.context_parallel={cp}) = "
+                f"{dp} data-parallel ranks, but parallel.data_parallel={pcfg.data_parallel}; launch "
+                f"{pcfg.world_size} processes or set parallel.data_parallel={dp}"
             )
     if problems:
         raise ValueError("impossible parallel layout: " + "; ".join(problems))
@@ -125,7 +138,9 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
                 os.environ.setdefault(key, value)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=pcfg.tensor_parallel)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=pcfg.tensor_parallel, context_parallel_size=pcfg.context_parallel
+        )
     return torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
 
 
