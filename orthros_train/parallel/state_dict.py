@@ -105,46 +105,77 @@ def shard_state_dict(
     return out
 
 
+# parallel name (suffix within a layer, or top-level) -> how its TP parts join into reference tensors
+_LAYER_SOURCES = {source: (ref, how) for ref, (source, how) in _LAYER_MAP.items()}
+_FUSED_SOURCES = {source: pair for pair, source in _FUSED.items()}
+_TOP_SOURCES = {source: (ref, how) for ref, (source, how) in _TOP_MAP.items()}
+
+
+def _join(parts: list[torch.Tensor], how: str) -> torch.Tensor:
+    if how == "replicate":
+        return parts[0].clone()
+    return torch.cat(parts, dim=0 if how == "rows" else 1)
+
+
+def unshard_tensor(name: str, parts: list[torch.Tensor], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
+    """The TP parts (in rank order) of one parallel tensor -> its reference tensor(s).
+
+    Works for anything shaped like the parameter (weights, gradients, Adam moments), one tensor at
+    a time, so a caller can stream a model through it. Names outside the map give ``{}``.
+    """
+    if name in _TOP_SOURCES:
+        ref, how = _TOP_SOURCES[name]
+        return {ref: _join(parts, how)}
+    prefix, _, suffix = name.partition(".")
+    layer, _, suffix = suffix.partition(".")
+    if prefix != "layers" or not layer.isdigit() or int(layer) >= cfg.num_hidden_layers:
+        return {}
+    p = f"layers.{layer}."
+    if suffix in _LAYER_SOURCES:
+        ref, how = _LAYER_SOURCES[suffix]
+        return {p + ref: _join(parts, how)}
+    if suffix in _FUSED_SOURCES:
+        a, b = _FUSED_SOURCES[suffix]
+        halves = [t.chunk(2, dim=0) for t in parts]  # each rank holds [a_r; b_r]
+        return {p + a: torch.cat([h[0] for h in halves]), p + b: torch.cat([h[1] for h in halves])}
+    return {}
+
+
 def unshard_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
     """State dicts of all TP ranks (in rank order) -> the reference state dict."""
-
-    def join(name: str, how: str) -> torch.Tensor:
-        parts = [s[name] for s in shards]
-        if how == "replicate":
-            return parts[0].clone()
-        return torch.cat(parts, dim=0 if how == "rows" else 1)
-
     full: dict[str, torch.Tensor] = {}
-    for name, (source, how) in _TOP_MAP.items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            full[name] = full["embed_tokens.weight"]
-            continue
-        full[name] = join(source, how)
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        for suffix, (source, how) in _LAYER_MAP.items():
-            if p + source in shards[0]:
-                full[p + suffix] = join(p + source, how)
-        for (a, b), source in _FUSED.items():
-            if p + source in shards[0]:
-                halves = [s[p + source].chunk(2, dim=0) for s in shards]
-                full[p + a] = torch.cat([h[0] for h in halves])
-                full[p + b] = torch.cat([h[1] for h in halves])
+    for name in shards[0]:
+        full.update(unshard_tensor(name, [s[name] for s in shards], cfg))
+    _tie(full, cfg)
     return full
 
 
-def _gather_over_tp(local: dict[str, torch.Tensor], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
+def _tie(full: dict[str, torch.Tensor], cfg: OrthrosConfig) -> None:
+    if "embed_tokens.weight" not in full:
+        raise KeyError("the parallel state dict has no embedding.weight")
+    if cfg.tie_word_embeddings:
+        full["lm_head.weight"] = full["embed_tokens.weight"]
+    elif "lm_head.weight" not in full:
+        raise KeyError("the parallel state dict has no output_layer.weight (untied LM head)")
+
+
+def gather_reference_tensor(name: str, local: torch.Tensor, cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
+    """All-gather one tensor over the TP group and unshard it (collective over TP ranks; every TP
+    rank gets the result). Peak memory: one full tensor plus its parts."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
-        return unshard_state_dicts([local], cfg)
-    group = parallel_state.get_tensor_model_parallel_group()
-    shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(tp)]
+        return unshard_tensor(name, [local], cfg)
+    gathered = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(gathered, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return unshard_tensor(name, gathered, cfg)
+
+
+def _gather_over_tp(local: dict[str, torch.Tensor], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
+    full: dict[str, torch.Tensor] = {}
     for name, tensor in local.items():
-        gathered = [torch.empty_like(tensor) for _ in range(tp)]
-        dist.all_gather(gathered, tensor.contiguous(), group=group)
-        for r in range(tp):
-            shards[r][name] = gathered[r]
-    return unshard_state_dicts(shards, cfg)
+        full.update(gather_reference_tensor(name, tensor, cfg))
+    _tie(full, cfg)
+    return full
 
 
 def gather_full_state_dict(model: torch.nn.Module, cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
