@@ -215,7 +215,7 @@ _DROP = object()
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
         ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
         ("llama", {"sliding_window": 4096}, "sliding_window"),
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+        ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}}, "'longrope'"),
         ("llama", {"rope_parameters": _DROP, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("llama", {"attention_bias": True}, "o_proj bias"),

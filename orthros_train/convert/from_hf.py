@@ -35,6 +35,7 @@ from orthros_train.convert.checkpoint_io import (
     write_sharded,
 )
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.model.layers import ROPE_REQUIRED_KEYS, ROPE_TYPES, YARN_OPTIONAL_KEYS
 from orthros_train.model.orthros import OrthrosForCausalLM
 
 SUPPORTED_MODEL_TYPES = {
@@ -53,7 +54,7 @@ _SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoi
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from a v4 (``rope_theta`` + ``rope_scaling``) or v5
-    (``rope_parameters``) config; anything but default / llama3 RoPE is refused."""
+    (``rope_parameters``) config; rope types Orthros does not implement are refused."""
     params = hf.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise ConversionError(f"rope_parameters must be a dict, got {params!r}")
@@ -73,16 +74,31 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise ConversionError(f"partial_rotary_factor={partial} is not supported (Orthros rotates the whole head)")
     if kind == "default":
         return float(theta), None
-    if kind != "llama3":
+    if kind not in ROPE_TYPES:
         raise ConversionError(
-            f"rope_scaling type {kind!r} is not supported; Orthros implements default RoPE and 'llama3' "
-            "frequency scaling only"
+            f"rope_scaling type {kind!r} is not supported; Orthros implements default RoPE, 'linear', "
+            f"'llama3' and 'yarn' scaling ({ROPE_TYPES})"
         )
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in scaling]
+    if kind in ("llama3", "yarn"):
+        # transformers fills these in when loading (standardize_rope_params): do the same so the
+        # converted model uses the frequencies HF computes for this config.
+        if "original_max_position_embeddings" in hf:
+            scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        elif scaling.get("original_max_position_embeddings") is None and "max_position_embeddings" in hf:
+            scaling["original_max_position_embeddings"] = hf["max_position_embeddings"]
+    if (
+        kind == "yarn"
+        and scaling.get("factor") is None
+        and scaling.get("original_max_position_embeddings")
+        and ("max_position_embeddings" in hf)
+    ):
+        scaling["factor"] = hf["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    optional = YARN_OPTIONAL_KEYS if kind == "yarn" else ()
+    missing = [k for k in ROPE_REQUIRED_KEYS[kind] if scaling.get(k) is None]
     if missing:
-        raise ConversionError(f"llama3 rope_scaling is missing {missing}")
-    return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+        raise ConversionError(f"{kind} rope_scaling is missing {missing}")
+    kept = {k: scaling[k] for k in (*ROPE_REQUIRED_KEYS[kind], *optional) if scaling.get(k) is not None}
+    return float(theta), {"rope_type": kind, **kept}
 
 
 def orthros_config_from_hf(

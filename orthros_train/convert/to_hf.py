@@ -37,6 +37,7 @@ from orthros_train.convert.checkpoint_io import (
 from orthros_train.convert.from_hf import ConversionReport, expected_state
 from orthros_train.convert.remote_code import REMOTE_CODE_DIR, REMOTE_CODE_FILES
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.model.layers import rope_type
 
 SRC_FIX = (
     "the source must be an Orthros checkpoint directory (config.json + *.safetensors) written by "
@@ -56,10 +57,10 @@ def hf_name_from_orthros(name: str) -> str:
 def hf_config_from_orthros(config: OrthrosConfig, torch_dtype: str) -> dict[str, Any]:
     """The exported ``config.json``: loadable by ``configuration_orthros.OrthrosConfig``."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling is not None:
-        kind = config.rope_scaling.get("rope_type", config.rope_scaling.get("type"))
-        if kind == "llama3":
-            rope = {**{k: v for k, v in config.rope_scaling.items() if k != "type"}, **rope, "rope_type": "llama3"}
+    kind = rope_type(config.rope_scaling)
+    if config.rope_scaling is not None and kind != "default":
+        # Every key travels (yarn's optional ones included) so the export computes what we train with.
+        rope = {**{k: v for k, v in config.rope_scaling.items() if k != "type"}, **rope, "rope_type": kind}
     provenance = config.extra.get("hf", {}) if isinstance(config.extra, dict) else {}
     hf: dict[str, Any] = {
         "architectures": ["OrthrosForCausalLM"],

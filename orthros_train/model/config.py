@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orthros_train.model.layers import check_rope_scaling
+
 ATTENTION_TYPES = ("orthros", "dense", "sliding")
 
 
@@ -18,7 +20,8 @@ class OrthrosConfig:
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     intermediate_size: int = 1376
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # None or {"rope_type": "llama3", "factor": ...}
+    # None or {"rope_type": "linear" | "llama3" | "yarn", "factor": ..., ...} (transformers keys)
+    rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-6
     qk_norm: bool = False
     attention_bias: bool = False  # Qwen2 carries biases on q/k/v
@@ -72,13 +75,9 @@ class OrthrosConfig:
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default"):
-                raise ValueError(f"rope_scaling type {kind!r} is not supported (use None or 'llama3')")
-            if kind == "llama3":
-                for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                    if key not in self.rope_scaling:
-                        raise ValueError(f"rope_scaling (llama3) is missing {key!r}")
+            if not isinstance(self.rope_scaling, dict):
+                raise ValueError(f"rope_scaling must be a mapping or null, got {self.rope_scaling!r}")
+            check_rope_scaling(self.rope_scaling)
 
     @property
     def num_kv_groups(self) -> int:

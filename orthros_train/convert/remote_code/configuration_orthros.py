@@ -4,7 +4,7 @@ Written by ``orthros-convert to-hf`` next to the weights. Field names follow Lla
 Orthros-specific ones are ``base_window`` (the base stream's sliding-window size ``W``: base token
 ``i`` attends base keys ``i-W < j <= i``), ``qk_norm`` (Qwen3-style per-head RMSNorm on q and k)
 and ``attention_bias`` (biases on q/k/v only, as in Qwen2). ``rope_parameters`` is
-``{"rope_type": "default" | "llama3", "rope_theta": ..., <llama3 keys>}``.
+``{"rope_type": "default" | "linear" | "llama3" | "yarn", "rope_theta": ..., <that type's keys>}``.
 
 The window is deliberately not called ``sliding_window``: transformers would then build
 sliding-window KV caches, but the output stream attends every cached key.

@@ -58,13 +58,51 @@ class OrthrosRMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def _yarn_mscale(factor, mscale=1.0):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_inv_freq(config):
-    """Inverse RoPE frequencies [head_dim/2] (fp32), with Llama-3 frequency scaling if set."""
+    """(inverse RoPE frequencies [head_dim/2] in fp32, attention factor for cos/sin).
+
+    rope_type default, linear, llama3 or yarn, computed as transformers computes them; the
+    attention factor is YaRN's temperature (1 for the other types).
+    """
     params = config.rope_parameters
     dim = config.head_dim
-    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    theta = params["rope_theta"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "llama3":
+    if kind == "yarn":
+        factor = float(params["factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if params.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        keep = 1 - ramp
+        pos_freqs = theta**exponents
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = _yarn_mscale(factor)
+        return inv_freq, float(attention_factor)
+    inv_freq = 1.0 / (theta**exponents)
+    if kind == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif kind == "llama3":
         factor = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
         old_len = float(params["original_max_position_embeddings"])
@@ -76,15 +114,18 @@ def rope_inv_freq(config):
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
     elif kind != "default":
-        raise ValueError(f"rope_type {kind!r} is not supported by Orthros (default or llama3)")
-    return inv_freq
+        raise ValueError(f"rope_type {kind!r} is not supported by Orthros (default, linear, llama3 or yarn)")
+    return inv_freq, 1.0
 
 
-def rope_cos_sin(inv_freq, positions):
-    """cos, sin [B, T, 1, head_dim] (fp32) for integer positions [B, T]."""
+def rope_cos_sin(inv_freq, positions, attention_factor=1.0):
+    """cos, sin [B, T, 1, head_dim] (fp32) for integer positions [B, T], times the attention factor."""
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos[:, :, None, :], sin[:, :, None, :]
 
 
 def apply_rope(x, cos, sin):
@@ -295,8 +336,8 @@ class OrthrosModel(OrthrosPreTrainedModel):
             output_index = torch.arange(t, device=device)
         output_index = output_index.to(device)
 
-        inv_freq = rope_inv_freq(self.config).to(device)
-        base_cos, base_sin = rope_cos_sin(inv_freq, position_ids)
+        inv_freq, attention_factor = rope_inv_freq(self.config)
+        base_cos, base_sin = rope_cos_sin(inv_freq.to(device), position_ids, attention_factor)
         base_index = past + torch.arange(t, device=device)
         out_q_index = base_index[output_index]
         window = self.config.base_window
