@@ -74,6 +74,9 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
             raise KeyError(f"the checkpoint has no tensor {key!r}")
         return self._where[key].get_tensor(key)
 
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 

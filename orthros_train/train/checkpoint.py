@@ -7,6 +7,10 @@ Layout of ``<run_dir>/checkpoints``::
                       partitions): exact resume when the parallel layout is unchanged
         model/        the weights in reference layout (``OrthrosForCausalLM.from_pretrained``
                       loads it; any TP/DP layout reshards from it) + tokenizer
+        optimizer/    Adam moments (and fp32 master weights under bf16) in reference layout:
+                      ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` [/ ``<param>.master``] fp32
+                      safetensors shards + index.json (step): a resume with another TP/DP layout
+                      or ZeRO stage reshards them, so the optimizer does not restart
         rank_00000.pt RNG states (python, numpy, torch, CUDA) and data-sampler state of each rank
         meta.json     step, parallel layout, wandb run id, resolved recipe
         manifest.json size and sha256 of every file above (written last)
@@ -16,6 +20,18 @@ A checkpoint is written into a hidden temporary directory and published by one a
 then ``latest`` is replaced atomically; a crash or a full disk at any point leaves the previous
 checkpoint and pointer as they were. ``resume=auto`` verifies manifests and skips (with a
 warning naming it) any checkpoint that is incomplete or corrupt.
+
+Why our own reference-layout optimizer files rather than torch DCP or megatron
+``dist_checkpointing``: the optimizer state lives inside DeepSpeed's ZeRO flat partitions, which
+neither knows how to address; DeepSpeed's fragment API (``safe_get/set_full_optimizer_state``)
+does, for stage 0 (bf16), 1, 2 and 3 alike, and the TP (un)sharding is the same map the weights
+already use (``parallel/state_dict.py``). The result is readable with plain safetensors.
+
+``trainer.async_save``: the state is copied to host memory on the step (collectives and device
+copies happen there), then files are written, hashed, renamed and ``latest`` published by a
+background thread while training goes on. One save is in flight at most: the next save, the end
+of ``fit`` and a preemption wait for it. A failure in the background is printed and the
+checkpoint is not published, exactly as for a synchronous save. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -26,7 +42,10 @@ import logging
 import os
 import random
 import shutil
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +53,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, shard_state_dict
+
 log = logging.getLogger("orthros_train.checkpoint")
 
 LATEST = "latest"
 PREFIX = "step_"
+OPTIMIZER_DIR = "optimizer"
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+MASTER_KEY = "master"  # fp32 master weights, saved when the model's weights are not fp32
+OPTIMIZER_SHARD_BYTES = 2 << 30  # ~2 GiB safetensors files: an 8B model's moments are ~32 files
 
 
 def _fsync_dir(path: Path) -> None:
@@ -119,11 +144,282 @@ class CheckpointError(RuntimeError):
     """A save failed on some rank; the previous checkpoint and ``latest`` are untouched."""
 
 
+# -- optimizer state in reference layout -------------------------------------------------------------
+
+
+def _trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    seen: set[int] = set()
+    out = []
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The torch optimizer: ZeRO and bf16 wrappers hold it as ``.optimizer``; stage 0 fp32 is bare."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _fragmented(param: torch.Tensor) -> bool:
+    """True when DeepSpeed keeps this parameter's fp32 copy and moments in flat partitions
+    (ZeRO 1/2 and bf16: ``_hp_mapping``; ZeRO-3: ``ds_id``)."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def _optimizer_step(engine: Any) -> int:
+    steps = [float(st["step"]) for st in _base_optimizer(engine).state.values() if "step" in st]
+    step = torch.tensor([max(steps) if steps else 0.0], dtype=torch.float64)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a rank whose partition is empty has no state
+    return int(step.item())
+
+
+def _full_dp_value(engine: Any, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """This TP rank's full (not DP-partitioned) fp32 ``key`` of ``param``; collective over DP
+    for ZeRO/bf16 parameters."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if _fragmented(param):
+        if key == MASTER_KEY:
+            return safe_get_full_fp32_param(param)
+        return safe_get_full_optimizer_state(param, key)
+    if key == MASTER_KEY:
+        return param.detach().float()
+    state = engine.optimizer.state.get(param, {})
+    return state[key].detach() if key in state else torch.zeros_like(param, dtype=torch.float32)
+
+
+class _ShardWriter:
+    """Rank 0's writer of ``optimizer/``: tensors arrive one at a time and are grouped into
+    safetensors files of about ``shard_bytes``, each written as soon as it fills (``defer=False``)
+    or kept in host memory for a background write (``defer=True``). A write error is kept, later
+    tensors are dropped (the gathers go on: they are collective) and ``finish`` raises it."""
+
+    def __init__(self, directory: Path, shard_bytes: int, defer: bool) -> None:
+        self.directory, self.shard_bytes, self.defer = directory, shard_bytes, defer
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.pending: list[tuple[str, dict[str, torch.Tensor]]] = []
+        self.weight_map: dict[str, str] = {}
+        self.files = 0
+        self.error: Exception | None = None
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        if self.error is not None:
+            return
+        # copy=True: under stage 0 this is the live moment, which the next step changes in place.
+        self.current[key] = tensor.detach().to("cpu", torch.float32, copy=True).contiguous()
+        self.current_bytes += self.current[key].numel() * 4
+        if self.current_bytes >= self.shard_bytes:
+            self._close_shard()
+
+    def _close_shard(self) -> None:
+        if not self.current:
+            return
+        self.files += 1
+        name = f"optimizer-{self.files:05d}.safetensors"
+        self.weight_map.update(dict.fromkeys(self.current, name))
+        shard, self.current, self.current_bytes = self.current, {}, 0
+        if self.defer:
+            self.pending.append((name, shard))
+        else:
+            self._write(name, shard)
+
+    def _write(self, name: str, shard: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            save_file(shard, str(self.directory / name))
+        except (OSError, RuntimeError) as exc:
+            self.error = exc
+
+    def finish(self, index: dict[str, Any]) -> None:
+        """Write what is left and ``index.json``; raises the first write error."""
+        self._close_shard()
+        while self.pending and self.error is None:
+            self._write(*self.pending.pop(0))
+        if self.error is not None:
+            raise self.error
+        self.directory.mkdir(parents=True, exist_ok=True)
+        index = {**index, "weight_map": self.weight_map}
+        (self.directory / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def gather_reference_optimizer(trainer: Any, writer: _ShardWriter | None) -> dict[str, Any]:
+    """Collective (every rank): stream the optimizer state, parameter by parameter, into
+    ``writer`` (rank 0; None elsewhere) in reference layout. Returns the index (step, keys).
+
+    Memory per rank: one parameter's full fp32 moment at a time (plus its TP parts); rank 0's
+    writer adds one shard (``OPTIMIZER_SHARD_BYTES``), or everything with ``defer`` (async).
+    """
+    engine, cfg = trainer.engine, trainer.cfg.model
+    params = _trainable(engine.module)
+    step = _optimizer_step(engine)
+    keys = list(ADAM_KEYS)
+    if any(p.dtype != torch.float32 for _, p in params):
+        keys.append(MASTER_KEY)  # bf16 weights: the fp32 masters are not in model/
+    if step > 0:  # before the first step there are no moments (ZeRO links them lazily)
+        for name, p in params:
+            for key in keys:
+                for ref, value in gather_reference_tensor(name, _full_dp_value(engine, p, key), cfg).items():
+                    if writer is not None:
+                        writer.add(f"{ref}.{key}", value)
+    return {"format": 1, "step": step, "keys": keys}
+
+
+class _Suffixed(Mapping[str, torch.Tensor]):
+    """``name -> tensor`` view of the ``<name>.<key>`` entries of a reference-layout file set."""
+
+    def __init__(self, lazy: LazyCheckpoint, key: str) -> None:
+        self.lazy, self.suffix = lazy, "." + key
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.lazy[name + self.suffix]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name + self.suffix) in self.lazy
+
+    def __iter__(self) -> Iterator[str]:
+        return (k[: -len(self.suffix)] for k in self.lazy if k.endswith(self.suffix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _materialize_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Give every parameter of a fresh torch Adam(W) the state its first step would create, so
+    DeepSpeed's fragment setters have tensors to write into; ``step`` counts the steps taken."""
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device if on_device else "cpu")
+
+
+def load_reference_optimizer(trainer: Any, directory: Path) -> int:
+    """Collective: reshard the reference-layout optimizer state of ``directory`` into this run's
+    TP/DP/ZeRO layout. Returns the optimizer step. Memory per rank: one moment of this TP rank's
+    parameters (``4 x params / TP`` bytes) at a time, read tensor by tensor."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from megatron.core import parallel_state
+
+    index_path = directory / "index.json"
+    if not index_path.is_file():
+        raise CheckpointError(
+            f"{index_path} is missing: the optimizer state of this checkpoint is incomplete. Resume with the "
+            "parallel layout it was written with, or restart the optimizer with model.init_from=<checkpoint>/model"
+        )
+    index = json.loads(index_path.read_text())
+    step = int(index["step"])
+    if step == 0:
+        return 0
+    missing_files = sorted({f for f in index["weight_map"].values() if not (directory / f).is_file()})
+    if missing_files:
+        raise CheckpointError(f"{directory} lacks optimizer shard(s) {missing_files} named by index.json")
+    engine, cfg = trainer.engine, trainer.cfg.model
+    params = dict(_trainable(engine.module))
+    base = _base_optimizer(engine)
+    _materialize_adam_state(base, step)
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # ZeRO 1/2, bf16: point each parameter's fragment at the new moments
+        link()
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    lazy = LazyCheckpoint(directory)
+    for key in index["keys"]:
+        try:
+            local = shard_state_dict(_Suffixed(lazy, key), cfg, tp, tp_rank)
+        except KeyError as exc:
+            raise CheckpointError(f"{directory}: {exc}; the optimizer state does not belong to this model") from exc
+        missing = sorted(set(params) - set(local))
+        if missing:
+            raise CheckpointError(
+                f"{directory} has no {key} for {missing[:4]}{'...' if len(missing) > 4 else ''}: the optimizer state "
+                "does not belong to this model config (resume with the config it was written with)"
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                value = local.pop(name)
+                shape = tuple(getattr(p, "ds_shape", p.shape))
+                if tuple(value.shape) != shape:
+                    raise CheckpointError(
+                        f"{directory}: {name}.{key} resharded to {tuple(value.shape)} but the parameter is {shape}: "
+                        "the optimizer state was written for another model config"
+                    )
+                value = value.to(device=p.device, dtype=torch.float32)
+                if _fragmented(p):
+                    if key == MASTER_KEY:
+                        safe_set_full_fp32_param(p, value)
+                    else:
+                        safe_set_full_optimizer_state(p, value, key)
+                elif key != MASTER_KEY:  # stage 0 fp32: the parameter is its own master
+                    base.state[p][key].copy_(value)
+        del local
+    return step
+
+
+# -- async save: host-memory snapshot -----------------------------------------------------------------
+
+
+def _to_host(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors live in host memory and share nothing with the live state."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_host(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj  # config objects, sizes, numbers: not changed by training
+
+
+class _CapturingCheckpointEngine:
+    """Stands in for DeepSpeed's checkpoint engine during ``save_checkpoint``: DeepSpeed builds its
+    state dicts and runs its barriers as usual, but ``save`` keeps host copies, which the
+    background thread then writes with the real engine (same serialisation as a sync save)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.captured: list[tuple[dict[str, Any], str]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def save(self, state_dict: dict[str, Any], path: str) -> None:
+        self.captured.append((_to_host(state_dict), path))
+
+    def write(self) -> None:
+        while self.captured:
+            state, path = self.captured.pop(0)
+            self.real.save(state, path)
+
+
+def _run_writes(writes: list[Callable[[], None]], rank: int) -> str | None:
+    try:
+        for write in writes:
+            write()
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the publish vote, not kill it
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return None
+
+
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep_last_k: int = 3, verify_hashes: bool = True) -> None:
+    def __init__(
+        self, run_dir: str | Path, keep_last_k: int = 3, verify_hashes: bool = True, async_save: bool = False
+    ) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last_k = keep_last_k
         self.verify_hashes = verify_hashes
+        self.async_save = async_save
+        self.optimizer_shard_bytes = OPTIMIZER_SHARD_BYTES
+        self._thread: threading.Thread | None = None
+        self._async_error: str | None = None
+        self._group: Any = None  # a gloo group of its own: the background thread's collectives
 
     # -- discovery ---------------------------------------------------------------------------
     def complete_checkpoints(self) -> list[Path]:
@@ -148,45 +444,110 @@ class CheckpointManager:
         return None
 
     # -- save --------------------------------------------------------------------------------
-    def save(self, trainer: Any, step: int) -> Path:
-        """Collective: every rank calls it. Raises CheckpointError (on every rank) on failure."""
-        rank, world = dist.get_rank(), dist.get_world_size()
+    def save(self, trainer: Any, step: int, asynchronous: bool | None = None) -> Path:
+        """Collective: every rank calls it. Raises CheckpointError (on every rank) on failure.
+
+        ``asynchronous`` (default: the manager's ``async_save``): return once the state is in host
+        memory; the path returned is where the checkpoint will appear once the background write
+        publishes it (``wait`` blocks until then).
+        """
+        asynchronous = self.async_save if asynchronous is None else asynchronous
+        self.wait()  # at most one save in flight; its failure was reported when it happened
+        rank = dist.get_rank()
         name = f"{PREFIX}{step:09d}"
-        final = self.root / name
         holder = [None]
         if rank == 0:
             holder[0] = str(self.root / f".{name}.tmp-{int(time.time() * 1e6)}")
         dist.broadcast_object_list(holder, src=0)
         tmp = Path(holder[0])
+        writes: list[Callable[[], None]] = []  # run here (sync) or by the background thread
         error: str | None = None
         try:
             if rank == 0:
                 tmp.mkdir(parents=True, exist_ok=False)
             dist.barrier()
-            trainer.engine.save_checkpoint(str(tmp / "engine"), tag="state", save_latest=False)
-            torch.save({"rng": rng_state(), "data": trainer.data.state_dict()}, tmp / f"rank_{rank:05d}.pt")
+            if asynchronous:
+                capture = _CapturingCheckpointEngine(trainer.engine.checkpoint_engine)
+                trainer.engine.checkpoint_engine = capture
+                try:
+                    trainer.engine.save_checkpoint(str(tmp / "engine"), tag="state", save_latest=False)
+                finally:
+                    trainer.engine.checkpoint_engine = capture.real
+                writes.append(capture.write)
+            else:
+                trainer.engine.save_checkpoint(str(tmp / "engine"), tag="state", save_latest=False)
+            rank_state = {"rng": rng_state(), "data": trainer.data.state_dict()}
+            writes.append(lambda: torch.save(rank_state, tmp / f"rank_{rank:05d}.pt"))
+            if not asynchronous:
+                error = _run_writes(writes, rank)
+                writes = []
         except (OSError, RuntimeError) as exc:
             error = f"rank {rank}: {exc}"
-        # Reference-layout weights (collective gather), written by rank 0.
+        # Reference-layout weights and optimizer state (collective gathers), written by rank 0.
         weights = trainer.reference_model()
-        if rank == 0 and error is None:
-            try:
-                weights.save_pretrained(tmp / "model")
-                trainer.data.tokenizer.save_pretrained(tmp / "model")
-                meta = {
-                    "step": step,
-                    "time": time.time(),
-                    "world_size": world,
-                    "layout": trainer.layout_signature(),
-                    "wandb_run_id": trainer.wandb_run_id,
-                    "skipped_steps": trainer.skipped_steps,
-                    "recipe": trainer.recipe,
-                }
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-            except (OSError, RuntimeError) as exc:
-                error = f"rank 0: {exc}"
+        writer = _ShardWriter(tmp / OPTIMIZER_DIR, self.optimizer_shard_bytes, asynchronous) if rank == 0 else None
+        index = gather_reference_optimizer(trainer, writer)
+        if writer is not None:
+            meta = {
+                "step": step,
+                "time": time.time(),
+                "world_size": dist.get_world_size(),
+                "layout": trainer.layout_signature(),
+                "optimizer_step": index["step"],
+                "wandb_run_id": trainer.wandb_run_id,
+                "skipped_steps": trainer.skipped_steps,
+                "recipe": trainer.recipe,
+            }
+            tokenizer = trainer.data.tokenizer
+            writes += [
+                lambda: weights.save_pretrained(tmp / "model"),
+                lambda: tokenizer.save_pretrained(tmp / "model"),
+                lambda: writer.finish(index),
+                lambda: (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str)),
+            ]
+        if not asynchronous:
+            error = error or _run_writes(writes, rank)
+            self._publish(tmp, name, step, error, group=None)
+            return self.root / name
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")  # collective: every rank is here
+        self._async_error = None
+        self._thread = threading.Thread(
+            target=self._write_in_background, args=(writes, tmp, name, step, error), name=f"save-{name}"
+        )
+        self._thread.start()
+        return self.root / name
+
+    def _write_in_background(
+        self, writes: list[Callable[[], None]], tmp: Path, name: str, step: int, error: str | None
+    ) -> None:
+        start = time.perf_counter()
+        error = error or _run_writes(writes, dist.get_rank())
+        try:
+            self._publish(tmp, name, step, error, group=self._group)
+        except CheckpointError as exc:
+            self._async_error = str(exc)
+            log.error("async %s", exc)
+            if dist.get_rank() == 0:
+                print(f"ERROR: async save: {exc}", file=sys.stderr, flush=True)
+            return
+        log.info("async checkpoint %s published after %.2fs in the background", name, time.perf_counter() - start)
+
+    def wait(self) -> str | None:
+        """Block until the background save (if any) is published or has failed; returns its error
+        message (already printed) or None."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._async_error
+
+    def _publish(self, tmp: Path, name: str, step: int, error: str | None, group: Any) -> None:
+        """Collective over ``group``: agree that every rank's files are written, then rank 0
+        writes the manifest, renames, points ``latest`` at it and prunes."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        final = self.root / name
         errors: list[str | None] = [None] * world
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=group)
         failures = [e for e in errors if e]
         if not failures and rank == 0:
             try:
@@ -200,7 +561,7 @@ class CheckpointManager:
             except OSError as exc:
                 failures = [f"rank 0 publishing: {exc}"]
         outcome: list[list[str]] = [failures]
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=group)
         failures = outcome[0]
         if failures:
             if rank == 0:
@@ -211,8 +572,7 @@ class CheckpointManager:
             )
         if rank == 0:
             self._prune()
-        dist.barrier()
-        return final
+        dist.barrier(group=group)
 
     def _prune(self) -> None:
         if self.keep_last_k <= 0:
@@ -228,7 +588,7 @@ class CheckpointManager:
         meta = json.loads((path / "meta.json").read_text())
         rank = dist.get_rank()
         same_layout = meta["layout"] == trainer.layout_signature()
-        if same_layout:
+        if same_layout:  # bitwise exact: DeepSpeed's own files for this very layout
             load_path, _ = trainer.engine.load_checkpoint(
                 str(path / "engine"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
             )
@@ -237,19 +597,30 @@ class CheckpointManager:
             extra = torch.load(path / f"rank_{rank:05d}.pt", weights_only=False)
             set_rng_state(extra["rng"])
             trainer.data.load_state_dict(extra["data"])
-        else:
-            # Another TP/DP layout: weights reshard from the reference copy; optimizer moments
-            # are partitioned by the old layout and start again (said loudly).
+            return meta
+        # Another TP/DP layout or ZeRO stage: weights and optimizer state reshard from the
+        # reference-layout copies; the data position is global. RNG streams belong to the old
+        # ranks and are not restored.
+        trainer.load_reference_weights(path / "model")
+        optimizer_dir = path / OPTIMIZER_DIR
+        if optimizer_dir.is_dir():
+            load_reference_optimizer(trainer, optimizer_dir)
             if rank == 0:
                 log.warning(
-                    "checkpoint %s was written with layout %s, this run uses %s: loading the weights "
-                    "(resharded) and the data position; optimizer states start fresh",
+                    "checkpoint %s was written with layout %s, this run uses %s: weights and optimizer state resharded",
                     path,
                     meta["layout"],
                     trainer.layout_signature(),
                 )
-            trainer.load_reference_weights(path / "model")
-            extra = torch.load(path / "rank_00000.pt", weights_only=False)
-            data_state = dict(extra["data"])
-            trainer.data.load_state_dict(data_state)
+        elif rank == 0:  # written before optimizer/ existed
+            log.warning(
+                "checkpoint %s was written with layout %s, this run uses %s and the checkpoint has no %s/: "
+                "loading the weights (resharded) and the data position; optimizer states start fresh",
+                path,
+                meta["layout"],
+                trainer.layout_signature(),
+                OPTIMIZER_DIR,
+            )
+        extra = torch.load(path / "rank_00000.pt", weights_only=False)
+        trainer.data.load_state_dict(dict(extra["data"]))
         return meta

@@ -70,6 +70,7 @@ class TrainerConfig:
     keep_last_k: int = 3  # checkpoints kept (older ones deleted after a successful save); 0 keeps all
     checkpoint_hashes: bool = True  # sha256 of every file in the manifest (sizes are always checked)
     resume: str = "auto"  # auto: latest complete checkpoint in run_dir, if any | none | a checkpoint path
+    async_save: bool = False  # periodic saves: snapshot to host memory, write/publish in a background thread
     # faults
     max_nonfinite_steps: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
     loss_spike_factor: float = 3.0  # log a spike when loss > factor x running mean (0 disables)

@@ -149,7 +149,7 @@ class Trainer:
         self.skipped_steps = 0
         self.nonfinite_in_a_row = 0
         self.wandb_run_id: str | None = None
-        self.checkpoints = CheckpointManager(self.run_dir, t.keep_last_k, t.checkpoint_hashes)
+        self.checkpoints = CheckpointManager(self.run_dir, t.keep_last_k, t.checkpoint_hashes, t.async_save)
         self._stop_signal = 0
         self.resumed_from = self._resume()
 
@@ -180,12 +180,8 @@ class Trainer:
         return path
 
     def load_reference_weights(self, directory: Path) -> None:
-        """Weights from a reference-layout checkpoint into this run's shards (any TP/DP)."""
-        if self.cfg.parallel.zero_stage == 3:
-            raise ValueError(
-                "resuming a checkpoint written with another parallel layout under ZeRO-3 is not supported; "
-                f"start a new run with model.init_from={directory}"
-            )
+        """Weights from a reference-layout checkpoint into this run's shards (any TP/DP/ZeRO)."""
+        import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param
 
         tp, rank = self.cfg.parallel.tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
@@ -193,13 +189,19 @@ class Trainer:
         params = dict(self.engine.module.named_parameters())
         with torch.no_grad():
             for name, value in local.items():
-                params[name].copy_(value)
-                safe_set_full_fp32_param(params[name], value.float().to(params[name].device))
+                param = params[name]
+                if hasattr(param, "ds_id"):  # ZeRO-3: write the full tensor, DeepSpeed re-partitions it
+                    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                        param.copy_(value)
+                else:
+                    param.copy_(value)
+                safe_set_full_fp32_param(param, value.float().to(param.device))
 
-    def save_checkpoint(self) -> Path | None:
-        """A checkpoint of the current step; a failed save is reported and training goes on."""
+    def save_checkpoint(self, asynchronous: bool | None = None) -> Path | None:
+        """A checkpoint of the current step; a failed save is reported and training goes on.
+        ``asynchronous`` defaults to ``trainer.async_save``."""
         try:
-            return self.checkpoints.save(self, self.step)
+            return self.checkpoints.save(self, self.step, asynchronous)
         except CheckpointError as exc:
             if self.is_main:
                 print(f"ERROR: {exc}", file=sys.stderr, flush=True)
@@ -381,6 +383,7 @@ class Trainer:
                     preempted = True
                     break
         finally:
+            self.checkpoints.wait()  # an async save in flight finishes before the run ends or fails
             progress.close()
             if log is not None:
                 log.close()
@@ -389,7 +392,7 @@ class Trainer:
         if not history and self.resumed_from is not None:
             saved: Path | None = self.resumed_from  # resumed at the end: nothing new to save
         else:
-            saved = self.save_checkpoint()
+            saved = self.save_checkpoint(asynchronous=False)  # the process is about to end
         if preempted:
             if self.is_main:
                 print(f"stopped by signal {self._stop_signal} at step {self.step}; checkpoint {saved}", flush=True)
