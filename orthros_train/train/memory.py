@@ -1,0 +1,214 @@
+"""Per-GPU memory of one training step: an analytic model (written out in ``docs/memory.md``).
+
+What one rank holds at the peak of a step (the start of the backward pass, after the optimizer
+has run once), in bytes:
+
+* **weights**: the rank's parameters (TP shards + replicated norms) in the training dtype
+  (DeepSpeed bf16 keeps bf16 parameters); ZeRO-3 partitions them over the ZeRO group;
+* **grads**: one gradient per parameter in the training dtype; ZeRO-2/3 keep only their
+  partition (plus DeepSpeed's reduce bucket); with bf16 the optimizer step also holds an fp32
+  copy of the partition's gradient;
+* **optimizer**: fp32 master weights (bf16 only) + Adam's two fp32 moments, partitioned over the
+  ZeRO group (ZeRO >= 1) and moved to CPU by ``offload_optimizer``;
+* **activations**: what autograd keeps per layer for the backward, for both Orthros streams
+  (``T/cp`` base tokens + ``T/cp`` output tokens per rank in pretraining), see
+  :func:`layer_activation_bytes`; ``recompute`` drops the attention intermediates (selective) or
+  everything but each layer's input (full, plus one layer's working set);
+* **kv**: the full-sequence K/V a context-parallel rank all-gathers for its output queries;
+  kept per layer without recompute, one layer at a time with it;
+* **logits**: the output stream's logits (vocab-parallel: ``V/tp`` columns), cross-entropy's
+  fp32 log-softmax and the logits' gradient.
+
+The ZeRO group is data-parallel x context-parallel: CP ranks hold identical weights, so their
+optimizer states are partitioned like data-parallel replicas (megatron-core's distributed
+optimizer does the same with ``with_context_parallel=True``).
+
+It is a model, not a measurement: allocator fragmentation, CUDA/NCCL workspaces and temporary
+buffers of single kernels are outside it (``docs/memory.md`` states a headroom for them), and
+``tests/test_memory_model.py`` checks it against ``torch.cuda.max_memory_allocated`` on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from orthros_train.model.config import OrthrosConfig
+from orthros_train.parallel.setup import ParallelConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+ATTENTION_BACKENDS = ("flash", "reference")
+DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size
+REFERENCE_CHUNK = 256  # ops/reference.py's default query chunk
+GIB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU by category; ``total`` is their sum (the modelled peak)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    kv: int
+    logits: int
+    params_per_rank: int
+    activations_per_layer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv + self.logits
+
+    def as_gib(self) -> dict[str, float]:
+        """Rounded GiB per category and in total (for dry-run output and docs)."""
+        keys = ("weights", "grads", "optimizer", "activations", "kv", "logits")
+        out = {k: round(getattr(self, k) / GIB, 2) for k in keys}
+        out["total"] = round(self.total / GIB, 2)
+        return out
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def params_per_rank(model: OrthrosConfig, tensor_parallel: int) -> int:
+    """Parameters one tensor-parallel rank holds: projections, MLP, gamma/beta and the
+    (vocab-parallel) embeddings split by ``tp``; RMSNorm weights replicated."""
+    replicated = model.num_hidden_layers * 2 * model.hidden_size + model.hidden_size
+    if model.qk_norm:
+        replicated += model.num_hidden_layers * 2 * model.head_dim
+    total = model.num_parameters(include_embeddings=True)
+    return (total - replicated) // tensor_parallel + replicated
+
+
+def _reference_attention_elements(n_windowed: int, n_unbounded: int, window: int, doc_len: int, chunk: int) -> int:
+    """Score elements per head ops/reference.py keeps for the backward, summed over its chunks.
+
+    Windowed (base) chunks score ``chunk + W - 1`` keys; unbounded (output) chunks span from the
+    document start to their last query, i.e. about ``position + chunk`` keys, which sums to
+    ``n * (n/2 + chunk)`` over one document: quadratic, which is why long context needs a
+    flash-style kernel.
+    """
+    base = n_windowed * min(chunk + window - 1, doc_len)
+    out = n_unbounded * min(doc_len // 2 + chunk, doc_len)
+    return base + out
+
+
+def layer_activation_bytes(
+    model: OrthrosConfig,
+    parallel: ParallelConfig,
+    n_base: int,
+    n_out: int,
+    doc_len: int,
+    act_bytes: int,
+    attention_backend: str = "flash",
+    drop_attention_intermediates: bool = False,
+) -> int:
+    """Bytes autograd keeps for one Orthros layer over ``n_base + n_out`` local tokens.
+
+    Token-wise tensors of width ``hidden_size`` are split by ``tp`` only under sequence
+    parallelism; head- and MLP-width tensors always are (column/row-parallel projections).
+    """
+    tp = parallel.tensor_parallel
+    sp = tp if parallel.sequence_parallel else 1
+    d, f = model.hidden_size, model.intermediate_size
+    q_width = model.num_attention_heads * model.head_dim // tp
+    kv_width = model.num_key_value_heads * model.head_dim // tp
+    heads = model.num_attention_heads // tp
+    n = n_base + n_out
+    a = act_bytes
+    norms = 2 * 2 * n * d * a // sp  # two RMSNorms: input and normalised output each
+    qkv = (n * q_width + 2 * n_base * kv_width) * a  # projection outputs
+    if model.qk_norm:
+        qkv += (n * q_width + n_base * kv_width) * a  # q/k before their norm
+    qkv += n_out * q_width * a  # the output stream's q before its gamma/beta affine
+    roped = (n * q_width + n_base * kv_width) * a  # rotated q, k: the attention op's inputs
+    rope_tables = 2 * (n + n_base) * model.head_dim * a  # cos/sin cast to the activation dtype
+    attn_out = n * q_width * a + n * heads * 4  # output (o_proj input) + fp32 log-sum-exp
+    mlp = 4 * n * f * a // tp  # gate, up, silu(gate), their product (down_proj input)
+    core = 0
+    if attention_backend == "reference" and not drop_attention_intermediates:
+        elements = _reference_attention_elements(n_base, n_out, model.sliding_window, doc_len, REFERENCE_CHUNK)
+        core = elements * heads * (4 + 4 + 1)  # fp32 scores and probabilities + the boolean mask
+    return norms + qkv + roped + rope_tables + attn_out + mlp + core
+
+
+def estimate_memory(
+    model: OrthrosConfig,
+    parallel: ParallelConfig,
+    seq_len: int,
+    micro_batch_size: int,
+    precision: str = "bf16",
+    attention_backend: str = "flash",
+    output_fraction: float = 1.0,
+) -> MemoryEstimate:
+    """Per-GPU bytes of one training step (see the module docstring for what each term holds).
+
+    ``output_fraction``: output tokens per base token (1 in pretraining; the answer share in SFT).
+    ``attention_backend``: ``flash`` (the Triton kernels: only the log-sum-exp is kept) or
+    ``reference`` (the chunked plain-torch op: per-chunk fp32 scores and probabilities).
+    """
+    if precision not in DTYPE_BYTES:
+        raise ValueError(f"precision must be one of {sorted(DTYPE_BYTES)}, got {precision!r}")
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+    if seq_len % parallel.context_parallel:
+        raise ValueError(f"seq_len={seq_len} is not divisible by parallel.context_parallel={parallel.context_parallel}")
+    a = DTYPE_BYTES[precision]
+    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    zero_group = parallel.data_parallel * cp
+    stage = parallel.zero_stage
+    p = params_per_rank(model, tp)
+
+    weights = p * a // (zero_group if stage >= 3 else 1)
+    grads = p * a // (zero_group if stage >= 2 else 1)
+    if stage >= 2:
+        grads += min(DEEPSPEED_REDUCE_BUCKET, p) * a
+    shard = p // (zero_group if stage >= 1 else 1)
+    master = 4 * shard if precision != "fp32" else 0
+    if precision != "fp32" and stage >= 1:
+        grads += 4 * shard  # fp32 gradient of the partition, made for the optimizer step
+    optimizer = 0 if parallel.offload_optimizer else master + 8 * shard
+
+    n_base = micro_batch_size * seq_len // cp
+    n_out = int(n_base * output_fraction)
+    per_layer = layer_activation_bytes(
+        model,
+        parallel,
+        n_base,
+        n_out,
+        doc_len=seq_len,
+        act_bytes=a,
+        attention_backend=attention_backend,
+        drop_attention_intermediates=parallel.recompute != "none",
+    )
+    layers = model.num_hidden_layers
+    sp = tp if parallel.sequence_parallel else 1
+    if parallel.recompute == "full":
+        # Only each layer's input survives; the backward rebuilds one layer at a time.
+        full_layer = layer_activation_bytes(
+            model, parallel, n_base, n_out, seq_len, a, attention_backend, drop_attention_intermediates=False
+        )
+        activations = layers * (n_base + n_out) * model.hidden_size * a // sp + full_layer
+    else:
+        activations = layers * per_layer
+    activations += 2 * n_base * model.hidden_size * a // sp  # embeddings of both streams
+
+    kv = 0
+    if cp > 1:
+        gathered = micro_batch_size * seq_len * 2 * model.num_key_value_heads * model.head_dim // tp * a
+        kv = gathered * (layers if parallel.recompute == "none" else 1)
+
+    vocab = model.vocab_size // tp
+    # bf16/fp32 logits kept with the output, fp32 log-softmax saved by cross-entropy, and in the
+    # backward the fp32 gradient of the logits plus its cast to the activation dtype.
+    logits = n_out * vocab * (a + 4 + 4 + a)
+    return MemoryEstimate(
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        kv=kv,
+        logits=logits,
+        params_per_rank=p,
+        activations_per_layer=per_layer,
+    )
