@@ -168,6 +168,19 @@ def _fragmented(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
 
+def _link_fragments(engine: Any) -> None:
+    """(Re)point every ZeRO-1/2 / bf16 parameter's fragment at the optimizer's current moments.
+
+    DeepSpeed 0.19.8 links them once, right after stepping the *first* param group, so the
+    fragments of later groups (our no-decay group) stay empty and ``safe_get_full_optimizer_state``
+    raises for them; linking again after all groups have state is idempotent.
+    """
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
 def _optimizer_step(engine: Any) -> int:
     steps = [float(st["step"]) for st in _base_optimizer(engine).state.values() if "step" in st]
     step = torch.tensor([max(steps) if steps else 0.0], dtype=torch.float64)
@@ -260,7 +273,8 @@ def gather_reference_optimizer(trainer: Any, writer: _ShardWriter | None) -> dic
     keys = list(ADAM_KEYS)
     if any(p.dtype != torch.float32 for _, p in params):
         keys.append(MASTER_KEY)  # bf16 weights: the fp32 masters are not in model/
-    if step > 0:  # before the first step there are no moments (ZeRO links them lazily)
+    if step > 0:  # before the first step there are no moments
+        _link_fragments(engine)
         for name, p in params:
             for key in keys:
                 for ref, value in gather_reference_tensor(name, _full_dp_value(engine, p, key), cfg).items():
@@ -288,12 +302,18 @@ class _Suffixed(Mapping[str, torch.Tensor]):
         return sum(1 for _ in self)
 
 
-def _materialize_adam_state(optimizer: torch.optim.Optimizer, step: int) -> None:
+def _materialize_adam_state(engine: Any, step: int) -> None:
     """Give every parameter of a fresh torch Adam(W) the state its first step would create, so
     DeepSpeed's fragment setters have tensors to write into; ``step`` counts the steps taken."""
-    for group in optimizer.param_groups:
+    optimizer = _base_optimizer(engine)
+    flat = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    if flat is not None:  # ZeRO-3 puts its flat fp32 partitions into param_groups only while stepping
+        owners = [(optimizer.param_groups[engine.optimizer.sub_group_to_group_id[i]], [t]) for i, t in enumerate(flat)]
+    else:
+        owners = [(group, group["params"]) for group in optimizer.param_groups]
+    for group, tensors in owners:
         on_device = group.get("fused") or group.get("capturable")
-        for p in group["params"]:
+        for p in tensors:
             state = optimizer.state[p]
             if not state:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -326,10 +346,8 @@ def load_reference_optimizer(trainer: Any, directory: Path) -> int:
     engine, cfg = trainer.engine, trainer.cfg.model
     params = dict(_trainable(engine.module))
     base = _base_optimizer(engine)
-    _materialize_adam_state(base, step)
-    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:  # ZeRO 1/2, bf16: point each parameter's fragment at the new moments
-        link()
+    _materialize_adam_state(engine, step)
+    _link_fragments(engine)
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     lazy = LazyCheckpoint(directory)
     for key in index["keys"]:
