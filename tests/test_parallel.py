@@ -17,13 +17,13 @@ SCRIPTS = Path(__file__).parent / "parallel_scripts"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def torchrun(*args: str, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+def torchrun(*args: str, cwd: Path | None = None, timeout: int = 900, nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        "2",
+        str(nproc),
         "--standalone",
         *args,
     ]
@@ -47,6 +47,28 @@ def test_tensor_and_sequence_parallel_equal_reference():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tp, recompute", [(1, "none"), (1, "full")])
+def test_context_parallel_cp2_equals_reference(tp, recompute):
+    """CP=2 on 2 ranks: logits, loss and gradients equal the single-device model for pretrain and
+    sft layouts whose documents and windows cross the chunk boundaries, one window longer than a
+    chunk, for orthros and both baselines (the second case with full-layer recompute)."""
+    results = result_of(torchrun(str(SCRIPTS / "cp_equivalence.py"), str(tp), recompute))
+    assert len(results) == 8
+    for variant, errs in results.items():
+        for what, err in errs.items():
+            assert err <= 1e-5, (variant, what, err)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_tp_sp_and_selective_recompute():
+    """TP=2+SP x CP=2 on 4 ranks with selective (attention) recompute equals the reference."""
+    proc = torchrun(str(SCRIPTS / "cp_equivalence.py"), "2", "selective", nproc=4)
+    for variant, errs in result_of(proc).items():
+        for what, err in errs.items():
+            assert err <= 1e-5, (variant, what, err)
+
+
+@pytest.mark.slow
 def test_zero_stages_equal_single_process():
     results = result_of(torchrun(str(SCRIPTS / "zero_equivalence.py")))
     assert set(results) == {"zero0", "zero1", "zero2", "zero3", "zero2_offload"}
@@ -55,8 +77,9 @@ def test_zero_stages_equal_single_process():
 
 
 @pytest.mark.slow
-def test_trainer_tp2_sp_losses_equal_tp1(tmp_path):
-    """The real CLI: a TP=2+SP run under torchrun logs the same losses as a one-process run."""
+def test_trainer_tp2_sp_and_cp2_losses_equal_tp1(tmp_path):
+    """The real CLI: TP=2+SP and CP=2 (ZeRO-1 over the data x context group) runs under
+    torchrun log the same losses as a one-process run."""
     common = [
         "--config-name",
         "tiny_cpu",
@@ -69,6 +92,7 @@ def test_trainer_tp2_sp_losses_equal_tp1(tmp_path):
         "model.num_hidden_layers=2",
         "trainer.micro_batch_size=2",
         "trainer.seq_len=64",
+        "model.sliding_window=16",  # windows and documents cross the CP chunks (32 tokens)
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single = subprocess.run(
@@ -80,33 +104,33 @@ def test_trainer_tp2_sp_losses_equal_tp1(tmp_path):
         env=env,
     )
     assert single.returncode == 0, single.stderr[-4000:]
-    # Through the launcher users run (launch/torchrun.sh): 2 CPU ranks with gloo.
-    parallel = subprocess.run(
-        [
-            "bash",
-            str(REPO / "launch" / "torchrun.sh"),
-            "2",
-            "tiny_cpu",
-            *common[2:],
-            f"trainer.run_dir={tmp_path / 'tp2'}",
-            "parallel.tensor_parallel=2",
-            "parallel.sequence_parallel=true",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=tmp_path,
-        env={**{k: v for k, v in env.items() if k != "MASTER_PORT"}, "PYTHON": sys.executable},
-    )
-    assert parallel.returncode == 0, parallel.stderr[-4000:]
+    layouts = {
+        "tp2": ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
+        "cp2": ["parallel.context_parallel=2", "parallel.zero_stage=1"],
+    }
+    for run, overrides in layouts.items():
+        # Through the launcher users run (launch/torchrun.sh): 2 CPU ranks with gloo.
+        parallel = subprocess.run(
+            ["bash", str(REPO / "launch" / "torchrun.sh"), "2", "tiny_cpu", *common[2:],
+             f"trainer.run_dir={tmp_path / run}", *overrides],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=tmp_path,
+            env={**{k: v for k, v in env.items() if k != "MASTER_PORT"}, "PYTHON": sys.executable},
+        )
+        assert parallel.returncode == 0, (run, parallel.stderr[-4000:])
 
     def losses(run: str) -> list[float]:
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
         return [json.loads(x)["loss"] for x in lines]
 
-    a, b = losses("tp1"), losses("tp2")
-    assert len(a) == len(b) == 3
-    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    a = losses("tp1")
+    assert len(a) == 3
+    for run in layouts:
+        b = losses(run)
+        assert len(b) == 3
+        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (run, a, b)
 
 
 @pytest.mark.parametrize(

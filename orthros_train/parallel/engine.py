@@ -9,6 +9,7 @@ DeepSpeed's FusedAdam/CPUAdam would first JIT-compile C++/CUDA extensions (minut
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +26,11 @@ class MegatronMPU:
     Without pipeline parallelism the model-parallel group is the tensor-parallel group. No
     ``get_sequence_parallel_*``: to DeepSpeed that means Ulysses, not megatron's SP, which lives
     inside the model and is invisible to the optimizer.
+
+    DeepSpeed's data-parallel group is megatron's data x context parallel group: context-parallel
+    ranks hold the same weights and each computes part of every sequence's gradient, so the
+    gradients are averaged (and ZeRO partitions its states) over DP x CP ranks, as megatron's own
+    distributed optimizer does (``with_context_parallel=True``).
     """
 
     get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
@@ -34,9 +40,11 @@ class MegatronMPU:
     get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
     get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
     get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
-    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
-    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
-    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+    get_data_parallel_group = staticmethod(partial(parallel_state.get_data_parallel_group, with_context_parallel=True))
+    get_data_parallel_rank = staticmethod(partial(parallel_state.get_data_parallel_rank, with_context_parallel=True))
+    get_data_parallel_world_size = staticmethod(
+        partial(parallel_state.get_data_parallel_world_size, with_context_parallel=True)
+    )
     get_pipeline_model_parallel_group = staticmethod(parallel_state.get_pipeline_model_parallel_group)
     get_pipeline_model_parallel_rank = staticmethod(parallel_state.get_pipeline_model_parallel_rank)
     get_pipeline_model_parallel_world_size = staticmethod(parallel_state.get_pipeline_model_parallel_world_size)
@@ -51,7 +59,9 @@ def deepspeed_config(pcfg: ParallelConfig, tcfg: TrainerConfig, ocfg: OptimConfi
     return {
         "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
         "gradient_accumulation_steps": tcfg.grad_accum_steps,
-        "train_batch_size": tcfg.micro_batch_size * tcfg.grad_accum_steps * pcfg.data_parallel,
+        # DeepSpeed checks this against its data-parallel world size, which counts CP ranks too
+        # (see MegatronMPU); the CP ranks of one DP rank share the same micro batches.
+        "train_batch_size": tcfg.micro_batch_size * tcfg.grad_accum_steps * pcfg.data_parallel * pcfg.context_parallel,
         "zero_optimization": zero,
         "bf16": {"enabled": tcfg.precision == "bf16"},
         "gradient_clipping": ocfg.grad_clip if ocfg.grad_clip > 0 else 0.0,

@@ -15,7 +15,13 @@ how it is split:
   gradient is summed over the TP group inside autograd — it is final when ``backward`` returns,
   before any ZeRO hook reads it.
 
-The attention op is called per rank on its local heads.
+The attention op is called per rank on its local heads. Under context parallelism
+(``parallel/context.py``) each CP rank holds two chunks of the sequence and its attention
+exchanges K/V with the other CP ranks; everything token-wise is unchanged.
+
+Activation recompute comes from megatron's ``TransformerConfig.recompute_granularity``:
+``selective`` recomputes the attention core (the op and, under CP, its K/V all-gathers) in the
+backward, ``full`` recomputes each layer from its input.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
@@ -42,11 +49,13 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from orthros_train.model.orthros import AttentionPlan, OrthrosOutput, plan_for_layout
 from orthros_train.ops.attention import orthros_attention
+from orthros_train.parallel.context import ContextPlan, context_plan, output_select
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
@@ -68,9 +77,15 @@ class TPReducedRMSNorm(RMSNorm):
         return weight * self.normalize(x)
 
 
-def megatron_config(cfg: OrthrosConfig, tp: int, sequence_parallel: bool, dtype: torch.dtype) -> TransformerConfig:
+def megatron_config(
+    cfg: OrthrosConfig, tp: int, sequence_parallel: bool, dtype: torch.dtype, recompute: str = "none"
+) -> TransformerConfig:
     """The megatron TransformerConfig of an Orthros model (weights are loaded, not initialised)."""
+    granularity = {"none": {}, "selective": {"recompute_granularity": "selective"}}.get(
+        recompute, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    )
     return TransformerConfig(
+        **granularity,
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -206,11 +221,32 @@ class ParallelOrthrosAttention(MegatronModule):
         positions, q_index, q_window = plan.queries(with_base_queries)
         q = apply_rope(q, *self.rotary.cos_sin(positions))
         k = apply_rope(k, *self.rotary.cos_sin(plan.base_positions))
-        o = orthros_attention(q, k, v, q_index, q_window, plan.key_cu_seqlens, backend=self.ocfg.attention_backend)
+        if self.config.recompute_granularity == "selective":
+            # Non-reentrant torch checkpoint: no dropout here, so megatron's RNG-tracking variant
+            # is not needed, and collectives inside (CP all-gathers) rerun in the same order.
+            o = checkpoint(self._core, q, k, v, plan, with_base_queries, use_reentrant=False)
+        else:
+            o = self._core(q, k, v, plan, with_base_queries)
         o = o.reshape(o.shape[0], -1)
         if not with_base_queries:
             return None, o
         return o[:n_base], o[n_base:]
+
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan | ContextPlan, with_base: bool
+    ) -> torch.Tensor:
+        backend = self.ocfg.attention_backend
+        if isinstance(plan, ContextPlan):
+            return plan.attention(q, k, v, with_base, _gather_context_parallel, backend=backend)
+        _, q_index, q_window = plan.queries(with_base)
+        return orthros_attention(q, k, v, q_index, q_window, plan.key_cu_seqlens, backend=backend)
+
+
+def _gather_context_parallel(t: torch.Tensor) -> torch.Tensor:
+    """All-gather along dim 0 over the CP group; the backward reduce-scatters (sums) the grads."""
+    return gather_from_sequence_parallel_region(
+        t, tensor_parallel_output_grad=True, group=parallel_state.get_context_parallel_group()
+    )
 
 
 class ParallelOrthrosLayer(MegatronModule):
@@ -303,25 +339,33 @@ class ParallelOrthrosForCausalLM(MegatronModule):
         return logits[: shards.n_out, 0]  # [N, V / tp]; SP gathered the rows inside the linear
 
     def hidden_and_shards(self, layout: OrthrosLayout) -> tuple[torch.Tensor, StreamShards]:
-        plan = plan_for_layout(self.ocfg, layout, None)
-        out_index = layout.output_index
-        emb = self.embedding(layout.input_ids)  # [T, d], identical on every TP rank
-        shards = StreamShards(layout.num_tokens, out_index.numel() if self.is_orthros else 0, self._shards)
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp > 1:
+            plan = context_plan(self.ocfg, layout, parallel_state.get_context_parallel_rank(), cp)
+            input_ids, out_rows = plan.input_ids, plan.output_base_row
+        else:
+            plan = plan_for_layout(self.ocfg, layout, None)
+            input_ids, out_rows = layout.input_ids, layout.output_index
+        n_base = input_ids.numel()
+        emb = self.embedding(input_ids)  # [T, d], identical on every TP rank
+        shards = StreamShards(n_base, out_rows.numel() if self.is_orthros else 0, self._shards)
         x = shards.pad(emb, shards.base_local)
-        y = shards.pad(emb[out_index] if self.is_orthros else emb[:0], shards.out_local)
+        y = shards.pad(emb[out_rows] if self.is_orthros else emb[:0], shards.out_local)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x[:, None])[:, 0]
             y = scatter_to_sequence_parallel_region(y[:, None])[:, 0]
         last = len(self.layers) - 1
+        full_recompute = self.config.recompute_granularity == "full"
         for i, layer in enumerate(self.layers):
-            x, y = layer(x, y, plan, shards, self.is_orthros and i == last)
+            args = (x, y, plan, shards, self.is_orthros and i == last)
+            x, y = checkpoint(layer, *args, use_reentrant=False) if full_recompute else layer(*args)
         if not self.is_orthros:
             # Baselines read their outputs off the base stream.
             if self.sequence_parallel:
                 # What follows is replicated on every rank, so the backward only splits the grad.
                 x = gather_from_sequence_parallel_region(x[:, None], tensor_parallel_output_grad=False)[:, 0]
-            y = x[out_index]
-            shards = StreamShards(layout.num_tokens, out_index.numel(), self._shards)
+            y = x[out_rows]
+            shards = StreamShards(n_base, out_rows.numel(), self._shards)
             y = shards.pad(y, shards.out_local)
             if self.sequence_parallel:
                 y = scatter_to_sequence_parallel_region(y[:, None])[:, 0]
@@ -341,12 +385,46 @@ class ParallelOrthrosForCausalLM(MegatronModule):
         vocab-parallel cross entropy works in place on them to save memory."""
         y, shards = self.hidden_and_shards(layout)
         logits = self._vocab_logits(layout, shards, y)
+        cp = parallel_state.get_context_parallel_world_size()
+        local = output_select(layout, parallel_state.get_context_parallel_rank(), cp) if cp > 1 else None
         loss = None
         if layout.num_loss_tokens:
-            labels = layout.labels
+            labels, weights = layout.labels, layout.loss_weights
+            if local is not None:
+                labels, weights = labels[local], weights[local]
             valid = labels != IGNORE_INDEX
             ce_input = logits.float().clone() if return_logits or logits.dtype == torch.float32 else logits.float()
             per_token = vocab_parallel_cross_entropy(ce_input[:, None], torch.where(valid, labels, 0)[:, None])[:, 0]
-            loss = (per_token * layout.loss_weights * valid).sum() / valid.sum().clamp(min=1)
+            loss = (per_token * weights * valid).sum() / layout.num_loss_tokens
+            if local is not None:
+                loss = _whole_sequence_loss(loss, cp)
         full = gather_from_tensor_model_parallel_region(logits) if return_logits else None
+        if full is not None and local is not None:
+            full = _gather_context_outputs(full, layout, cp)
         return OrthrosOutput(logits=full, loss=loss)
+
+
+def _whole_sequence_loss(local: torch.Tensor, cp: int) -> torch.Tensor:
+    """The loss of the whole sequence as its value, ``cp`` x this rank's share as its gradient.
+
+    Every CP rank then reports (and NaN-checks) the same loss, and DeepSpeed, which averages
+    gradients over the data x context parallel group, ends with the gradient of the whole
+    sequence's loss: the mean over CP ranks of ``cp`` x each rank's share is their sum.
+    """
+    total = local.detach().clone()
+    dist.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    return total + cp * (local - local.detach())
+
+
+def _gather_context_outputs(logits: torch.Tensor, layout: OrthrosLayout, cp: int) -> torch.Tensor:
+    """Every CP rank's output-token logits back in layout order (for eval and tests, no grad)."""
+    counts = [output_select(layout, r, cp) for r in range(cp)]
+    width = max(c.numel() for c in counts)
+    padded = logits.new_zeros(width, *logits.shape[1:])
+    padded[: logits.shape[0]] = logits.detach()
+    parts = [torch.empty_like(padded) for _ in range(cp)]
+    dist.all_gather(parts, padded, group=parallel_state.get_context_parallel_group())
+    full = logits.new_empty(layout.num_outputs, *logits.shape[1:])
+    for select, part in zip(counts, parts):
+        full[select] = part[: select.numel()]
+    return full

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from orthros_train.data import build_data
+from orthros_train.data.schedule import build_scheduled_data
 from orthros_train.model import OrthrosForCausalLM
 from orthros_train.parallel.engine import build_engine
 from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
@@ -128,10 +128,12 @@ class Trainer:
         self.is_main = dist.get_rank() == 0
         self.run_dir = Path(t.run_dir)
         seed_everything(t.seed)
-        self.data = build_data(
+        self.data = build_scheduled_data(  # build_data itself unless trainer.seq_len_schedule is set
             cfg.data,
             t.seq_len,
             t.micro_batch_size,
+            t.seq_len_schedule,
+            t.grad_accum_steps,
             t.seed,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
@@ -156,7 +158,13 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------
     def layout_signature(self) -> dict[str, Any]:
         p = self.cfg.parallel
-        return {"tp": p.tensor_parallel, "sp": p.sequence_parallel, "dp": p.data_parallel, "zero": p.zero_stage}
+        return {
+            "tp": p.tensor_parallel,
+            "sp": p.sequence_parallel,
+            "cp": p.context_parallel,
+            "dp": p.data_parallel,
+            "zero": p.zero_stage,
+        }
 
     def _resume(self) -> Path | None:
         mode = self.cfg.trainer.resume
@@ -217,7 +225,7 @@ class Trainer:
         else:
             full = OrthrosForCausalLM(cfg.model).state_dict()
         model = ParallelOrthrosForCausalLM(
-            cfg.model, megatron_config(cfg.model, tp, p.sequence_parallel, torch.float32)
+            cfg.model, megatron_config(cfg.model, tp, p.sequence_parallel, torch.float32, p.recompute)
         )
         missing, unexpected = model.load_state_dict(shard_state_dict(full, cfg.model, tp, tp_rank), strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]

@@ -1,0 +1,238 @@
+"""Context parallelism: one packed sequence split across the ranks of the CP group.
+
+Chunk order (load balance for the causal output stream): the sequence, padded to a multiple of
+``2 * cp``, is cut into ``2 * cp`` equal chunks and rank ``r`` holds chunks ``r`` and
+``2 * cp - 1 - r``. The unbounded output stream costs more the later its position; one early
+and one late chunk per rank evens that out (megatron-core and Llama 3 use the same order).
+
+Attention of the queries of one local chunk ``c = [s, e)``:
+
+* windowed queries (the base stream, window ``W``) need the keys ``[s - (W - 1), e)``: the chunk
+  itself and a *halo* of the ``W - 1`` keys before it, which other ranks hold. Each rank puts
+  the tails of its two chunks into one all-gather, so per query only ``W`` keys are moved and
+  scored and the base stream stays linear in the sequence length;
+* unbounded queries (the output stream; also the dense baseline's base stream) attend the
+  local chunk and the past ``[0, s)`` in two calls of the attention op, merged exactly through
+  their log-sum-exp. The past comes from an all-gather of every rank's chunks; queries whose
+  document starts inside the chunk skip the past call.
+
+The all-gathers are megatron-core's ``gather_from_sequence_parallel_region`` on the CP group:
+its backward is a reduce-scatter, so each rank gets back the gradient of its own K/V summed over
+every rank that attended it. Everything else is plain autograd (the attention op returns a
+differentiable LSE, which the merge needs).
+
+Every CP rank receives the same full layout (token ids are cheap even at 128K); ``ContextPlan``
+picks this rank's tokens out of it. Loss tokens are counted over the whole layout, so the loss
+every rank reports is the loss of the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from orthros_train.model.config import OrthrosConfig
+from orthros_train.ops.attention import UNBOUNDED, resolve_backend
+from orthros_train.phase.layout import OrthrosLayout
+
+GatherFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def chunk_owner(chunk: int, cp: int) -> tuple[int, int]:
+    """(rank, slot) holding ``chunk`` in the load-balanced order (slot 0: early, 1: late)."""
+    return (chunk, 0) if chunk < cp else (2 * cp - 1 - chunk, 1)
+
+
+def clip_cu_seqlens(cu: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Document boundaries of the key range ``[lo, hi)``, shifted to start at 0."""
+    inner = cu[(cu > lo) & (cu < hi)]
+    return torch.cat([cu.new_tensor([lo]), inner, cu.new_tensor([hi])]) - lo
+
+
+def merge_partial_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Exact softmax attention over the union of two disjoint key sets from the two partials.
+
+    ``out [n, H, D]`` is each partial's normalised output and ``lse [H, n]`` its log-sum-exp;
+    both must cover at least one key (no ``-inf`` rows).
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).t()[..., None]
+    w_b = torch.exp(lse_b - lse).t()[..., None]
+    return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)
+
+
+@dataclass
+class ContextPlan:
+    """This CP rank's share of a packed layout and the bookkeeping its attention needs.
+
+    Local base stream: the tokens of chunk ``r`` then chunk ``2cp-1-r``. Local output stream:
+    the output tokens whose position lies in those chunks, in the same order. All indices
+    named ``*_global`` point into the padded sequence.
+    """
+
+    cp: int
+    rank: int
+    chunk_len: int
+    window: int  # base-stream window; UNBOUNDED for the dense baseline
+    cu_seqlens: torch.Tensor  # document boundaries of the padded sequence (int64)
+    token_global: torch.Tensor  # [T_local] global index of each local base token
+    output_select: torch.Tensor  # [N_local] which entries of layout.output_index are local
+    output_global: torch.Tensor  # [N_local] global token index of each local output token
+    output_base_row: torch.Tensor  # [N_local] local base row each output token sits on
+    base_positions: torch.Tensor  # [T_local] RoPE positions
+    out_positions: torch.Tensor  # [N_local]
+    input_ids: torch.Tensor  # [T_local]
+    has_outputs: bool  # whether any rank has output queries (collectives must match)
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        return self.rank, 2 * self.cp - 1 - self.rank
+
+    def queries(self, with_base: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(RoPE positions, global key index, window) of the local queries ``[base; output]``."""
+        out_window = torch.full_like(self.output_global, UNBOUNDED)
+        if not with_base:
+            return self.out_positions, self.output_global, out_window
+        return (
+            torch.cat([self.base_positions, self.out_positions]),
+            torch.cat([self.token_global, self.output_global]),
+            torch.cat([torch.full_like(self.token_global, self.window), out_window]),
+        )
+
+    # -- attention -------------------------------------------------------------------------
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        with_base: bool,
+        gather: GatherFn,
+        backend: str = "auto",
+    ) -> torch.Tensor:
+        """Attention of the local queries (``[base; output]`` or output only) over all keys.
+
+        ``k``/``v`` are this rank's base-stream keys ``[T_local, Hkv, D]``; ``gather`` is the
+        autograd all-gather over the CP group along dim 0 (rank-major).
+        """
+        op = resolve_backend(backend, q.device)
+        _, q_global, q_window = self.queries(with_base)
+        windowed = q_window < UNBOUNDED
+        kv = torch.cat([k, v], dim=1)  # one collective for both
+        h_kv = k.shape[1]
+        halo = self._gather_halo(kv, gather) if with_base and self.window < UNBOUNDED else None
+        full = self._gather_full(kv, gather) if self.has_outputs or self.window >= UNBOUNDED else None
+        out = q.new_zeros(q.shape)
+        for slot, chunk in enumerate(self.chunks):
+            s, e = chunk * self.chunk_len, (chunk + 1) * self.chunk_len
+            local_kv = kv[slot * self.chunk_len : (slot + 1) * self.chunk_len]
+            in_chunk = (q_global >= s) & (q_global < e)
+            rows = torch.nonzero(in_chunk & windowed).flatten()
+            if rows.numel():
+                keys = torch.cat([halo[chunk], local_kv]) if halo is not None else local_kv
+                lo = e - keys.shape[0]
+                o, _ = op(
+                    q[rows], *keys.split(h_kv, dim=1), q_global[rows] - lo, q_window[rows],
+                    clip_cu_seqlens(self.cu_seqlens, lo, e).to(torch.int32),
+                )
+                out = out.index_copy(0, rows, o)
+            rows = torch.nonzero(in_chunk & ~windowed).flatten()
+            if rows.numel():
+                out = out.index_copy(0, rows, self._unbounded(op, q, rows, q_global, local_kv, full, s, e, h_kv))
+        return out
+
+    def _unbounded(self, op, q, rows, q_global, local_kv, full, s, e, h_kv) -> torch.Tensor:
+        """Queries ``rows`` of chunk ``[s, e)``: local chunk and past, merged by LSE."""
+        idx = q_global[rows]
+        unbounded = torch.full_like(idx, UNBOUNDED)
+        o, lse = op(
+            q[rows], *local_kv.split(h_kv, dim=1), idx - s, unbounded,
+            clip_cu_seqlens(self.cu_seqlens, s, e).to(torch.int32),
+        )
+        if s == 0:
+            return o
+        doc_start = self.cu_seqlens[torch.searchsorted(self.cu_seqlens, idx, right=True) - 1]
+        sees_past = torch.nonzero(doc_start < s).flatten()
+        if not sees_past.numel():
+            return o
+        # q_index = s - 1: the last past key, which lies in the query's document because that
+        # document starts before s and runs up to the query.
+        past = full[:s]
+        o_p, lse_p = op(
+            q[rows[sees_past]], *past.split(h_kv, dim=1), torch.full_like(sees_past, s - 1),
+            unbounded[sees_past], clip_cu_seqlens(self.cu_seqlens, 0, s).to(torch.int32),
+        )
+        merged = merge_partial_attention(o[sees_past], lse[:, sees_past], o_p, lse_p)
+        return o.index_copy(0, sees_past, merged)
+
+    def _gather_full(self, kv: torch.Tensor, gather: GatherFn) -> torch.Tensor:
+        """Every rank's chunks, in sequence order ``[T_padded, 2 Hkv, D]``."""
+        per_rank = gather(kv).view(self.cp, 2, self.chunk_len, *kv.shape[1:])
+        order = [chunk_owner(c, self.cp) for c in range(2 * self.cp)]
+        return torch.cat([per_rank[r, slot] for r, slot in order])
+
+    def _gather_halo(self, kv: torch.Tensor, gather: GatherFn) -> dict[int, torch.Tensor]:
+        """For each local chunk, the (up to) ``W - 1`` keys just before it."""
+        need = self.window - 1
+        tail = min(need, self.chunk_len)
+        if tail == 0:
+            return {c: kv[:0] for c in self.chunks}
+        c_len = self.chunk_len
+        tails = torch.cat([kv[c_len - tail : c_len], kv[2 * c_len - tail :]])
+        per_rank = gather(tails).view(self.cp, 2, tail, *kv.shape[1:])
+        back = -(-need // tail)  # chunks a halo reaches back (tail == chunk_len when W-1 > it)
+        halos = {}
+        for chunk in self.chunks:
+            before = [per_rank[chunk_owner(c, self.cp)] for c in range(max(0, chunk - back), chunk)]
+            keys = torch.cat(before) if before else kv[:0]
+            halos[chunk] = keys[max(0, keys.shape[0] - need) :]
+        return halos
+
+
+def output_select(layout: OrthrosLayout, rank: int, cp: int) -> torch.Tensor:
+    """Indices into ``layout.output_index`` of the output tokens rank ``rank`` holds, in its order."""
+    chunk_len = -(-layout.num_tokens // (2 * cp))
+    chunk = layout.output_index.long() // chunk_len
+    return torch.cat([torch.nonzero(chunk == c).flatten() for c in (rank, 2 * cp - 1 - rank)])
+
+
+def context_plan(config: OrthrosConfig, layout: OrthrosLayout, rank: int, cp: int) -> ContextPlan:
+    """Rank ``rank``'s share of ``layout`` under ``cp``-way context parallelism."""
+    device = layout.input_ids.device
+    t = layout.num_tokens
+    chunk_len = -(-t // (2 * cp))
+    padded = 2 * cp * chunk_len
+    cu = layout.cu_seqlens.long()
+    ids, positions = layout.input_ids, layout.positions
+    if padded > t:
+        # The padding is one document of its own with no output tokens: nothing attends it.
+        cu = torch.cat([cu, cu.new_tensor([padded])])
+        ids = torch.cat([ids, ids.new_zeros(padded - t)])
+        positions = torch.cat([positions, torch.arange(padded - t, device=device, dtype=positions.dtype)])
+    first, last = rank, 2 * cp - 1 - rank
+    token_global = torch.cat(
+        [torch.arange(c * chunk_len, (c + 1) * chunk_len, device=device) for c in (first, last)]
+    )
+    orthros = config.attention_type == "orthros"
+    select = output_select(layout, rank, cp)
+    output_global = layout.output_index.long()[select]
+    slot = (output_global // chunk_len == last).long()
+    output_base_row = slot * chunk_len + output_global % chunk_len
+    return ContextPlan(
+        cp=cp,
+        rank=rank,
+        chunk_len=chunk_len,
+        window=UNBOUNDED if config.attention_type == "dense" else config.sliding_window,
+        cu_seqlens=cu,
+        token_global=token_global,
+        output_select=select,
+        output_global=output_global if orthros else output_global[:0],
+        output_base_row=output_base_row,
+        base_positions=positions[token_global],
+        out_positions=positions[output_global] if orthros else positions[:0],
+        input_ids=ids[token_global],
+        has_outputs=orthros and layout.num_outputs > 0,
+    )
