@@ -1,0 +1,65 @@
+"""``orthros-study``: run the replication study and write docs/study.md (see ``orthros_train.study``)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from orthros_train.eval.common import parse_lengths
+from orthros_train.study.pipeline import ARCHS, StudyOptions, run_study
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="orthros-study",
+        description="Train recipes/study/{orthros,dense,sliding}.yaml (same shape, data, tokens, seed), evaluate "
+        "validation loss, loss by position, MQAR recall vs distance and prefill time, write docs/study.md.",
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/study"), help="run directories and study.json")
+    p.add_argument("--report", type=Path, default=Path("docs/study.md"),
+                   help="markdown report (figures in <report dir>/<stem>/)")
+    p.add_argument("--no-report", action="store_true", help="only study.json")
+    p.add_argument("--steps", type=int, default=None, help="trainer.max_steps of every run (default: the recipes')")
+    p.add_argument("--quick", action="store_true", help="reduced version: tiny shape, a few dozen steps")
+    p.add_argument("--skip-train", action="store_true", help="re-evaluate the runs already in --out")
+    p.add_argument("--archs", default=",".join(ARCHS), help=f"subset of {','.join(ARCHS)}")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Hydra override for every run (repeatable), e.g. trainer.micro_batch_size=4")
+    p.add_argument("--recall-documents", type=int, default=64, help="held-out synthetic documents per model")
+    p.add_argument("--valid-tokens", type=int, default=None, help="cap on held-out essay tokens")
+    p.add_argument("--prefill-lengths", default="1k,4k,16k", help="prompt lengths ('' skips the benchmark)")
+    p.add_argument("--prefill-repeats", type=int, default=1)
+    p.add_argument("--notes", type=Path, default=None, help="hand-written analysis to include in the report")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    archs = tuple(a for a in args.archs.split(",") if a)
+    unknown = sorted(set(archs) - set(ARCHS))
+    if unknown:
+        raise SystemExit(f"orthros-study: unknown --archs {unknown}; choose from {', '.join(ARCHS)}")
+    argv = sys.argv[1:] if argv is None else argv
+    opts = StudyOptions(
+        out=args.out,
+        report=None if args.no_report else args.report,
+        archs=archs,
+        steps=args.steps,
+        quick=args.quick,
+        skip_train=args.skip_train,
+        overrides=args.override,
+        recall_documents=args.recall_documents,
+        valid_tokens=args.valid_tokens,
+        prefill_lengths=parse_lengths(args.prefill_lengths) if args.prefill_lengths else [],
+        prefill_repeats=args.prefill_repeats,
+        notes=args.notes,
+        command=" ".join(["orthros-study", *map(shlex.quote, argv)]),
+    )
+    run_study(opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
