@@ -90,3 +90,61 @@ def test_optimizer_state_of_another_model_is_refused(make_trainer, tmp_path):  #
     path.unlink()
     with pytest.raises(CheckpointError, match="optimizer-00001.safetensors"):
         load_reference_optimizer(trainer, ckpt / "optimizer")
+
+
+# -- torchrun: TP and DP size change between runs ------------------------------------------------
+
+# No clipping: at TP=2 the global grad norm (hence the clip factor) differs from TP=1 by ~16% in this
+# tree (a TP norm issue outside checkpoints), which would hide what these tests measure.
+CLI_STEPS = ["trainer.max_steps=6", "trainer.save_every=3", "optim.grad_clip=0"]
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / "final" / "model.safetensors")
+
+
+def straight_then_resumed(
+    tmp_path: Path, first: list[str], second: list[str], nproc_first: int, nproc_second: int, control: bool = False
+) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    rc, _, err = finish(cli(*CLI_STEPS, *first, f"trainer.run_dir={straight}", nproc=nproc_first, cwd=tmp_path))
+    assert rc == 0, err[-3000:]
+    ckpt = straight / "checkpoints" / "step_000000003"
+    resume = [*CLI_STEPS, *second, f"trainer.resume={ckpt}"]
+    rc, out, err = finish(cli(*resume, f"trainer.run_dir={resumed}", nproc=nproc_second, cwd=tmp_path))
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out and "resharded" in out + err, out[-2000:] + err[-2000:]
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == [4, 5, 6]
+    loss_diff = max(abs(a[s] - b[s]) for s in b)
+    weight_diff = max_diff(final_weights(straight), final_weights(resumed))
+    print(f"{first} -> {second}: loss {loss_diff:.2e}, weights {weight_diff:.2e}")
+    assert loss_diff <= TOL and weight_diff <= TOL, (a, b, weight_diff)
+    if control:  # the same resume with the moments restarting diverges well beyond TOL
+        drop_optimizer(ckpt)
+        fresh = tmp_path / "fresh"
+        rc, _, err = finish(cli(*resume, f"trainer.run_dir={fresh}", nproc=nproc_second, cwd=tmp_path))
+        assert rc == 0, err[-3000:]
+        c = losses(fresh)
+        fresh_weight_diff = max_diff(final_weights(straight), final_weights(fresh))
+        print(f"  without moments: loss {max(abs(a[s] - c[s]) for s in c):.2e}, weights {fresh_weight_diff:.2e}")
+        assert fresh_weight_diff > 100 * TOL
+
+
+@pytest.mark.slow
+def test_tp2_sp_checkpoint_resumes_at_tp1(tmp_path):
+    tp2 = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]
+    straight_then_resumed(tmp_path, tp2, [], nproc_first=2, nproc_second=1, control=True)
+
+
+@pytest.mark.slow
+def test_tp1_checkpoint_resumes_at_tp2(tmp_path):
+    straight_then_resumed(tmp_path, [], ["parallel.tensor_parallel=2"], nproc_first=1, nproc_second=2)
+
+
+@pytest.mark.slow
+def test_dp2_zero1_checkpoint_resumes_at_dp1_zero2(tmp_path):
+    # Same global batch: 2 ranks x 2 sequences, then 1 rank x 4 (the sampler deals the same samples).
+    dp2 = ["parallel.data_parallel=2", "parallel.zero_stage=1", "trainer.micro_batch_size=2"]
+    dp1 = ["parallel.zero_stage=2", "trainer.micro_batch_size=4"]
+    straight_then_resumed(tmp_path, dp2, dp1, nproc_first=2, nproc_second=1)
