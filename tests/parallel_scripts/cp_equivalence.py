@@ -15,13 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-
-def reference_grads(ref, cfg):
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
-    if cfg.tie_word_embeddings:
-        grads["lm_head.weight"] = grads["embed_tokens.weight"]
-    return grads
+from tp_equivalence import reference_grads  # this script's folder is on sys.path
 
 
 def main() -> None:
