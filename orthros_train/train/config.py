@@ -57,6 +57,9 @@ class TrainerConfig:
     seq_len: int = 256
     micro_batch_size: int = 8
     grad_accum_steps: int = 1
+    # [[start_step, seq_len], ...]: sequence length grows in stages at constant tokens per micro
+    # batch (seq_len x micro_batch_size); see orthros_train/data/schedule.py. None: seq_len throughout.
+    seq_len_schedule: list[list[int]] | None = None
     total_tokens: int | None = None  # informational: the token budget the recipe was sized for
     precision: str = "fp32"  # fp32 | bf16 (autocast where the device supports it)
     device: str = "auto"  # auto | cpu | cuda
@@ -91,6 +94,10 @@ class TrainerConfig:
             raise ValueError("trainer.save_every and trainer.keep_last_k must be >= 0, max_nonfinite_steps >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"trainer.device must be auto|cpu|cuda, got {self.device!r}")
+        if self.seq_len_schedule is not None:
+            from orthros_train.data.schedule import check_seq_len_schedule
+
+            check_seq_len_schedule(self.seq_len_schedule, self.seq_len, self.micro_batch_size, self.max_steps)
 
 
 @dataclass

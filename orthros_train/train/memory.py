@@ -31,9 +31,13 @@ buffers of single kernels are outside it (``docs/memory.md`` states a headroom f
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.parallel.setup import ParallelConfig
+
+if TYPE_CHECKING:
+    from orthros_train.train.config import RunConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 ATTENTION_BACKENDS = ("flash", "reference")
@@ -212,3 +216,23 @@ def estimate_memory(
         params_per_rank=p,
         activations_per_layer=per_layer,
     )
+
+
+def memory_summary(cfg: RunConfig) -> dict[str, Any]:
+    """What a dry run prints: the estimate in GiB for every sequence-length stage of the recipe."""
+    t = cfg.trainer
+    stages = [(0, t.seq_len)] if not t.seq_len_schedule else [tuple(s) for s in t.seq_len_schedule]
+    # The Triton kernels run on GPUs (attention_backend auto); only an explicit reference keeps scores.
+    backend = "reference" if cfg.model.attention_backend == "reference" else "flash"
+    rows = []
+    for start, length in stages:
+        micro = t.seq_len * t.micro_batch_size // length
+        est = estimate_memory(cfg.model, cfg.parallel, length, micro, t.precision, backend)
+        rows.append({"from_step": start, "seq_len": length, "micro_batch_size": micro, **est.as_gib()})
+    return {
+        "unit": "GiB per GPU (docs/memory.md)",
+        "attention_backend": backend,
+        "recompute": cfg.parallel.recompute,
+        "stages": rows,
+        "peak_gib": max(r["total"] for r in rows),
+    }

@@ -31,6 +31,7 @@ from orthros_train.parallel.setup import DistributedEnv, check_parallel_layout, 
 from orthros_train.parallel.state_dict import LazyCheckpoint, gather_full_state_dict, shard_state_dict
 from orthros_train.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from orthros_train.train.config import RunConfig
+from orthros_train.train.memory import memory_summary
 from orthros_train.train.metrics import (
     PEAK_BF16_TFLOPS,
     MetricsLog,
@@ -78,6 +79,7 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         "init_from": cfg.init.init_from,
         # What a cluster would do: H100 bf16 peak (or trainer.peak_tflops) at a stated 40% MFU.
         "expected_at_40pct_mfu": _expected_throughput(cfg, flops, 0.40),
+        "memory_per_gpu": memory_summary(cfg),  # analytic model, per sequence-length stage
     }
 
 
