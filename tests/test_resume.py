@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,3 +219,112 @@ def test_nonfinite_steps_are_skipped_then_stop(make_trainer, monkeypatch):
     assert trainer.skipped_steps == 3
     after = module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # skipped steps changed no weight
+
+
+# -- async save ------------------------------------------------------------------------------------
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Recursive equality of loaded checkpoint objects (tensors bitwise)."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (where, set(a) ^ set(b))
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    elif type(a).__module__.startswith("deepspeed"):
+        return  # the live ds_config object: not state
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_async_save_writes_the_same_checkpoint_as_sync(make_trainer, tmp_path):
+    timings = {}
+    for mode in ("sync", "async"):
+        trainer = make_trainer("trainer.max_steps=4", "trainer.save_every=2", f"trainer.async_save={mode == 'async'}")
+        for _ in range(2):
+            trainer.train_step()
+        start = time.perf_counter()
+        trainer.save_checkpoint()
+        timings[mode] = time.perf_counter() - start  # async: time training is blocked
+        trainer.checkpoints.wait()
+        timings[mode + "_published"] = time.perf_counter() - start
+        (tmp_path / "run").rename(tmp_path / mode)
+    print(f"save of a 2-layer h64 model: {timings}")
+    sync, asy = (tmp_path / m / "checkpoints" / "step_000000002" for m in ("sync", "async"))
+    assert verify_checkpoint(sync) is None and verify_checkpoint(asy) is None
+    files = sorted(str(p.relative_to(sync)) for p in sync.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(asy)) for p in asy.rglob("*") if p.is_file())
+    assert any(f.startswith("optimizer/") for f in files) and any(f.startswith("engine/") for f in files)
+    for name in files:
+        if name.endswith((".safetensors", "index.json", "tokenizer.json", "config.json")):
+            assert (sync / name).read_bytes() == (asy / name).read_bytes(), name
+        elif name.endswith(".pt"):
+            assert_same(torch.load(sync / name, weights_only=False), torch.load(asy / name, weights_only=False), name)
+    meta = [json.loads((d / "meta.json").read_text()) for d in (sync, asy)]
+    for m in meta:
+        m.pop("time")
+        m["recipe"]["trainer"].pop("async_save")
+        m["recipe"]["trainer"].pop("run_dir")
+    assert meta[0] == meta[1]
+
+
+def test_async_save_snapshots_the_step_and_exit_waits(make_trainer, tmp_path, monkeypatch):
+    import orthros_train.train.checkpoint as ckpt
+
+    real_write = ckpt._CapturingCheckpointEngine.write
+
+    def slow_write(self):
+        time.sleep(2.0)
+        real_write(self)
+
+    monkeypatch.setattr(ckpt._CapturingCheckpointEngine, "write", slow_write)
+    trainer = make_trainer("trainer.max_steps=4", "trainer.save_every=1", "trainer.async_save=true")
+    trainer.train_step()
+    at_save = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+    start = time.perf_counter()
+    path = trainer.save_checkpoint()
+    assert time.perf_counter() - start < 2.0  # returned before the (slow) write
+    root = tmp_path / "run" / "checkpoints"
+    assert not path.exists() and not (root / "latest").exists()  # nothing published half-way
+    trainer.train_step()  # training goes on and changes the weights meanwhile
+    trainer.checkpoints.wait()
+    assert verify_checkpoint(path) is None and (root / "latest").read_text().strip() == path.name
+    from orthros_train.model import OrthrosForCausalLM
+
+    saved = OrthrosForCausalLM.from_pretrained(path / "model").state_dict()
+    assert all(torch.equal(saved[k], at_save[k]) for k in at_save)  # the state of the save's step
+    # fit (steps 3 and 4): the async save of step 3 is in flight when the final (sync) save of
+    # step 4 starts, which waits for it; when fit returns nothing is in flight.
+    trainer.fit()
+    assert trainer.checkpoints._thread is None
+    names = [p.name for p in CheckpointManager(tmp_path / "run").complete_checkpoints()]
+    assert names == ["step_000000004", "step_000000003", "step_000000001"]
+    assert all(verify_checkpoint(p) is None for p in root.glob("step_*"))
+
+
+def test_async_save_failure_is_loud_and_never_published(make_trainer, tmp_path, monkeypatch, capsys):
+    trainer = make_trainer(
+        "trainer.max_steps=6", "trainer.save_every=2", "trainer.async_save=true", "trainer.keep_last_k=0"
+    )
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if "step_000000004" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    trainer.fit()  # the failed background save does not stop training; the final save works
+    root = tmp_path / "run" / "checkpoints"
+    err = capsys.readouterr().err
+    assert "ERROR: async save" in err and "No space left on device" in err
+    assert not (root / "step_000000004").exists() and not list(root.glob(".step_*"))
+    assert (root / "latest").read_text().strip() == "step_000000006"
+    assert verify_checkpoint(root / "step_000000002") is None
