@@ -32,6 +32,7 @@ class DataConfig:
     tokenizer_vocab_size: int = 2048  # BPE trained on the corpus for the embedded source
     cache_dir: str = "~/.cache/orthros_train"  # tokenized embedded corpus, megatron index caches
     valid_documents: int = 2  # embedded: last documents of the corpus held out for validation
+    recall_mix: dict | None = None  # embedded: synthetic MQAR documents blended in (data/synthetic_recall.py)
     # source: indexed
     paths: list[str] = field(default_factory=list)  # orthros-data outputs, .bin/.idx prefixes or dirs
     weights: list[float] | None = None  # blend weight per path (None: in proportion to size)
@@ -113,8 +114,15 @@ def _embedded(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
         raise ValueError(f"corpus {cfg.corpus!r} has {n_docs} documents, too few for {cfg.valid_documents} held out")
     eod = tokenizer.convert_tokens_to_ids(EOD_TOKEN)
     prefixes = resolve_prefixes(output)
+    weights = None
+    if cfg.recall_mix:  # the same document split applies to it: held-out synthetic documents too
+        from orthros_train.data.synthetic_recall import blend_with_recall
+
+        prefixes, weights = blend_with_recall(
+            cfg.recall_mix, prefixes, len(tokenizer), eod, seq_len, _cache(cfg, "synthetic_recall")
+        )
     splits = build_blend(
-        prefixes, None, seq_len, seed, len(tokenizer), eod, _cache(cfg, "indices"),
+        prefixes, weights, seq_len, seed, len(tokenizer), eod, _cache(cfg, "indices"),
         split=f"{n_docs - cfg.valid_documents},{cfg.valid_documents},0",
         train_samples=cfg.train_samples, valid_samples=cfg.valid_samples,
     )

@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--archs", default=",".join(ARCHS), help=f"subset of {','.join(ARCHS)}")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every run (repeatable), e.g. trainer.micro_batch_size=4")
+    p.add_argument("--train-threads", type=int, default=1,
+                   help="OMP threads per training process (0: inherit the environment's)")
     p.add_argument("--recall-documents", type=int, default=64, help="held-out synthetic documents per model")
     p.add_argument("--valid-tokens", type=int, default=None, help="cap on held-out essay tokens")
     p.add_argument("--prefill-lengths", default="1k,4k,16k", help="prompt lengths ('' skips the benchmark)")
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         skip_train=args.skip_train,
         overrides=args.override,
+        train_threads=args.train_threads or None,
         recall_documents=args.recall_documents,
         valid_tokens=args.valid_tokens,
         prefill_lengths=parse_lengths(args.prefill_lengths) if args.prefill_lengths else [],
