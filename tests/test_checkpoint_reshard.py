@@ -168,3 +168,12 @@ def test_dp2_zero1_checkpoint_resumes_at_dp1_zero2(tmp_path):
     dp2 = ["parallel.data_parallel=2", "parallel.zero_stage=1", "trainer.micro_batch_size=2"]
     dp1 = ["parallel.zero_stage=2", "trainer.micro_batch_size=4"]
     straight_then_resumed(tmp_path, dp2, dp1, nproc_first=2, nproc_second=1)
+
+
+def test_fp32_checkpoint_resumes_in_bf16_stage0(make_trainer, tmp_path):  # noqa: F811
+    """Stage-0 bf16 keeps fp32 weight copies of its own: they must take the checkpoint's weights
+    too, or its first step would write the initial weights back into the model."""
+    straight, _ = run_in_process(make_trainer, 0)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
+    resumed, _ = run_in_process(make_trainer, 0, "trainer.precision=bf16", f"trainer.resume={ckpt}")
+    assert max(abs(resumed[s] - straight[s]) for s in resumed) < 0.01, (straight, resumed)  # bf16 forward

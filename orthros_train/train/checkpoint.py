@@ -624,7 +624,8 @@ class CheckpointManager:
         """Restore ``trainer`` from ``path``; returns the checkpoint's meta."""
         meta = json.loads((path / "meta.json").read_text())
         rank = dist.get_rank()
-        same_layout = meta["layout"] == trainer.layout_signature()
+        saved = {"precision": "fp32", "cp": 1, **meta["layout"]}  # keys older checkpoints lack
+        same_layout = saved == trainer.layout_signature()
         if same_layout:  # bitwise exact: DeepSpeed's own files for this very layout
             load_path, _ = trainer.engine.load_checkpoint(
                 str(path / "engine"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
@@ -639,6 +640,11 @@ class CheckpointManager:
         # reference-layout copies; the data position is global. RNG streams belong to the old
         # ranks and are not restored.
         trainer.load_reference_weights(path / "model")
+        with torch.no_grad():  # stage-0 bf16 keeps fp32 copies that safe_set_full_fp32_param misses
+            for _, p in _trainable(trainer.engine.module):
+                master = _unfused_master(trainer.engine, p)
+                if master is not p and not _fragmented(p):
+                    master.copy_(p.float())
         optimizer_dir = path / OPTIMIZER_DIR
         if optimizer_dir.is_dir():
             load_reference_optimizer(trainer, optimizer_dir)

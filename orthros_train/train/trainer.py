@@ -166,6 +166,9 @@ class Trainer:
             "cp": p.context_parallel,
             "dp": p.data_parallel,
             "zero": p.zero_stage,
+            # DeepSpeed's optimizer files differ between fp32 and bf16 engines: another precision
+            # resumes through the reference-layout copies, like another parallel layout.
+            "precision": self.cfg.trainer.precision,
         }
 
     def _resume(self) -> Path | None:
