@@ -144,6 +144,29 @@ def unshard_tensor(name: str, parts: list[torch.Tensor], cfg: OrthrosConfig) -> 
     return {}
 
 
+def shard_tensor(
+    name: str, full: Mapping[str, torch.Tensor], cfg: OrthrosConfig, tp: int, rank: int
+) -> torch.Tensor | None:
+    """TP rank ``rank``'s part of the parallel tensor ``name``, read from the reference tensors of
+    ``full`` (the inverse of ``unshard_tensor``; one tensor at a time). None for names outside the
+    map; KeyError when ``full`` lacks a source tensor."""
+    if name in _TOP_SOURCES:
+        ref, how = _TOP_SOURCES[name]
+        return _split(full[ref], how, tp, rank)
+    prefix, _, suffix = name.partition(".")
+    layer, _, suffix = suffix.partition(".")
+    if prefix != "layers" or not layer.isdigit():
+        return None
+    p = f"layers.{layer}."
+    if suffix in _LAYER_SOURCES:
+        ref, how = _LAYER_SOURCES[suffix]
+        return _split(full[p + ref], how, tp, rank)
+    if suffix in _FUSED_SOURCES:
+        a, b = _FUSED_SOURCES[suffix]
+        return torch.cat([_split(full[p + a], "rows", tp, rank), _split(full[p + b], "rows", tp, rank)])
+    return None
+
+
 def unshard_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
     """State dicts of all TP ranks (in rank order) -> the reference state dict."""
     full: dict[str, torch.Tensor] = {}

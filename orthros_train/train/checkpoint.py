@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, shard_state_dict
+from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, shard_tensor
 
 log = logging.getLogger("orthros_train.checkpoint")
 
@@ -340,8 +340,8 @@ def _materialize_adam_state(engine: Any, step: int) -> None:
 
 def load_reference_optimizer(trainer: Any, directory: Path) -> int:
     """Collective: reshard the reference-layout optimizer state of ``directory`` into this run's
-    TP/DP/ZeRO layout. Returns the optimizer step. Memory per rank: one moment of this TP rank's
-    parameters (``4 x params / TP`` bytes) at a time, read tensor by tensor."""
+    TP/DP/ZeRO layout. Returns the optimizer step. Read tensor by tensor: memory per rank is one
+    full reference tensor and this rank's slice of it at a time."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     from megatron.core import parallel_state
 
@@ -365,25 +365,21 @@ def load_reference_optimizer(trainer: Any, directory: Path) -> int:
     _link_fragments(engine)
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     lazy = LazyCheckpoint(directory)
-    for key in index["keys"]:
-        try:
-            local = shard_state_dict(_Suffixed(lazy, key), cfg, tp, tp_rank)
-        except KeyError as exc:
-            raise CheckpointError(f"{directory}: {exc}; the optimizer state does not belong to this model") from exc
-        missing = sorted(set(params) - set(local))
-        if missing:
-            raise CheckpointError(
-                f"{directory} has no {key} for {missing[:4]}{'...' if len(missing) > 4 else ''}: the optimizer state "
-                "does not belong to this model config (resume with the config it was written with)"
-            )
-        with torch.no_grad():
-            for name, p in params.items():
-                value = local.pop(name)
-                shape = tuple(getattr(p, "ds_shape", p.shape))
-                if tuple(value.shape) != shape:
+    with torch.no_grad():
+        for name, p in params.items():
+            for key in index["keys"]:
+                try:
+                    value = shard_tensor(name, _Suffixed(lazy, key), cfg, tp, tp_rank)
+                except KeyError as exc:
                     raise CheckpointError(
-                        f"{directory}: {name}.{key} resharded to {tuple(value.shape)} but the parameter is {shape}: "
-                        "the optimizer state was written for another model config"
+                        f"{directory}: {exc} (wanted for {name}.{key}): the optimizer state does not belong to "
+                        "this model config (resume with the config it was written with)"
+                    ) from exc
+                shape = tuple(getattr(p, "ds_shape", p.shape))
+                if value is None or tuple(value.shape) != shape:
+                    raise CheckpointError(
+                        f"{directory}: {name}.{key} resharded to {None if value is None else tuple(value.shape)} but "
+                        f"the parameter is {shape}: the optimizer state was written for another model config"
                     )
                 value = value.to(device=p.device, dtype=torch.float32)
                 if _fragmented(p):
@@ -397,7 +393,6 @@ def load_reference_optimizer(trainer: Any, directory: Path) -> int:
                         base.state[master][key].copy_(value)
                     elif master is not p:  # stage 0 bf16: the fp32 copy (stage 0 fp32 has none)
                         master.copy_(value)
-        del local
     return step
 
 
