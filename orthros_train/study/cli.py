@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from orthros_train.eval.common import parse_lengths
-from orthros_train.study.pipeline import ARCHS, StudyOptions, run_study
+from orthros_train.study.pipeline import ARCHS, StudyOptions, rerender_report, run_study
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="trainer.max_steps of every run (default: the recipes')")
     p.add_argument("--quick", action="store_true", help="reduced version: tiny shape, a few dozen steps")
     p.add_argument("--skip-train", action="store_true", help="re-evaluate the runs already in --out")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the report from <out>/study.json (e.g. with --notes); measures nothing")
     p.add_argument("--archs", default=",".join(ARCHS), help=f"subset of {','.join(ARCHS)}")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every run (repeatable), e.g. trainer.micro_batch_size=4")
@@ -60,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         notes=args.notes,
         command=" ".join(["orthros-study", *map(shlex.quote, argv)]),
     )
-    run_study(opts)
+    if args.report_only:
+        rerender_report(opts)
+    else:
+        run_study(opts)
     return 0
 
 

@@ -250,6 +250,17 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
     return results
 
 
+def rerender_report(opts: StudyOptions) -> dict[str, Any]:
+    """Write the report again from ``<out>/study.json`` (e.g. with new ``notes``), measuring nothing."""
+    from orthros_train.study.report import write_report
+
+    if opts.report is None:
+        raise ValueError("--report-only needs a --report path")
+    results = json.loads((Path(opts.out) / "study.json").read_text())
+    write_report(results, Path(opts.report), Path(opts.notes).read_text() if opts.notes else None)
+    return results
+
+
 def _check_finite(results: dict[str, Any]) -> None:
     """A NaN in a table is a bug in the pipeline, not a finding: fail loudly."""
     for arch, r in results["runs"].items():
