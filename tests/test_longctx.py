@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from orthros_train.data.sampler import ResumableSampler
 from orthros_train.data.schedule import SeqLenScheduledData, check_seq_len_schedule
@@ -134,3 +135,91 @@ def test_trainer_resumes_inside_a_later_stage_bitwise(tmp_path):
     ref, got = _losses(tmp_path / "straight"), _losses(tmp_path / "killed")
     assert sorted(ref) == sorted(got) == [1, 2, 3, 4, 5]
     assert ref == got
+
+
+# --- CPU-scale extension: 256 -> 2K tokens with window 128 -------------------------------------
+
+W = 128
+SHORT, LONG = 256, 2048
+VOCAB = 96  # keys, values and filler from three disjoint thirds (eval/recall.py's token format)
+YARN = {"rope_type": "yarn", "factor": LONG / SHORT, "original_max_position_embeddings": SHORT}
+
+
+def _recall_batch(rng, length: int, n: int):
+    from orthros_train.eval.recall import make_token_sample
+
+    samples = [make_token_sample(VOCAB, length, 1, rng) for _ in range(n)]
+    ids = torch.tensor([s.input_ids for s in samples])
+    pos = torch.tensor([s.output_positions for s in samples])
+    return ids, pos, torch.tensor([s.targets for s in samples])
+
+
+def _fit(model, rng, length: int, batch: int, steps: int, lr: float) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        ids, pos, labels = _recall_batch(rng, length, batch)
+        loss = model(ids, output_positions=pos, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
+
+
+def _needle_recall(model, length: int, min_distance: int) -> dict:
+    from orthros_train.eval.recall import run_recall
+
+    model.eval()
+    return run_recall(
+        model, None, length=length, num_pairs=1, num_samples=32, fmt="tokens", min_distance=min_distance, seed=1,
+        log=None,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tiny_model_extended_from_256_to_2k_recalls_needles_beyond_the_window(tmp_path):
+    """Passkey retrieval (one key -> value pair in random filler, queried at the end) learnt at
+    256 tokens, then the model is extended to 2K with YaRN (factor 8) through the same path a run
+    uses (a checkpoint reloaded with another ``rope_scaling``) and trained a few steps at 2K.
+    The needle sits 512..2048 tokens before its query: 4-16 windows away, reachable only through
+    the output stream's full attention. Chance is 1/32 (the value third of the vocabulary)."""
+    import random
+
+    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+
+    cfg = OrthrosConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        sliding_window=W,
+        max_position_embeddings=SHORT,
+    )
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = OrthrosForCausalLM(cfg)
+    short_loss = _fit(model, rng, SHORT, batch=16, steps=350, lr=3e-3)
+    at_short = _needle_recall(model, SHORT, min_distance=W)
+    model.save_pretrained(tmp_path / "short")
+
+    plain = OrthrosForCausalLM.from_pretrained(tmp_path / "short")
+    zero_shot_plain = _needle_recall(plain, LONG, min_distance=512)
+    extended = OrthrosForCausalLM.from_pretrained(tmp_path / "short", rope_scaling=YARN, max_position_embeddings=LONG)
+    assert extended.layers[0].self_attn.rotary.attention_scaling > 1.0  # YaRN really applied
+    zero_shot_yarn = _needle_recall(extended, LONG, min_distance=512)
+    long_loss = _fit(extended, rng, LONG, batch=4, steps=20, lr=1e-3)
+    at_long = _needle_recall(extended, LONG, min_distance=512)
+
+    report = {
+        "train_loss_256": round(short_loss, 3),
+        "recall_256_beyond_window": at_short["accuracy_beyond_window"],
+        "recall_2k_zero_shot_plain_rope": zero_shot_plain["accuracy"],
+        "recall_2k_zero_shot_yarn": zero_shot_yarn["accuracy"],
+        "train_loss_2k": round(long_loss, 3),
+        "recall_2k_after_extension": at_long["accuracy"],
+    }
+    print(json.dumps(report))
+    assert all(q["distance"] >= 512 > W for q in at_long["queries"])
+    assert at_long["accuracy_beyond_window"] == at_long["accuracy"]
+    assert at_long["accuracy"] >= 0.5, report  # chance: 1/32
