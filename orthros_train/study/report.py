@@ -125,6 +125,20 @@ def findings(results: dict[str, Any]) -> list[str]:
     return out
 
 
+def _bucket_table(runs: dict[str, Any], section: str, key: str, fmt, what: str, count: str) -> list[str]:
+    """Markdown rows: one per bucket of ``runs[*][section]["buckets"]``, one column per run."""
+    lines = [
+        f"| {what} | " + " | ".join(NAMES.get(a, a) for a in runs) + f" | {count} |",
+        "| --- | " + " | ".join("---:" for _ in runs) + " | ---: |",
+    ]
+    first = next(iter(runs.values()))
+    for j, b in enumerate(first[section]["buckets"]):
+        cells = [fmt(r[section]["buckets"][j][key]) for r in runs.values()]
+        lines.append(f"| {b['label']}{' (beyond W)' if b['beyond_window'] else ''} | " + " | ".join(cells)
+                     + f" | {b[count]} |")
+    return lines
+
+
 def write_report(results: dict[str, Any], path: Path, notes: str | None = None) -> Path:
     """The markdown report; figures go to ``<report dir>/<report stem>/``."""
     path = Path(path)
@@ -177,26 +191,14 @@ def write_report(results: dict[str, Any], path: Path, notes: str | None = None) 
         "",
         "### Recall vs distance",
         "",
-        "| distance | " + " | ".join(NAMES.get(a, a) for a in runs) + " | queries |",
-        "| --- | " + " | ".join("---:" for _ in runs) + " | ---: |",
-    ]
-    for j, b in enumerate(first["recall"]["buckets"]):
-        cells = [_pct(r["recall"]["buckets"][j]["accuracy"]) for r in runs.values()]
-        lines.append(f"| {b['label']}{' (beyond W)' if b['beyond_window'] else ''} | " + " | ".join(cells)
-                     + f" | {b['queries']} |")
-    lines += [
+        *_bucket_table(runs, "recall", "accuracy", _pct, "distance", "queries"),
         "",
         f"![recall vs distance]({rel['recall']})",
         "",
         "### Held-out essay loss by position",
         "",
-        "| position | " + " | ".join(NAMES.get(a, a) for a in runs) + " | tokens |",
-        "| --- | " + " | ".join("---:" for _ in runs) + " | ---: |",
+        *_bucket_table(runs, "essay_valid", "loss", _f, "position", "tokens"),
     ]
-    for j, b in enumerate(first["essay_valid"]["buckets"]):
-        cells = [_f(r["essay_valid"]["buckets"][j]["loss"]) for r in runs.values()]
-        lines.append(f"| {b['label']}{' (beyond W)' if b['beyond_window'] else ''} | " + " | ".join(cells)
-                     + f" | {b['tokens']} |")
     lines += ["", f"![loss by position]({rel['loss_by_position']})", "", "### Loss curves", "",
               f"![loss curves]({rel['loss_curves']})", ""]
     prefill = results.get("prefill")
