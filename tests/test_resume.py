@@ -75,8 +75,10 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 @pytest.mark.slow
-def test_kill_9_two_process_run_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_kill_9_two_process_run_resumes_bitwise(tmp_path, async_save):
     steps = ["trainer.max_steps=8", "trainer.save_every=3", "parallel.data_parallel=2", "parallel.zero_stage=1"]
+    steps.append(f"trainer.async_save={async_save}")  # async: the kill may land mid background write
     rc, _, err = finish(cli(*steps, f"trainer.run_dir={tmp_path / 'straight'}", nproc=2, cwd=tmp_path))
     assert rc == 0, err[-3000:]
     run = tmp_path / "killed"
@@ -107,9 +109,12 @@ def test_rank_death_under_max_restarts_resumes_from_latest(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, async_save):
     run = tmp_path / "run"
-    proc = cli("trainer.max_steps=400", f"trainer.run_dir={run}", cwd=tmp_path)
+    # async: saves every step, so the signal usually finds one in flight, which the exit waits for
+    extra = ["trainer.async_save=true", "trainer.save_every=1"] if async_save else []
+    proc = cli("trainer.max_steps=400", f"trainer.run_dir={run}", *extra, cwd=tmp_path)
     wait_for_step(run, 2, proc)
     proc.send_signal(signal.SIGTERM)
     rc, out, err = finish(proc)
