@@ -113,6 +113,39 @@ def test_bad_input_names_the_field():
         _est(seq_len=100)
 
 
+@pytest.mark.parametrize("seq_len, layers, qk_norm", [(512, 2, False), (1024, 4, False), (1024, 2, True)])
+def test_activation_estimate_matches_what_autograd_saves(seq_len, layers, qk_norm):
+    """CPU check of the activation term: the bytes autograd keeps for the backward (every saved
+    tensor's storage counted once, parameters excluded), fp32, reference attention op."""
+    cfg = OrthrosConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        sliding_window=128,
+        attention_backend="reference",
+        qk_norm=qk_norm,
+    )
+    torch.manual_seed(0)
+    model = OrthrosForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids[:, :-1], labels=ids[:, 1:])
+    est = estimate_memory(cfg, ParallelConfig(zero_stage=0), seq_len, 1, "fp32", "reference")
+    forward_logits = seq_len * cfg.vocab_size * (4 + 4)  # logits + log-softmax; the rest is backward-only
+    expected = est.activations + forward_logits
+    assert abs(sum(storages.values()) - expected) <= 0.2 * expected
+
+
 # Measured: see docs/memory.md ("Checked against a GPU").
 GPU_TOLERANCE = 0.25
 
