@@ -20,7 +20,6 @@ from orthros_train.train.checkpoint import CheckpointError, build_manifest, veri
 
 TOL = 1e-5  # fp32; TP/ZeRO only change reduction order
 STEPS = ["trainer.max_steps=6", "trainer.save_every=3", "optim.warmup_steps=1"]
-SHARD = "optimizer-00001.safetensors"  # a tiny model's optimizer state fits one file
 
 
 def drop_optimizer(ckpt: Path) -> None:
@@ -32,13 +31,20 @@ def drop_optimizer(ckpt: Path) -> None:
     assert verify_checkpoint(ckpt) is None
 
 
+def optimizer_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted((ckpt / "optimizer").glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
 def run_in_process(make, stage: int, *overrides: str) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """Losses by step and the final weights: the fp32 masters when the model runs in bf16."""
     trainer = make(*STEPS, f"parallel.zero_stage={stage}", *overrides)
     out = trainer.fit()
     history = {r["step"]: r["loss"] for r in out["history"]}
     if trainer.cfg.trainer.precision == "bf16":
-        saved = load_file(trainer.run_dir / "checkpoints" / f"step_{trainer.step:09d}" / "optimizer" / SHARD)
+        saved = optimizer_tensors(trainer.run_dir / "checkpoints" / f"step_{trainer.step:09d}")
         return history, {k[: -len(".master")]: v for k, v in saved.items() if k.endswith(".master")}
     return history, {k: v.clone() for k, v in trainer.full_state_dict().items()}
 
@@ -52,10 +58,14 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_resume_across_zero_stages_keeps_adam_moments(
     make_trainer,  # noqa: F811
     tmp_path,
+    monkeypatch,
     source,
     target,
     precision,
 ):
+    import orthros_train.train.checkpoint as ckpt_module
+
+    monkeypatch.setattr(ckpt_module, "OPTIMIZER_SHARD_BYTES", 1 << 19)  # several files, as for a big model
     dtype = f"trainer.precision={precision}"
     straight, final = run_in_process(make_trainer, source, dtype)
     ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
@@ -65,7 +75,9 @@ def test_resume_across_zero_stages_keeps_adam_moments(
     # count runs one ahead, and is carried over as it is so the resumed run continues it exactly.
     assert index["step"] == (4 if (precision, source) == ("bf16", 0) else 3)
     assert index["keys"] == ["exp_avg", "exp_avg_sq", *masters]
-    moments = load_file(ckpt / "optimizer" / SHARD)
+    assert len(set(index["weight_map"].values())) > 1
+    moments = optimizer_tensors(ckpt)
+    assert set(index["weight_map"]) == set(moments)
     assert "layers.0.self_attn.k_proj.weight.exp_avg" in moments  # reference (HF) names, fused kv split
 
     resumed, final_resumed = run_in_process(make_trainer, target, dtype, f"trainer.resume={ckpt}")
