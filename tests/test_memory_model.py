@@ -184,3 +184,29 @@ def test_estimate_matches_max_memory_allocated_on_gpu(seq_len):
     est = estimate_memory(cfg, ParallelConfig(zero_stage=0), seq_len, 1, precision="fp32").total
     print(f"seq {seq_len}: estimate {est / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
     assert abs(est - measured) <= GPU_TOLERANCE * measured
+
+
+def _recipe(name: str, *overrides: str):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from orthros_train.train.cli import RECIPES_DIR
+    from orthros_train.train.config import run_config_from_dict
+
+    with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
+        cfg = compose(config_name=name, overrides=list(overrides))
+    resolved = OmegaConf.to_container(cfg, resolve=False)
+    resolved["trainer"]["run_dir"] = "unused"
+    resolved["trainer"]["wandb"]["name"] = None
+    return run_config_from_dict(OmegaConf.to_container(OmegaConf.create(resolved), resolve=True))
+
+
+def test_longctx_128k_dry_run_memory_fits_and_would_not_without_context_parallel():
+    from orthros_train.train.trainer import plan_summary
+
+    memory = plan_summary(_recipe("longctx_128k"))["memory_per_gpu"]
+    assert [s["seq_len"] for s in memory["stages"]] == [32768, 65536, 131072]
+    assert [s["micro_batch_size"] for s in memory["stages"]] == [4, 2, 1]
+    assert memory["peak_gib"] < 64  # H100 80 GB with >= 15 GiB headroom (docs/memory.md)
+    no_cp = plan_summary(_recipe("longctx_128k", "parallel.context_parallel=1", "parallel.data_parallel=8"))
+    assert no_cp["memory_per_gpu"]["peak_gib"] > 80

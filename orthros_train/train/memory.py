@@ -231,6 +231,7 @@ def memory_summary(cfg: RunConfig) -> dict[str, Any]:
         rows.append({"from_step": start, "seq_len": length, "micro_batch_size": micro, **est.as_gib()})
     return {
         "unit": "GiB per GPU (docs/memory.md)",
+        "phase": "pretrain (an output token at every position)",
         "attention_backend": backend,
         "recompute": cfg.parallel.recompute,
         "stages": rows,
