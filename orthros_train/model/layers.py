@@ -52,15 +52,16 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
             f"rope_scaling.rope_type {kind!r} is not supported; use one of {ROPE_TYPES} "
             "(or rope_scaling: null for plain RoPE)"
         )
-    assert scaling is not None or kind == "default"
-    missing = [k for k in ROPE_REQUIRED_KEYS[kind] if scaling is None or scaling.get(k) is None]
+    if scaling is None or kind == "default":
+        return
+    missing = [k for k in ROPE_REQUIRED_KEYS[kind] if scaling.get(k) is None]
     if missing:
         raise ValueError(
             f"rope_scaling ({kind}) is missing {missing}; add them to model.rope_scaling "
             f"(required for {kind}: {list(ROPE_REQUIRED_KEYS[kind])})"
         )
-    if kind != "default" and float(scaling["factor"]) <= 0:  # type: ignore[index]
-        raise ValueError(f"rope_scaling.factor must be > 0, got {scaling['factor']!r}")  # type: ignore[index]
+    if float(scaling["factor"]) <= 0:
+        raise ValueError(f"rope_scaling.factor must be > 0, got {scaling['factor']!r}")
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
