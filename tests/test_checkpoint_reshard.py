@@ -189,3 +189,11 @@ def test_fp32_checkpoint_resumes_in_bf16_stage0(make_trainer, tmp_path):  # noqa
     ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
     resumed, _ = run_in_process(make_trainer, 0, "trainer.precision=bf16", f"trainer.resume={ckpt}")
     assert max(abs(resumed[s] - straight[s]) for s in resumed) < 0.01, (straight, resumed)  # bf16 forward
+
+
+def test_checkpoint_of_another_model_config_is_refused_by_name(make_trainer, tmp_path):  # noqa: F811
+    run_in_process(make_trainer, 0, "trainer.max_steps=3")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
+    with pytest.raises(ValueError, match=r"written for another model config"):
+        other = ["parallel.zero_stage=1", "model.intermediate_size=96"]
+        make_trainer("trainer.max_steps=3", *other, f"trainer.resume={ckpt}")

@@ -203,6 +203,12 @@ class Trainer:
         with torch.no_grad():
             for name, value in local.items():
                 param = params[name]
+                if tuple(value.shape) != tuple(getattr(param, "ds_shape", param.shape)):
+                    raise ValueError(
+                        f"{directory}: {name} resharded to {tuple(value.shape)} but this model's is "
+                        f"{tuple(getattr(param, 'ds_shape', param.shape))}: the checkpoint was written for another "
+                        "model config; resume with that config"
+                    )
                 if hasattr(param, "ds_id"):  # ZeRO-3: write the full tensor, DeepSpeed re-partitions it
                     with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                         param.copy_(value)
