@@ -328,6 +328,22 @@ class ParallelOrthrosForCausalLM(MegatronModule):
             skip_bias_add=False,
             skip_weight_param_allocation=ocfg.tie_word_embeddings,
         )
+        self._mark_tensor_parallel_weights()
+
+    def _mark_tensor_parallel_weights(self) -> None:
+        """megatron tags its split weights ``tensor_model_parallel`` only when it initialises them
+        (``perform_initialization``); ours are loaded instead, so tag them here. The gradient norm
+        (and DeepSpeed's clipping) count a tagged tensor's shards on every TP rank, an untagged
+        one once: untagged, the TP=2 norm missed rank 1's shards (1.540 vs 1.836 at TP=1)."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                dim = 0
+            elif isinstance(module, RowParallelLinear):
+                dim = 1
+            else:
+                continue
+            if getattr(module, "weight", None) is not None:
+                set_tensor_model_parallel_attributes(module.weight, is_parallel=True, dim=dim, stride=1)
 
     @property
     def is_orthros(self) -> bool:

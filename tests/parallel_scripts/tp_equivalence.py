@@ -36,6 +36,7 @@ def main() -> None:
     )
     from orthros_train.phase import pretrain_layout, sft_layout
     from orthros_train.train.cli import launcher_env
+    from orthros_train.train.trainer import tensor_parallel_grad_norm
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     variants = [(False, "orthros"), (True, "orthros"), (True, "dense")]
@@ -96,6 +97,10 @@ def main() -> None:
             worst["logits"] = max(worst["logits"], float((out.logits - out_ref.logits).detach().abs().max()))
             worst["loss"] = max(worst["loss"], float((out.loss - out_ref.loss).detach().abs()))
             worst["grad"] = max(worst["grad"], max(float((grads[n] - g).abs().max()) for n, g in ref_g.items()))
+            # The norm clipping uses: TP shards counted on every rank, replicated tensors once.
+            ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters() if p.grad is not None))
+            norm_err = abs(tensor_parallel_grad_norm(model) - float(ref_norm))
+            worst["grad_norm"] = max(worst.get("grad_norm", 0.0), norm_err)
         # TP=2 -> reference layout -> a single-device model: same logits.
         full = gather_full_state_dict(model, cfg)
         back = OrthrosForCausalLM(cfg)
