@@ -40,6 +40,8 @@ def main() -> None:
         num_key_value_heads=2,
         intermediate_size=64,
         qk_norm=True,
+        # YaRN beyond an original length of 16: the parallel model's RoPE is the reference's.
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     )
     init_parallel(
         ParallelConfig(tensor_parallel=tp, context_parallel=cp, sequence_parallel=tp > 1, recompute=recompute),
