@@ -43,7 +43,7 @@ def _saved_bytes_and_grads(recompute: str, layout) -> tuple[int, dict[str, torch
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model.forward_layout(layout, return_logits=False).loss
     loss.backward()
-    return sum(saved), gather_full_grads(model, CFG), float(loss)
+    return sum(saved), gather_full_grads(model, CFG), float(loss.detach())
 
 
 def test_recompute_keeps_gradients_and_saves_less(one_process_group):
