@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="trainer.max_steps of every run (default: the recipes')")
     p.add_argument("--quick", action="store_true", help="reduced version: tiny shape, a few dozen steps")
     p.add_argument("--skip-train", action="store_true", help="re-evaluate the runs already in --out")
+    p.add_argument("--train-archs", default=None,
+                   help="train only these runs (comma-separated); the others in --archs must exist in --out")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite the report from <out>/study.json (e.g. with --notes); measures nothing")
     p.add_argument("--archs", default=",".join(ARCHS), help=f"subset of {','.join(ARCHS)}")
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     archs = tuple(a for a in args.archs.split(",") if a)
-    unknown = sorted(set(archs) - set(ARCHS))
+    unknown = sorted((set(archs) | set((args.train_archs or "").split(",")) - {""}) - set(ARCHS))
     if unknown:
         raise SystemExit(f"orthros-study: unknown --archs {unknown}; choose from {', '.join(ARCHS)}")
     argv = sys.argv[1:] if argv is None else argv
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         quick=args.quick,
         skip_train=args.skip_train,
+        train_archs=tuple(a for a in args.train_archs.split(",") if a) if args.train_archs else None,
         overrides=args.override,
         train_threads=args.train_threads or None,
         recall_documents=args.recall_documents,

@@ -48,6 +48,7 @@ class StudyOptions:
     steps: int | None = None  # trainer.max_steps for every run (None: the recipes')
     quick: bool = False
     skip_train: bool = False  # evaluate existing run directories only
+    train_archs: tuple[str, ...] | None = None  # the runs to (re)train (None: all of ``archs``)
     overrides: list[str] = field(default_factory=list)  # extra Hydra overrides for every run
     train_threads: int | None = 1  # OMP threads of each training process (None: inherit)
     recall_documents: int = 64  # held-out synthetic documents scored per model
@@ -85,8 +86,10 @@ def train_run(arch: str, run_dir: Path, overrides: list[str], log: Callable[[str
     """
     run_dir = Path(run_dir)
     if run_dir.exists():
-        # A leftover run would be resumed (trainer.resume=auto) and its metrics appended to.
-        if not (run_dir / "recipe.json").is_file() and any(run_dir.iterdir()):
+        # A leftover run would be resumed (trainer.resume=auto) and its metrics appended to. What
+        # a dry run of the recipe leaves (Hydra's .hydra/ and log) counts as a run directory too.
+        ours = {".hydra", "cli.log", "train.log"}
+        if not (run_dir / "recipe.json").is_file() and not {p.name for p in run_dir.iterdir()} <= ours:
             raise FileExistsError(f"{run_dir} exists and is not a study run directory; pick another --out")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -103,6 +106,7 @@ def train_run(arch: str, run_dir: Path, overrides: list[str], log: Callable[[str
         tail = (run_dir / "train.log").read_text()[-3000:]
         raise RuntimeError(f"training {arch} failed (exit {proc.returncode}); end of {run_dir}/train.log:\n{tail}")
     log(f"train {arch}: done in {seconds / 60:.1f} min")
+    (run_dir / "study_train.json").write_text(json.dumps({"seconds": seconds, "command": cmd[1:]}) + "\n")
     return seconds
 
 
@@ -226,11 +230,14 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
         "runs": {},
     }
     if not opts.skip_train:
-        for arch in opts.archs:
+        for arch in opts.train_archs or opts.archs:
             results["train_seconds"][arch] = train_run(arch, out / arch, overrides, log, opts.train_threads)
     results["load_average_after_training"] = load_average()
     for arch in opts.archs:
         results["runs"][arch] = evaluate_run(out / arch, opts, log)
+        timing = out / arch / "study_train.json"  # written by train_run, also for runs trained earlier
+        if arch not in results["train_seconds"] and timing.is_file():
+            results["train_seconds"][arch] = json.loads(timing.read_text())["seconds"]
         results["runs"][arch]["train_seconds"] = results["train_seconds"].get(arch)
     if "orthros" in opts.archs and opts.prefill_lengths:
         log(f"prefill benchmark at {opts.prefill_lengths} tokens (load average {load_average()})")
