@@ -204,7 +204,9 @@ def _recipe(name: str, *overrides: str):
 def test_longctx_128k_dry_run_memory_fits_and_would_not_without_context_parallel():
     from orthros_train.train.trainer import plan_summary
 
-    memory = plan_summary(_recipe("longctx_128k"))["memory_per_gpu"]
+    summary = plan_summary(_recipe("longctx_128k"))
+    assert summary["parallel"]["context_parallel"] == 8 and summary["parallel"]["world_size"] == 64
+    memory = summary["memory_per_gpu"]
     assert [s["seq_len"] for s in memory["stages"]] == [32768, 65536, 131072]
     assert [s["micro_batch_size"] for s in memory["stages"]] == [4, 2, 1]
     assert memory["peak_gib"] < 64  # H100 80 GB with >= 15 GiB headroom (docs/memory.md)

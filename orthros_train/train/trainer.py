@@ -63,8 +63,10 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         "parallel": {
             "tensor_parallel": cfg.parallel.tensor_parallel,
             "sequence_parallel": cfg.parallel.sequence_parallel,
+            "context_parallel": cfg.parallel.context_parallel,
             "data_parallel": cfg.parallel.data_parallel,
             "zero_stage": cfg.parallel.zero_stage,
+            "recompute": cfg.parallel.recompute,
             "world_size": cfg.parallel.world_size,
         },
         "global_batch_size": cfg.global_batch_size,
