@@ -95,3 +95,5 @@ def test_study_pipeline_end_to_end(tmp_path) -> None:
         png = tmp_path / "study" / f"{name}.png"
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
     assert results["runs"]["orthros"]["essay_valid"]["loss"] == saved["runs"]["orthros"]["essay_valid"]["loss"]
+    beside = json.loads((tmp_path / "study" / "study.json").read_text())  # the copy committed with the report
+    assert beside["runs"]["dense"]["recall"] == saved["runs"]["dense"]["recall"]

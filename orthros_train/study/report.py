@@ -142,8 +142,11 @@ def _bucket_table(runs: dict[str, Any], section: str, key: str, fmt, what: str, 
 def write_report(results: dict[str, Any], path: Path, notes: str | None = None) -> Path:
     """The markdown report; figures go to ``<report dir>/<report stem>/``."""
     path = Path(path)
+    from orthros_train.eval.common import write_json
+
     folder = path.parent / path.stem
     figs = figures(results, folder)
+    write_json(results, folder / "study.json")  # every number of the report, committed beside it
     runs = results["runs"]
     first = next(iter(runs.values()))
     cfg = first["config"]
@@ -232,7 +235,7 @@ def write_report(results: dict[str, Any], path: Path, notes: str | None = None) 
         "orthros-study --quick --out /tmp/s --report /tmp/s/study.md   # the reduced pipeline check",
         "```",
         "",
-        "Every number above is in `runs/study/study.json` after a run.",
+        f"Every number above (and the loss curves) is in `{folder.name}/study.json`.",
         "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
