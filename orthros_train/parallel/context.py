@@ -35,6 +35,7 @@ import torch
 
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.ops.attention import UNBOUNDED, resolve_backend
+from orthros_train.ops.reference import key_ranges
 from orthros_train.phase.layout import OrthrosLayout
 
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
@@ -154,7 +155,7 @@ class ContextPlan:
         )
         if s == 0:
             return o
-        doc_start = self.cu_seqlens[torch.searchsorted(self.cu_seqlens, idx, right=True) - 1]
+        doc_start, _ = key_ranges(idx, unbounded, self.cu_seqlens)  # unbounded: the document start
         sees_past = torch.nonzero(doc_start < s).flatten()
         if not sees_past.numel():
             return o
@@ -192,10 +193,14 @@ class ContextPlan:
         return halos
 
 
+def chunk_length(num_tokens: int, cp: int) -> int:
+    """Tokens per chunk: ``2 * cp`` equal chunks cover the sequence, padded at the end."""
+    return -(-num_tokens // (2 * cp))
+
+
 def output_select(layout: OrthrosLayout, rank: int, cp: int) -> torch.Tensor:
     """Indices into ``layout.output_index`` of the output tokens rank ``rank`` holds, in its order."""
-    chunk_len = -(-layout.num_tokens // (2 * cp))
-    chunk = layout.output_index.long() // chunk_len
+    chunk = layout.output_index.long() // chunk_length(layout.num_tokens, cp)
     return torch.cat([torch.nonzero(chunk == c).flatten() for c in (rank, 2 * cp - 1 - rank)])
 
 
@@ -203,7 +208,7 @@ def context_plan(config: OrthrosConfig, layout: OrthrosLayout, rank: int, cp: in
     """Rank ``rank``'s share of ``layout`` under ``cp``-way context parallelism."""
     device = layout.input_ids.device
     t = layout.num_tokens
-    chunk_len = -(-t // (2 * cp))
+    chunk_len = chunk_length(t, cp)
     padded = 2 * cp * chunk_len
     cu = layout.cu_seqlens.long()
     ids, positions = layout.input_ids, layout.positions

@@ -354,13 +354,19 @@ class ParallelOrthrosForCausalLM(MegatronModule):
         logits, _ = self.output_layer(self.final_norm(y)[:, None], weight=weight)
         return logits[: shards.n_out, 0]  # [N, V / tp]; SP gathered the rows inside the linear
 
-    def hidden_and_shards(self, layout: OrthrosLayout) -> tuple[torch.Tensor, StreamShards]:
+    def attention_plan(self, layout: OrthrosLayout) -> AttentionPlan | ContextPlan:
+        """The whole layout's plan, or this CP rank's share of it under context parallelism."""
         cp = parallel_state.get_context_parallel_world_size()
         if cp > 1:
-            plan = context_plan(self.ocfg, layout, parallel_state.get_context_parallel_rank(), cp)
+            return context_plan(self.ocfg, layout, parallel_state.get_context_parallel_rank(), cp)
+        return plan_for_layout(self.ocfg, layout, None)
+
+    def hidden_and_shards(
+        self, layout: OrthrosLayout, plan: AttentionPlan | ContextPlan
+    ) -> tuple[torch.Tensor, StreamShards]:
+        if isinstance(plan, ContextPlan):
             input_ids, out_rows = plan.input_ids, plan.output_base_row
         else:
-            plan = plan_for_layout(self.ocfg, layout, None)
             input_ids, out_rows = layout.input_ids, layout.output_index
         n_base = input_ids.numel()
         emb = self.embedding(input_ids)  # [T, d], identical on every TP rank
@@ -399,10 +405,10 @@ class ParallelOrthrosForCausalLM(MegatronModule):
         """Loss (as in the reference model) and, unless ``return_logits=False``, the full
         ``[N, vocab]`` logits (all-gathered over TP). Training skips the logits: megatron's
         vocab-parallel cross entropy works in place on them to save memory."""
-        y, shards = self.hidden_and_shards(layout)
+        plan = self.attention_plan(layout)
+        y, shards = self.hidden_and_shards(layout, plan)
         logits = self._vocab_logits(layout, shards, y)
-        cp = parallel_state.get_context_parallel_world_size()
-        local = output_select(layout, parallel_state.get_context_parallel_rank(), cp) if cp > 1 else None
+        local = plan.output_select if isinstance(plan, ContextPlan) else None
         loss = None
         if layout.num_loss_tokens:
             labels, weights = layout.labels, layout.loss_weights
@@ -413,10 +419,10 @@ class ParallelOrthrosForCausalLM(MegatronModule):
             per_token = vocab_parallel_cross_entropy(ce_input[:, None], torch.where(valid, labels, 0)[:, None])[:, 0]
             loss = (per_token * weights * valid).sum() / layout.num_loss_tokens
             if local is not None:
-                loss = _whole_sequence_loss(loss, cp)
+                loss = _whole_sequence_loss(loss, plan.cp)
         full = gather_from_tensor_model_parallel_region(logits) if return_logits else None
         if full is not None and local is not None:
-            full = _gather_context_outputs(full, layout, cp)
+            full = _gather_context_outputs(full, layout, plan.cp)
         return OrthrosOutput(logits=full, loss=loss)
 
 
