@@ -88,24 +88,19 @@ def shard_state_dict(
     full: Mapping[str, torch.Tensor], cfg: OrthrosConfig, tp: int, rank: int
 ) -> dict[str, torch.Tensor]:
     """The reference state dict -> the state dict of TP rank ``rank`` of ``tp``."""
-    out: dict[str, torch.Tensor] = {}
-    for name, (target, how) in _TOP_MAP.items():
+    targets = []
+    for name, (target, _) in _TOP_MAP.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if name not in full:
             raise KeyError(f"weights lack {name!r} (is tie_word_embeddings set right for this checkpoint?)")
-        out[target] = _split(full[name], how, tp, rank)
+        targets.append(target)
     for i in range(cfg.num_hidden_layers):
-        src, dst = f"layers.{i}.", f"layers.{i}."
-        for suffix, (target, how) in _LAYER_MAP.items():
-            if src + suffix in full:
-                out[dst + target] = _split(full[src + suffix], how, tp, rank)
-        for (a, b), target in _FUSED.items():
-            if src + a in full:
-                out[dst + target] = torch.cat(
-                    [_split(full[src + a], "rows", tp, rank), _split(full[src + b], "rows", tp, rank)]
-                )
-    return out
+        p = f"layers.{i}."
+        # Optional tensors (biases, q/k norms) are sharded when the checkpoint has them.
+        targets += [p + target for suffix, (target, _) in _LAYER_MAP.items() if p + suffix in full]
+        targets += [p + target for (a, _), target in _FUSED.items() if p + a in full]
+    return {target: shard_tensor(target, full, cfg, tp, rank) for target in targets}
 
 
 # parallel name (suffix within a layer, or top-level) -> how its TP parts join into reference tensors
@@ -120,28 +115,39 @@ def _join(parts: list[torch.Tensor], how: str) -> torch.Tensor:
     return torch.cat(parts, dim=0 if how == "rows" else 1)
 
 
+def _reference_sources(name: str) -> tuple[list[str], str] | None:
+    """The reference tensor(s) parallel tensor ``name`` is made of, and how its TP parts join
+    (``replicate``/``rows``/``cols``, or ``fused`` for ``[a_r; b_r]``); None outside the map."""
+    if name in _TOP_SOURCES:
+        ref, how = _TOP_SOURCES[name]
+        return [ref], how
+    prefix, _, rest = name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if prefix != "layers" or not layer.isdigit():
+        return None
+    p = f"layers.{layer}."
+    if suffix in _LAYER_SOURCES:
+        ref, how = _LAYER_SOURCES[suffix]
+        return [p + ref], how
+    if suffix in _FUSED_SOURCES:
+        return [p + ref for ref in _FUSED_SOURCES[suffix]], "fused"
+    return None
+
+
 def unshard_tensor(name: str, parts: list[torch.Tensor], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
     """The TP parts (in rank order) of one parallel tensor -> its reference tensor(s).
 
     Works for anything shaped like the parameter (weights, gradients, Adam moments), one tensor at
     a time, so a caller can stream a model through it. Names outside the map give ``{}``.
     """
-    if name in _TOP_SOURCES:
-        ref, how = _TOP_SOURCES[name]
-        return {ref: _join(parts, how)}
-    prefix, _, suffix = name.partition(".")
-    layer, _, suffix = suffix.partition(".")
-    if prefix != "layers" or not layer.isdigit() or int(layer) >= cfg.num_hidden_layers:
+    sources = _reference_sources(name)
+    if sources is None or (name.startswith("layers.") and int(name.split(".")[1]) >= cfg.num_hidden_layers):
         return {}
-    p = f"layers.{layer}."
-    if suffix in _LAYER_SOURCES:
-        ref, how = _LAYER_SOURCES[suffix]
-        return {p + ref: _join(parts, how)}
-    if suffix in _FUSED_SOURCES:
-        a, b = _FUSED_SOURCES[suffix]
+    refs, how = sources
+    if how == "fused":
         halves = [t.chunk(2, dim=0) for t in parts]  # each rank holds [a_r; b_r]
-        return {p + a: torch.cat([h[0] for h in halves]), p + b: torch.cat([h[1] for h in halves])}
-    return {}
+        return {ref: torch.cat([h[i] for h in halves]) for i, ref in enumerate(refs)}
+    return {refs[0]: _join(parts, how)}
 
 
 def shard_tensor(
@@ -150,21 +156,13 @@ def shard_tensor(
     """TP rank ``rank``'s part of the parallel tensor ``name``, read from the reference tensors of
     ``full`` (the inverse of ``unshard_tensor``; one tensor at a time). None for names outside the
     map; KeyError when ``full`` lacks a source tensor."""
-    if name in _TOP_SOURCES:
-        ref, how = _TOP_SOURCES[name]
-        return _split(full[ref], how, tp, rank)
-    prefix, _, suffix = name.partition(".")
-    layer, _, suffix = suffix.partition(".")
-    if prefix != "layers" or not layer.isdigit():
+    sources = _reference_sources(name)
+    if sources is None:
         return None
-    p = f"layers.{layer}."
-    if suffix in _LAYER_SOURCES:
-        ref, how = _LAYER_SOURCES[suffix]
-        return _split(full[p + ref], how, tp, rank)
-    if suffix in _FUSED_SOURCES:
-        a, b = _FUSED_SOURCES[suffix]
-        return torch.cat([_split(full[p + a], "rows", tp, rank), _split(full[p + b], "rows", tp, rank)])
-    return None
+    refs, how = sources
+    if how == "fused":
+        return torch.cat([_split(full[ref], "rows", tp, rank) for ref in refs])
+    return _split(full[refs[0]], how, tp, rank)
 
 
 def unshard_state_dicts(shards: list[dict[str, torch.Tensor]], cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
