@@ -24,6 +24,8 @@ import torch
 
 # Larger than any sequence we will ever pack; int32-safe so kernels can take it as is.
 UNBOUNDED = 2**31 - 1
+# Queries per chunk of the reference op: bounds its score memory (the memory model reads it).
+REFERENCE_CHUNK = 256
 
 
 def key_ranges(
@@ -78,7 +80,7 @@ def attention_reference(
     q_window: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
-    chunk_size: int = 256,
+    chunk_size: int = REFERENCE_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact masked softmax attention; returns ``(out [Nq,Hq,D], lse [Hq,Nq] fp32)``.
 

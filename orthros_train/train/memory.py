@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.ops.reference import REFERENCE_CHUNK
 from orthros_train.parallel.setup import ParallelConfig
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 ATTENTION_BACKENDS = ("flash", "reference")
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size
-REFERENCE_CHUNK = 256  # ops/reference.py's default query chunk
 GIB = 1024**3
 
 
