@@ -516,10 +516,11 @@ class CheckpointManager:
         except (OSError, RuntimeError) as exc:
             error = f"rank {rank}: {exc}"
         # Reference-layout weights and optimizer state (collective gathers), written by rank 0.
-        weights = trainer.reference_model()
+        state = trainer.full_state_dict()  # collective; only rank 0 builds the model it writes
         writer = _ShardWriter(tmp / OPTIMIZER_DIR, self.optimizer_shard_bytes, asynchronous) if rank == 0 else None
         index = gather_reference_optimizer(trainer, writer)
         if writer is not None:
+            weights = trainer.reference_model(state)
             meta = {
                 "step": step,
                 "time": time.time(),

@@ -433,18 +433,21 @@ class Trainer:
                 return {k: v.clone() for k, v in gather_full_state_dict(module, self.cfg.model).items()}
         return gather_full_state_dict(module, self.cfg.model)
 
-    def reference_model(self) -> OrthrosForCausalLM:
-        """A single-device model with the trained weights (inference, export)."""
+    def reference_model(self, state: dict[str, torch.Tensor] | None = None) -> OrthrosForCausalLM:
+        """A single-device model with the trained weights (inference, export). Without ``state``
+        this gathers it (collective); writers pass the state they gathered on every rank, so only
+        the rank that writes builds the model."""
+        state = self.full_state_dict() if state is None else state
         model = OrthrosForCausalLM(self.cfg.model)
-        model.load_state_dict({k: v.float().cpu() for k, v in self.full_state_dict().items()})
+        model.load_state_dict({k: v.float().cpu() for k, v in state.items()})
         return model
 
     def export(self, name: str) -> Path:
         """The weights in reference layout + tokenizer (``OrthrosForCausalLM.from_pretrained``)."""
         target = self.run_dir / "checkpoints" / name
-        model = self.reference_model()
+        state = self.full_state_dict()  # collective
         if self.is_main:
-            model.save_pretrained(target)
+            self.reference_model(state).save_pretrained(target)
             self.data.tokenizer.save_pretrained(target)
         dist.barrier()
         return target
