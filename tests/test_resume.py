@@ -63,15 +63,22 @@ def kill_tree(pid: int) -> None:
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
     path = run_dir / "metrics.jsonl"
+    _wait_until(
+        lambda: path.is_file() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines()),
+        proc, timeout, f"step {step} not reached",
+    )
+
+
+def _wait_until(done, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
     while time.time() < deadline:
-        if path.is_file() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines()):
+        if done():
             return
         if proc.poll() is not None:
             raise AssertionError(f"run ended early: {proc.stderr.read()[-3000:]}")
         time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
+    raise AssertionError(f"{what} in {timeout}s")
 
 
 @pytest.mark.slow
@@ -83,7 +90,9 @@ def test_kill_9_two_process_run_resumes_bitwise(tmp_path, async_save):
     assert rc == 0, err[-3000:]
     run = tmp_path / "killed"
     proc = cli(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path)
-    wait_for_step(run, 4, proc)  # the checkpoint of step 3 exists once step 4 is logged
+    wait_for_step(run, 4, proc)  # a sync checkpoint of step 3 exists once step 4 is logged
+    # An async one is published by a background thread, which under load can trail the steps.
+    _wait_until((run / "checkpoints" / "latest").is_file, proc, 600, "no checkpoint published")
     kill_tree(proc.pid)  # kill -9 the launcher and every rank (torchrun puts ranks in their own groups)
     proc.wait()
     latest = (run / "checkpoints" / "latest").read_text().strip()
