@@ -212,3 +212,60 @@ def test_longctx_128k_dry_run_memory_fits_and_would_not_without_context_parallel
     assert memory["peak_gib"] < 64  # H100 80 GB with >= 15 GiB headroom (docs/memory.md)
     no_cp = plan_summary(_recipe("longctx_128k", "parallel.context_parallel=1", "parallel.data_parallel=8"))
     assert no_cp["memory_per_gpu"]["peak_gib"] > 80
+
+
+GPU_RECIPES = [
+    "pretrain_1p3b",
+    "scaling/orthros_160m",
+    "scaling/orthros_410m",
+    "scaling/orthros_1p3b",
+    "scaling/orthros_2p7b",
+    "scaling/orthros_6p8b",
+    "convert_llama31_8b",
+    "convert_qwen3_8b",
+    "longctx_128k",
+]
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_every_gpu_recipe_states_its_gpu_and_fits_it_with_headroom(name):
+    from orthros_train.train.memory import HEADROOM_FRACTION
+    from orthros_train.train.trainer import plan_summary
+
+    cfg = _recipe(name)
+    assert cfg.trainer.gpu and cfg.trainer.gpu_memory_gib, f"{name} states no GPU"
+    memory = plan_summary(cfg)["memory_per_gpu"]
+    device = memory["device"]
+    assert memory["peak_gib"] <= HEADROOM_FRACTION * cfg.trainer.gpu_memory_gib, (name, memory["peak_gib"])
+    assert device["fits_with_headroom"] and device["fraction_used"] <= HEADROOM_FRACTION
+
+
+def test_dry_run_warns_in_red_when_the_estimate_exceeds_the_stated_gpu(capsys):
+    from orthros_train.train.cli import warn_memory_fit
+    from orthros_train.train.trainer import plan_summary
+
+    warn_memory_fit(plan_summary(_recipe("pretrain_1p3b"))["memory_per_gpu"])
+    assert capsys.readouterr().err == ""
+    too_big = plan_summary(_recipe("pretrain_1p3b", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=4"))
+    warn_memory_fit(too_big["memory_per_gpu"])
+    err = capsys.readouterr().err
+    assert err.startswith("\033[31mWARNING") and "exceeds the 79.6 GiB of H100 SXM 80GB" in err
+    assert "trainer.micro_batch_size" in err
+
+
+def test_a_gpu_run_refuses_a_layout_that_overflows_the_device_unless_told(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from orthros_train.train.trainer import Trainer
+
+    cfg = _recipe("pretrain_1p3b", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=4")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Fake GPU")
+    fake = SimpleNamespace(cfg=cfg, device=torch.device("cuda", 0), is_main=True)
+    with pytest.raises(ValueError, match=r"140\.3 GiB per GPU exceeds the 80\.0 GiB of Fake GPU.*overflow=true"):
+        Trainer._check_memory_fit(fake)
+    cfg.trainer.allow_memory_overflow = True
+    Trainer._check_memory_fit(fake)  # starts, with a warning
+    assert "starting anyway" in capsys.readouterr().err
+    fits = SimpleNamespace(cfg=_recipe("pretrain_1p3b"), device=torch.device("cuda", 0), is_main=True)
+    Trainer._check_memory_fit(fits)

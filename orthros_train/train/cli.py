@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,24 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def warn_memory_fit(memory: dict) -> None:
+    """A dry run's verdict on the recipe's stated GPU: red when the estimate exceeds it."""
+    from orthros_train.train.memory import HEADROOM_FRACTION, memory_fit_problem
+
+    device = memory.get("device")
+    if device is None:
+        return
+    problem = memory_fit_problem(memory["peak_gib"], device["memory_gib"], device["gpu"])
+    if problem:
+        print(f"\033[31mWARNING: {problem}\033[0m", file=sys.stderr)
+    elif not device["fits_with_headroom"]:
+        print(
+            f"note: the estimated peak of {memory['peak_gib']:.1f} GiB leaves less than "
+            f"{1 - HEADROOM_FRACTION:.0%} of {device['memory_gib']} GiB free for what the model leaves out",
+            file=sys.stderr,
+        )
+
+
 def run(cfg: DictConfig) -> dict:
     """Resolve the recipe into typed config, then dry-run or train."""
     from orthros_train.parallel.setup import destroy_parallel
@@ -69,6 +88,7 @@ def run(cfg: DictConfig) -> dict:
     if run_cfg.trainer.dry_run:
         summary = plan_summary(run_cfg)
         print(json.dumps(summary, indent=2))
+        warn_memory_fit(summary["memory_per_gpu"])
         return summary
     resolved["git_commit"] = git_commit()
     trainer = Trainer(run_cfg, resolved, launcher_env())

@@ -68,6 +68,11 @@ class TrainerConfig:
     eval_batches: int = 4
     progress: bool = True
     peak_tflops: float | None = None  # per-device peak for MFU; None: known GPUs (H100 989), else no MFU
+    # The GPU the recipe is laid out for: the dry run checks the memory estimate against it, a run
+    # on a GPU checks it against the device it got. None: no stated GPU (CPU recipes).
+    gpu: str | None = None
+    gpu_memory_gib: float | None = None  # memory per device as torch reports it (H100 80 GB: 79.6)
+    allow_memory_overflow: bool = False  # start even when the estimate exceeds the device's memory
     # checkpoints and resume (see orthros_train/train/checkpoint.py)
     save_every: int = 0  # steps between checkpoints; 0: only the final one
     keep_last_k: int = 3  # checkpoints kept (older ones deleted after a successful save); 0 keeps all

@@ -44,6 +44,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 ATTENTION_BACKENDS = ("flash", "reference")
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size
 GIB = 1024**3
+# Share of device memory the estimate may use: the rest is for what the model leaves out
+# (allocator fragmentation, CUDA/NCCL workspaces, kernels' temporary buffers).
+HEADROOM_FRACTION = 0.9
 
 
 @dataclass
@@ -229,11 +232,32 @@ def memory_summary(cfg: RunConfig) -> dict[str, Any]:
         micro = t.seq_len * t.micro_batch_size // length
         est = estimate_memory(cfg.model, cfg.parallel, length, micro, t.precision, backend)
         rows.append({"from_step": start, "seq_len": length, "micro_batch_size": micro, **est.as_gib()})
-    return {
+    peak = max(r["total"] for r in rows)
+    summary: dict[str, Any] = {
         "unit": "GiB per GPU (docs/memory.md)",
         "phase": "pretrain (an output token at every position)",
         "attention_backend": backend,
         "recompute": cfg.parallel.recompute,
         "stages": rows,
-        "peak_gib": max(r["total"] for r in rows),
+        "peak_gib": peak,
     }
+    if t.gpu_memory_gib:
+        summary["device"] = {
+            "gpu": t.gpu,
+            "memory_gib": t.gpu_memory_gib,
+            "fraction_used": round(peak / t.gpu_memory_gib, 3),
+            "fits_with_headroom": peak <= HEADROOM_FRACTION * t.gpu_memory_gib,
+        }
+    return summary
+
+
+def memory_fit_problem(peak_gib: float, device_gib: float, device_name: str | None = None) -> str | None:
+    """Why the estimated peak does not fit the device, with the knobs that reduce it; None if it fits."""
+    if peak_gib <= device_gib:
+        return None
+    return (
+        f"the estimated peak of {peak_gib:.1f} GiB per GPU exceeds the {device_gib:.1f} GiB of "
+        f"{device_name or 'the device'} (docs/memory.md): lower trainer.micro_batch_size (raise "
+        "trainer.grad_accum_steps to keep the tokens per step), set parallel.recompute=full, a higher "
+        "parallel.zero_stage or more tensor/context parallelism"
+    )

@@ -31,7 +31,7 @@ from orthros_train.parallel.setup import DistributedEnv, check_parallel_layout, 
 from orthros_train.parallel.state_dict import LazyCheckpoint, gather_full_state_dict, shard_state_dict
 from orthros_train.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from orthros_train.train.config import RunConfig
-from orthros_train.train.memory import memory_summary
+from orthros_train.train.memory import GIB, memory_fit_problem, memory_summary
 from orthros_train.train.metrics import (
     PEAK_BF16_TFLOPS,
     MetricsLog,
@@ -130,6 +130,7 @@ class Trainer:
         if t.device == "cpu":
             self.device = torch.device("cpu")
         self.is_main = dist.get_rank() == 0
+        self._check_memory_fit()
         self.run_dir = Path(t.run_dir)
         seed_everything(t.seed)
         self.data = build_scheduled_data(  # build_data itself unless trainer.seq_len_schedule is set
@@ -158,6 +159,21 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_last_k, t.checkpoint_hashes, t.async_save)
         self._stop_signal = 0
         self.resumed_from = self._resume()
+
+    def _check_memory_fit(self) -> None:
+        """Refuse, before anything is allocated, a layout the memory model says overflows this GPU
+        (an out-of-memory error would come minutes later, after the model and data are built)."""
+        if self.device.type != "cuda":
+            return
+        device_gib = torch.cuda.get_device_properties(self.device).total_memory / GIB
+        peak = memory_summary(self.cfg)["peak_gib"]
+        problem = memory_fit_problem(peak, device_gib, torch.cuda.get_device_name(self.device))
+        if problem is None:
+            return
+        if not self.cfg.trainer.allow_memory_overflow:
+            raise ValueError(f"{problem}; trainer.allow_memory_overflow=true starts anyway")
+        if self.is_main:
+            print(f"WARNING: {problem} (starting anyway: trainer.allow_memory_overflow=true)", file=sys.stderr)
 
     # -- checkpoints --------------------------------------------------------------------------
     def layout_signature(self) -> dict[str, Any]:
