@@ -4,9 +4,16 @@ Backends: ``reference`` (plain torch, any device, the ground truth); ``triton`` 
 kernels of ``ops/triton_attention.py``, deterministic backward) and ``triton_atomic`` (same
 forward, dq accumulated with atomics in the backward). The Triton backends are registered as
 lazy wrappers: ``triton`` is imported on first use only, so a missing or broken triton never
-breaks the reference path. ``auto`` uses Triton for CUDA tensors (when triton is installed) and
-the reference op otherwise; naming ``triton`` explicitly forces the kernels, also on CPU
+breaks the reference path. Naming ``triton`` explicitly forces the kernels, also on CPU
 tensors (they then need ``TRITON_INTERPRET=1``, as the tests set it).
+
+``sdpa`` (``ops/sdpa_attention.py``) runs every layout through torch's fused
+``scaled_dot_product_attention``; it is what ``auto`` picks on CPU for every attention type, and on
+GPU for layouts flash attention covers without a mask (causal attention from each document's
+start: the dense baseline, single-query prefill/decode steps), with Triton for the rest (SDPA for
+everything when triton is not installed). Callers
+that need the log-sum-exp (merging partial attentions) get an op that returns it; the model asks
+for the output only (``need_lse=False``), which lets the SDPA path skip it.
 """
 
 from __future__ import annotations
@@ -17,10 +24,13 @@ from collections.abc import Callable
 import torch
 
 from orthros_train.ops.reference import UNBOUNDED, attention_reference
+from orthros_train.ops.sdpa_attention import attention_sdpa, attention_sdpa_output, flash_covers
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-_BACKENDS: dict[str, AttentionFn] = {"reference": attention_reference}
+_BACKENDS: dict[str, AttentionFn] = {"reference": attention_reference, "sdpa": attention_sdpa}
+# Variants that skip the log-sum-exp, for callers that only use the output.
+_OUTPUT_ONLY: dict[str, AttentionFn] = {"sdpa": attention_sdpa_output}
 
 
 def _triton_backend(deterministic: bool) -> AttentionFn:
@@ -38,22 +48,38 @@ if importlib.util.find_spec("triton") is not None:
     _BACKENDS["triton_atomic"] = _triton_backend(deterministic=False)
 
 
-def register_backend(name: str, fn: AttentionFn) -> None:
-    """Make ``fn`` selectable as ``backend=name`` (used by the kernel modules)."""
+def register_backend(name: str, fn: AttentionFn, output_only: AttentionFn | None = None) -> None:
+    """Make ``fn`` selectable as ``backend=name`` (used by the kernel modules); ``output_only``
+    is an optional faster variant for callers that discard the log-sum-exp."""
     _BACKENDS[name] = fn
+    if output_only is not None:
+        _OUTPUT_ONLY[name] = output_only
 
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def resolve_backend(backend: str, device: torch.device) -> AttentionFn:
+def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, **extra):
+    """GPU ``auto`` for output-only callers: flash attention through SDPA where it needs no
+    mask, the Triton kernel elsewhere (sliding windows, packed output streams)."""
+    if flash_covers(q_index, q_window, cu_seqlens):
+        return attention_sdpa_output(q, k, v, q_index, q_window, cu_seqlens, scale=scale, **extra)
+    return _BACKENDS["triton"](q, k, v, q_index, q_window, cu_seqlens, scale=scale)
+
+
+def resolve_backend(backend: str, device: torch.device, need_lse: bool = True) -> AttentionFn:
+    """The op for ``backend`` on ``device``; ``need_lse=False`` allows a variant returning no LSE."""
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "reference"
+        if device.type == "cuda" and "triton" in _BACKENDS:
+            return _auto_cuda_output if not need_lse else _BACKENDS["triton"]
+        backend = "sdpa"
     if backend not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {backend!r}; available: {['auto', *available_backends()]}"
         )
+    if not need_lse and backend in _OUTPUT_ONLY:
+        return _OUTPUT_ONLY[backend]
     return _BACKENDS[backend]
 
 
@@ -68,7 +94,7 @@ def orthros_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of both streams over the base keys (see ``ops/reference.py`` for the contract)."""
-    out, _ = resolve_backend(backend, q.device)(q, k, v, q_index, q_window, cu_seqlens, scale=scale)
+    out, _ = resolve_backend(backend, q.device, need_lse=False)(q, k, v, q_index, q_window, cu_seqlens, scale=scale)
     return out
 
 
