@@ -8,6 +8,7 @@ import torch
 from orthros_train.infer import SamplingParams, filter_logits, generate, prefill, sample_next
 from orthros_train.infer.generate import as_rows, cut_at_stop
 from orthros_train.model import KVCache, OrthrosConfig, OrthrosForCausalLM
+from orthros_train.phase.builders import prefill_layout
 
 VOCAB = 61
 
@@ -273,3 +274,25 @@ def test_chunked_prefill_bounds_the_queries_of_every_forward(monkeypatch):
     assert max(seen) <= 8 + 1 and len(seen) == 7 * model.config.num_hidden_layers
     with torch.no_grad():
         assert (model(prompt[None]).logits[0, -1] - logits[0]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("attention_type", ["orthros", "dense"])
+def test_chunked_prefill_puts_the_output_query_on_the_last_chunk_only(monkeypatch, attention_type):
+    """T=100 in chunks of 16 is 7 forwards; only the last carries an output token (per row)."""
+    model = make_model(attention_type=attention_type)
+    outputs = []
+    real = model.forward_layout
+
+    def spy(layout, cache=None, **kw):
+        outputs.append(layout.row_of_output.tolist())
+        return real(layout, cache, **kw)
+
+    monkeypatch.setattr(model, "forward_layout", spy)
+    rows = [torch.randint(0, VOCAB, (100,)), torch.randint(0, VOCAB, (20,)), torch.randint(0, VOCAB, (40,))]
+    logits, _ = prefill(model, rows, chunk_size=16)
+    # Row 1 ends in chunk 2 (offset 16) and row 2 in chunk 3 (offset 32): their output queries
+    # come there; row 0 (100 tokens) gets its one output query in the 7th chunk.
+    assert outputs == [[], [1], [1], [], [], [], [0]]
+    with torch.no_grad():
+        for r, prompt in enumerate(rows):
+            assert (real(prefill_layout(prompt[None])).logits[0] - logits[r]).abs().max() <= 1e-4

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from orthros_train.infer.sampling import SamplingParams, sample_next
 from orthros_train.model.cache import KVCache
 from orthros_train.phase.builders import decode_layout, prefill_layout
+from orthros_train.phase.layout import OrthrosLayout
 
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]
 StopFn = Callable[[int, list[int]], bool]
@@ -94,7 +95,8 @@ def prefill(
     """Read ragged prompts into a cache; returns the last position's logits ``[B, V]`` and the cache.
 
     With ``chunk_size`` the prompts are read ``chunk_size`` tokens at a time; each chunk continues
-    the cache rows (RoPE positions start at the cached length), rows that are done sit out.
+    the cache rows (RoPE positions start at the cached length), rows that are done sit out. Only
+    a row's last chunk carries its output query: earlier chunks just write the base stream's K/V.
     """
     rows = [torch.as_tensor(r).reshape(-1).long().cpu() for r in rows]
     b = len(rows)
@@ -113,12 +115,26 @@ def prefill(
         active = [i for i in range(b) if lengths[i] > offset]
         view = cache if len(active) == b else cache.select(active)
         pieces = [rows[i][offset : offset + step] for i in active]
-        layout = prefill_layout(pieces, start_positions=view.lengths).to(device)
-        logits = model.forward_layout(layout, view).logits
-        for j, i in enumerate(active):
-            if lengths[i] <= offset + step:
-                last[i] = logits[j]
+        finishing = [j for j, i in enumerate(active) if lengths[i] <= offset + step]
+        layout = _outputs_of_rows(prefill_layout(pieces, start_positions=view.lengths), finishing)
+        logits = model.forward_layout(layout.to(device), view).logits
+        for j, row_logits in zip(finishing, logits):
+            last[active[j]] = row_logits
     return torch.stack(last), cache
+
+
+def _outputs_of_rows(layout: OrthrosLayout, rows: list[int]) -> OrthrosLayout:
+    """``layout`` with the output tokens of ``rows`` only (the rows whose prompt ends here)."""
+    if len(rows) == layout.num_rows:
+        return layout
+    keep = torch.isin(layout.row_of_output, torch.tensor(rows, dtype=torch.long))
+    return replace(
+        layout,
+        output_index=layout.output_index[keep],
+        labels=layout.labels[keep],
+        loss_weights=layout.loss_weights[keep],
+        row_of_output=layout.row_of_output[keep],
+    )
 
 
 @torch.no_grad()

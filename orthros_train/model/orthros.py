@@ -131,7 +131,7 @@ class OrthrosAttention(nn.Module):
             k, v = cache.extend(self.layer_idx, k, v, plan.new_lengths)
 
         o = orthros_attention(q, k, v, q_index, q_window, plan.key_cu_seqlens, backend=self.config.attention_backend)
-        return self.o_proj(o.reshape(o.shape[0], -1))
+        return self.o_proj(o.flatten(1))  # also for no queries (a prefill chunk without its output token)
 
 
 class OrthrosBlock(nn.Module):
