@@ -47,7 +47,7 @@ def _simulated_cp_error(cfg, layout, cp: int, backend: str = "reference", heads=
     pad = 2 * cp * c - t
     kp = torch.cat([k, k.new_zeros(pad, *k.shape[1:])])
     vp = torch.cat([v, v.new_zeros(pad, *v.shape[1:])])
-    kvs = [torch.cat([kp[p.token_global], vp[p.token_global]], 1) for p in plans]
+    kvs = [torch.cat([kp[p.base_key_index], vp[p.base_key_index]], 1) for p in plans]
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # what every rank would contribute
         if x.shape[0] == 2 * c:
@@ -58,19 +58,18 @@ def _simulated_cp_error(cfg, layout, cp: int, backend: str = "reference", heads=
     worst = 0.0
     total = 0.0
     for p in plans:
-        real = p.token_global < t
-        q_base = q.new_zeros(p.token_global.numel(), *q.shape[1:])
-        q_base = q_base.index_copy(0, torch.nonzero(real).flatten(), q[p.token_global[real]])
+        real = p.base_key_index < t
+        q_base = q.new_zeros(p.base_key_index.numel(), *q.shape[1:])
+        q_base = q_base.index_copy(0, torch.nonzero(real).flatten(), q[p.base_key_index[real]])
         out_rows = t + p.output_select if cfg.attention_type == "orthros" else p.output_select[:0]
-        o = p.attention(
-            torch.cat([q_base, q[out_rows]]), kp[p.token_global], vp[p.token_global], True, gather, backend
-        )
-        n = p.token_global.numel()
-        worst = max(worst, float((o[:n][real] - ref[p.token_global[real]]).detach().abs().max()))
+        p.gather = gather
+        o = p.attend(torch.cat([q_base, q[out_rows]]), kp[p.base_key_index], vp[p.base_key_index], True, backend)
+        n = p.base_key_index.numel()
+        worst = max(worst, float((o[:n][real] - ref[p.base_key_index[real]]).detach().abs().max()))
         if out_rows.numel():
             worst = max(worst, float((o[n:] - ref[out_rows]).detach().abs().max()))
         if grads:
-            total = total + (o[:n][real] * upstream[p.token_global[real]]).sum() + (o[n:] * upstream[out_rows]).sum()
+            total = total + (o[:n][real] * upstream[p.base_key_index[real]]).sum() + (o[n:] * upstream[out_rows]).sum()
     if grads:
         got = torch.autograd.grad(total, (q, k, v))
         want = torch.autograd.grad((ref * upstream).sum(), (q, k, v))
@@ -128,12 +127,12 @@ def test_layout_split_is_a_balanced_partition():
     t, cp = 64, 4
     layout = pretrain_layout(torch.zeros(1, t, dtype=torch.long))
     plans = [context_plan(cfg, layout, r, cp) for r in range(cp)]
-    tokens = torch.cat([p.token_global for p in plans])
+    tokens = torch.cat([p.base_key_index for p in plans])
     assert sorted(tokens.tolist()) == list(range(t))
     outputs = torch.cat([output_select(layout, r, cp) for r in range(cp)])
     assert sorted(outputs.tolist()) == list(range(layout.num_outputs))
     # Causal output-stream work ~ sum of positions: equal on every rank with the 2-chunk order.
-    work = [int(p.output_global.sum()) for p in plans]
+    work = [int(p.out_key_index.sum()) for p in plans]
     assert max(work) == min(work), work
     assert [p.chunks for p in plans] == [(0, 7), (1, 6), (2, 5), (3, 4)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -173,12 +174,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
 
 
+LinearFactory = Callable[[str, int, int, bool], nn.Module]  # (name, in, out, bias) -> module
+
+
+def _plain_linear(name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, linear: LinearFactory = _plain_linear) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = linear("gate_proj", hidden_size, intermediate_size, False)
+        self.up_proj = linear("up_proj", hidden_size, intermediate_size, False)
+        self.down_proj = linear("down_proj", intermediate_size, hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

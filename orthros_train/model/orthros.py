@@ -1,4 +1,4 @@
-"""The Orthros model (DESIGN.md section 1), single device, no parallelism.
+"""The Orthros model, single device, no parallelism (``docs/architecture.md``).
 
 Every layer carries two token streams that share all weights except a per-head affine on the
 output stream's queries:
@@ -15,12 +15,16 @@ the base stream's attention output and MLP.
 
 ``attention_type="dense"`` / ``"sliding"`` are the baselines trained by the same code: no output
 stream, one causal stream with unbounded / ``W`` window, read out at the output positions.
+
+This file is the only statement of that math. Tensor, sequence and context parallelism
+(``orthros_train/parallel``) build the same classes through a ``ModuleFactory`` that returns
+megatron-core's parallel linears under the same names, and a specialised ``AttentionPlan``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,22 +34,43 @@ from torch import nn
 from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
-from orthros_train.ops.attention import UNBOUNDED, orthros_attention
+from orthros_train.ops.attention import UNBOUNDED, orthros_attention, prepare_attention
 from orthros_train.phase.builders import decode_layout, positions_layout, prefill_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
 
 @dataclass
 class AttentionPlan:
-    """Where every query and key of one forward pass sits; shared by all layers."""
+    """Where every token, query and key of one forward pass sits; shared by all layers.
 
+    This plan covers the whole layout on one device. Context parallelism specialises it
+    (``orthros_train.parallel.context.ContextPlan``: one rank's share of the sequence) by
+    overriding the methods below; the model only ever calls them.
+    """
+
+    input_ids: torch.Tensor  # [T] base token ids of this pass
+    output_rows: torch.Tensor  # [N] base row each output token starts from (baselines: is read out at)
     base_positions: torch.Tensor  # [T] RoPE positions of the base tokens
-    out_positions: torch.Tensor  # [N] RoPE positions of the output tokens
+    out_positions: torch.Tensor  # [N'] RoPE positions of the output tokens (N' = 0 for baselines)
     base_key_index: torch.Tensor  # [T] key index of each base token (its own K/V)
-    out_key_index: torch.Tensor  # [N] key index of the base token each output token sits on
+    out_key_index: torch.Tensor  # [N'] key index of the base token each output token sits on
     key_cu_seqlens: torch.Tensor  # document boundaries of the keys
     base_window: int
-    new_lengths: torch.Tensor | None = None  # per-row new tokens when a KV cache is extended
+    new_lengths: torch.Tensor | None = None  # per-row new tokens when a KV cache is extended (CPU)
+    # Per-forward attention metadata, filled by the first layer and reused by every later layer
+    # and the backward (the kernels' query sort and tile plan, host-known counts): no layer
+    # rebuilds it or waits for the device to size it.
+    attention_meta: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_base(self) -> int:
+        """Base-stream tokens of this pass (the rows of ``x``)."""
+        return self.base_positions.numel()
+
+    @property
+    def num_outputs(self) -> int:
+        """Output-stream tokens of this pass (the rows of ``y``; 0 for the baselines)."""
+        return self.out_positions.numel()
 
     def queries(self, with_base: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions, key index, window) of the queries ``[base; output]`` (or output only)."""
@@ -59,22 +84,57 @@ class AttentionPlan:
             torch.cat([base_window, out_window]),
         )
 
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, with_base: bool, backend: str = "auto"
+    ) -> torch.Tensor:
+        """Attention of the queries ``[base; output]`` (or output only) over the keys ``k``/``v``."""
+        _, q_index, q_window = self.queries(with_base)
+        key = (with_base, k.shape[0], backend)
+        if key not in self.attention_meta:
+            # the base queries are the windowed ones when the window is shorter than the keys
+            n_band = self.num_base if with_base and self.base_window <= k.shape[0] else 0
+            self.attention_meta[key] = prepare_attention(
+                q_index, q_window, self.key_cu_seqlens, k.shape[0], backend,
+                n_band=n_band, max_range=self.attention_meta.get("max_range"),
+            )
+        return orthros_attention(
+            q, k, v, q_index, q_window, self.key_cu_seqlens, backend=backend, prepared=self.attention_meta[key]
+        )
+
+    def output_targets(self, layout: OrthrosLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels, loss weights) of this pass's output tokens, in the order of their logits."""
+        return layout.labels, layout.loss_weights
+
+    def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of the whole layout from this pass's share of it (here: the share is all)."""
+        return loss
+
+    def whole_logits(self, logits: torch.Tensor, layout: OrthrosLayout) -> torch.Tensor:
+        """Logits of every output token of ``layout`` from this pass's (here: all of them)."""
+        return logits
+
 
 def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache | None = None) -> AttentionPlan:
     """Query/key bookkeeping of one forward pass (keys continue the cache rows when given)."""
     window = UNBOUNDED if config.attention_type == "dense" else config.sliding_window
+    meta: dict = {}
     if cache is None:
         key_index = torch.arange(layout.num_tokens, device=layout.input_ids.device)
         cu, new_lengths = layout.cu_seqlens, None
     else:
         if layout.cu_seqlens.numel() - 1 != layout.num_rows or layout.num_rows != cache.num_rows:
             raise ValueError("a cached forward needs exactly one document per cache row")
-        new_lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
+        # host bookkeeping: one copy per step, so no layer's cache write waits for the device
+        cu_host = layout.cu_seqlens.cpu()
+        new_lengths = (cu_host[1:] - cu_host[:-1]).long()
         cu, key_index = cache.key_space(new_lengths)
         cu, key_index = cu.to(layout.input_ids.device), key_index.to(layout.input_ids.device)
+        meta["max_range"] = int((cache.lengths + new_lengths).max())  # longest key range (decode grid)
     # Baselines have no output stream: their outputs are read off the base stream at the end.
     out_index = layout.output_index if config.attention_type == "orthros" else layout.output_index[:0]
     return AttentionPlan(
+        input_ids=layout.input_ids,
+        output_rows=layout.output_index,
         base_positions=layout.positions,
         out_positions=layout.positions[out_index],
         base_key_index=key_index,
@@ -82,65 +142,141 @@ def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache
         key_cu_seqlens=cu,
         base_window=window,
         new_lengths=new_lengths,
+        attention_meta=meta,
     )
 
 
+def initial_value(config: OrthrosConfig, name: str, shape: torch.Size, generator: torch.Generator | None = None):
+    """The random initialisation of parameter ``name`` (its whole, unsplit tensor)."""
+    std = config.initializer_range
+    if name.endswith("gamma") or "norm" in name:
+        return torch.ones(shape)
+    if name.endswith(("beta", "bias")):
+        return torch.zeros(shape)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        # GPT-2 style: residual writes shrink with depth so the stream's variance stays put.
+        std = std / (2 * config.num_hidden_layers) ** 0.5
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+class LMHead(nn.Linear):
+    """The output projection. Its logits may be split over the vocabulary (tensor parallelism),
+    so the cross entropy and the full logits are asked of the head that made them."""
+
+    def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy in fp32 (0 where the label is ``IGNORE_INDEX``)."""
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary."""
+        return logits
+
+
+class ModuleFactory:
+    """How the model builds its parts. This one builds plain single-device torch modules;
+    ``orthros_train.parallel`` passes a subclass that builds tensor-parallel ones under the same
+    names and shapes per rank, so neither the math below nor the parameter names depend on how
+    the model is split. ``name`` is the HF/reference name of the module being built."""
+
+    def linear(self, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        return nn.Linear(in_features, out_features, bias=bias)
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        return nn.Embedding(num_embeddings, dim)
+
+    def lm_head(self, hidden_size: int, vocab_size: int) -> LMHead:
+        return LMHead(hidden_size, vocab_size, bias=False)
+
+    def norm(self, name: str, dim: int, eps: float) -> RMSNorm:
+        return RMSNorm(dim, eps)
+
+    def head_parameter(self, fill: float, heads: int, head_dim: int) -> nn.Parameter:
+        """A per-head parameter ``[heads, head_dim]`` (the output-query affine)."""
+        return nn.Parameter(torch.full((heads, head_dim), fill))
+
+    def attention(self, config: OrthrosConfig, layer_idx: int) -> "OrthrosAttention":
+        return OrthrosAttention(config, layer_idx, self)
+
+    def mlp(self, config: OrthrosConfig) -> SwiGLU:
+        return SwiGLU(config.hidden_size, config.intermediate_size, self.linear)
+
+    def block(self, config: OrthrosConfig, layer_idx: int) -> "OrthrosBlock":
+        return OrthrosBlock(config, layer_idx, self)
+
+    def plan(self, config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache | None) -> AttentionPlan:
+        return plan_for_layout(config, layout, cache)
+
+    def initialise(self, model: "OrthrosForCausalLM") -> None:
+        model.reset_parameters()
+
+
 class OrthrosAttention(nn.Module):
-    def __init__(self, config: OrthrosConfig, layer_idx: int) -> None:
+    def __init__(self, config: OrthrosConfig, layer_idx: int, factory: ModuleFactory | None = None) -> None:
         super().__init__()
+        factory = factory or ModuleFactory()
         self.config = config
         self.layer_idx = layer_idx
         h, kv, hd, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.head_dim = hd
         bias = config.attention_bias
-        self.q_proj = nn.Linear(d, h * hd, bias=bias)
-        self.k_proj = nn.Linear(d, kv * hd, bias=bias)
-        self.v_proj = nn.Linear(d, kv * hd, bias=bias)
-        self.o_proj = nn.Linear(h * hd, d, bias=False)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.q_proj = factory.linear("q_proj", d, h * hd, bias)
+        self.k_proj = factory.linear("k_proj", d, kv * hd, bias)
+        self.v_proj = factory.linear("v_proj", d, kv * hd, bias)
+        self.o_proj = factory.linear("o_proj", h * hd, d, False)
+        self.q_norm = factory.norm("q_norm", hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = factory.norm("k_norm", hd, config.rms_norm_eps) if config.qk_norm else None
         # The only weights the output stream does not share: q_out = norm_q(y W_q) * gamma + beta.
-        self.gamma = nn.Parameter(torch.ones(h, hd))
-        self.beta = nn.Parameter(torch.zeros(h, hd))
+        self.gamma = factory.head_parameter(1.0, h, hd)
+        self.beta = factory.head_parameter(0.0, h, hd)
         self.rotary = RotaryEmbedding(hd, config.rope_theta, config.rope_scaling)
 
     def forward(
-        self,
-        h: torch.Tensor,
-        n_base: int,
-        plan: AttentionPlan,
-        cache: KVCache | None,
-        with_base_queries: bool,
+        self, h: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, with_base_queries: bool
     ) -> torch.Tensor:
         """``h`` is the normed ``[x; y]``; returns the attention output of ``[x; y]`` or of ``y``."""
+        return self.o_proj(self.head_outputs(h, plan, cache, with_base_queries))
+
+    def head_outputs(
+        self, h: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, with_base_queries: bool
+    ) -> torch.Tensor:
+        """Attention of ``[x; y]`` (or ``y``) before the output projection, ``[rows, heads * head_dim]``."""
+        n_base, hd = plan.num_base, self.head_dim
         n_out = h.shape[0] - n_base
         base = h[:n_base]
-        k = self.k_proj(base).view(n_base, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(base).view(n_base, self.num_kv_heads, self.head_dim)
-        q = self.q_proj(h if with_base_queries else h[n_base:]).view(-1, self.num_heads, self.head_dim)
+        k = self.k_proj(base).view(n_base, -1, hd)
+        v = self.v_proj(base).view(n_base, -1, hd)
+        q = self.q_proj(h if with_base_queries else h[n_base:]).view(-1, self.gamma.shape[0], hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if n_out:
             q_out = q[q.shape[0] - n_out :] * self.gamma + self.beta
             q = torch.cat([q[: q.shape[0] - n_out], q_out])
 
-        q_positions, q_index, q_window = plan.queries(with_base_queries)
+        q_positions, _, _ = plan.queries(with_base_queries)
         q = apply_rope(q, *self.rotary.cos_sin(q_positions))
         k = apply_rope(k, *self.rotary.cos_sin(plan.base_positions))
         if cache is not None:
             k, v = cache.extend(self.layer_idx, k, v, plan.new_lengths)
+        o = self.core(q, k, v, plan, with_base_queries)
+        return o.flatten(1)  # also for no queries (a prefill chunk without its output token)
 
-        o = orthros_attention(q, k, v, q_index, q_window, plan.key_cu_seqlens, backend=self.config.attention_backend)
-        return self.o_proj(o.flatten(1))  # also for no queries (a prefill chunk without its output token)
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, with_base_queries: bool
+    ) -> torch.Tensor:
+        """The attention op itself (what selective activation recompute recomputes)."""
+        return plan.attend(q, k, v, with_base_queries, backend=self.config.attention_backend)
 
 
 class OrthrosBlock(nn.Module):
-    def __init__(self, config: OrthrosConfig, layer_idx: int) -> None:
+    def __init__(self, config: OrthrosConfig, layer_idx: int, factory: ModuleFactory | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = OrthrosAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        factory = factory or ModuleFactory()
+        self.layer_idx = layer_idx
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = factory.norm("input_layernorm", d, eps)
+        self.self_attn = factory.attention(config, layer_idx)
+        self.post_attention_layernorm = factory.norm("post_attention_layernorm", d, eps)
+        self.mlp = factory.mlp(config)
 
     def forward(
         self,
@@ -154,7 +290,7 @@ class OrthrosBlock(nn.Module):
         base stream only supplies K/V and ``x`` is returned unchanged."""
         n_base = x.shape[0]
         h = torch.cat([x, y])
-        attn = self.self_attn(self.input_layernorm(h), n_base, plan, cache, not base_feeds_nothing)
+        attn = self.self_attn(self.input_layernorm(h), plan, cache, not base_feeds_nothing)
         if base_feeds_nothing:
             h = y + attn
             return x, h + self.mlp(self.post_attention_layernorm(h))
@@ -165,34 +301,28 @@ class OrthrosBlock(nn.Module):
 
 @dataclass
 class OrthrosOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None when the caller asked for the loss only
     loss: torch.Tensor | None = None
 
 
 class OrthrosForCausalLM(nn.Module):
-    def __init__(self, config: OrthrosConfig) -> None:
+    def __init__(self, config: OrthrosConfig, factory: ModuleFactory | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(OrthrosBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.factory = factory or ModuleFactory()
+        self.embed_tokens = self.factory.embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.factory.block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = self.factory.norm("norm", config.hidden_size, config.rms_norm_eps)
+        self.lm_head = self.factory.lm_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.reset_parameters()
+        self.factory.initialise(self)
 
-    def reset_parameters(self) -> None:
-        std = self.config.initializer_range
-        for name, p in self.named_parameters():
-            if name.endswith(("gamma",)) or "norm" in name:
-                nn.init.ones_(p)
-            elif name.endswith(("beta", "bias")):
-                nn.init.zeros_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                # GPT-2 style: residual writes shrink with depth so the stream's variance stays put.
-                nn.init.normal_(p, std=std / (2 * self.config.num_hidden_layers) ** 0.5)
-            else:
-                nn.init.normal_(p, std=std)
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Random weights by ``initial_value``, drawn in parameter order."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(initial_value(self.config, name, p.shape, generator))
 
     @property
     def is_orthros(self) -> bool:
@@ -200,39 +330,62 @@ class OrthrosForCausalLM(nn.Module):
 
     def hidden_states(self, layout: OrthrosLayout, cache: KVCache | None = None) -> torch.Tensor:
         """Final normed hidden states of the output tokens, ``[N, hidden]``."""
-        plan = plan_for_layout(self.config, layout, cache)
-        x = self.embed_tokens(layout.input_ids)
+        return self._hidden_states(self.factory.plan(self.config, layout, cache), cache)
+
+    def _hidden_states(self, plan: AttentionPlan, cache: KVCache | None) -> torch.Tensor:
+        x = self.embed_tokens(plan.input_ids)
         # Output token p starts as a copy of input token p (layer 0); baselines have no stream y.
-        y = x[layout.output_index] if self.is_orthros else x[:0]
+        y = x[plan.output_rows] if self.is_orthros else x[:0]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x, y = layer(x, y, plan, cache, base_feeds_nothing=self.is_orthros and i == last)
         if cache is not None:
             cache.advance(plan.new_lengths)
         if not self.is_orthros:
-            y = x[layout.output_index]
+            y = x[plan.output_rows]
         return self.norm(y)
 
-    def forward_layout(self, layout: OrthrosLayout, cache: KVCache | None = None) -> OrthrosOutput:
-        """Logits ``[N, vocab]`` of the output tokens and, when any label is set, the loss."""
-        logits = self.lm_head(self.hidden_states(layout, cache))
+    def forward_layout(
+        self,
+        layout: OrthrosLayout,
+        cache: KVCache | None = None,
+        loss_normalizer: float | None = None,
+        return_logits: bool = True,
+    ) -> OrthrosOutput:
+        """Logits ``[N, vocab]`` of the output tokens and, when any label is set, the loss
+        ``sum(w * CE) / loss_normalizer`` (default: this layout's labelled tokens).
+
+        ``return_logits=False`` skips assembling the full logits (training needs the loss only).
+        """
+        plan = self.factory.plan(self.config, layout, cache)
+        logits = self.lm_head(self._hidden_states(plan, cache))
         loss = None
         if layout.num_loss_tokens:
-            loss = weighted_cross_entropy(logits, layout.labels, layout.loss_weights)
-        return OrthrosOutput(logits=logits, loss=loss)
+            labels, weights = plan.output_targets(layout)
+            normalizer = layout.num_loss_tokens if loss_normalizer is None else loss_normalizer
+            loss = plan.whole_loss(
+                weighted_cross_entropy(logits, labels, weights, normalizer, self.lm_head.token_losses)
+            )
+        full = plan.whole_logits(self.lm_head.full_logits(logits), layout) if return_logits else None
+        return OrthrosOutput(logits=full, loss=loss)
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | OrthrosLayout,
         output_positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        loss_normalizer: float | None = None,
     ) -> OrthrosOutput:
         """``input_ids [B, T]``; output tokens at ``output_positions`` (default: every position).
 
         Returns logits ``[B, N, vocab]``; ``labels [B, N]`` (targets of the output tokens) adds
-        the mean loss over non-ignored labels.
+        the mean loss over non-ignored labels. Given a packed ``OrthrosLayout`` instead (what the
+        training engine passes) it returns the loss only, as ``forward_layout(...,
+        return_logits=False)``.
         """
+        if isinstance(input_ids, OrthrosLayout):
+            return self.forward_layout(input_ids, loss_normalizer=loss_normalizer, return_logits=False)
         b = 1 if input_ids.dim() == 1 else input_ids.shape[0]
         layout = positions_layout(input_ids, output_positions, document_ids, labels)
         out = self.forward_layout(layout)
@@ -323,8 +476,21 @@ class OrthrosForCausalLM(nn.Module):
         return torch.stack(new, dim=1)
 
 
-def weighted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum(w * CE) / number of labelled tokens (fp32); plain mean when all weights are 1."""
-    ce = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+def weighted_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    normalizer: float | None = None,
+    token_losses=None,
+) -> torch.Tensor:
+    """``sum(w * CE) / normalizer`` in fp32. The default normalizer is the number of labelled
+    tokens (a plain mean when all weights are 1); a trainer passes the count of a whole step's
+    batch so that every token (or sequence) of the step weighs the same. ``token_losses``
+    computes the per-token CE (default: ``F.cross_entropy``; a vocab-parallel head brings its own)."""
+    if token_losses is None:
+        ce = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    else:
+        ce = token_losses(logits, labels)
     valid = labels != IGNORE_INDEX
-    return (ce * weights * valid).sum() / valid.sum().clamp(min=1)
+    total = (ce * weights * valid).sum()
+    return total / (valid.sum().clamp(min=1) if normalizer is None else normalizer)

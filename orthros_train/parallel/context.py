@@ -21,9 +21,10 @@ its backward is a reduce-scatter, so each rank gets back the gradient of its own
 every rank that attended it. Everything else is plain autograd (the attention op returns a
 differentiable LSE, which the merge needs).
 
-Every CP rank receives the same full layout (token ids are cheap even at 128K); ``ContextPlan``
-picks this rank's tokens out of it. Loss tokens are counted over the whole layout, so the loss
-every rank reports is the loss of the whole sequence.
+Every CP rank receives the same full layout (token ids are cheap even at 128K); ``ContextPlan``,
+a specialisation of the model's ``AttentionPlan``, picks this rank's tokens out of it. Loss
+tokens are counted over the whole layout, so the loss every rank reports is the loss of the
+whole sequence.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.model.orthros import AttentionPlan
 from orthros_train.ops.attention import UNBOUNDED, resolve_backend
 from orthros_train.ops.reference import key_ranges
 from orthros_train.phase.layout import OrthrosLayout
@@ -66,66 +69,79 @@ def merge_partial_attention(
     return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)
 
 
-@dataclass
-class ContextPlan:
-    """This CP rank's share of a packed layout and the bookkeeping its attention needs.
+@dataclass(kw_only=True)
+class ContextPlan(AttentionPlan):
+    """This CP rank's share of a packed layout: an ``AttentionPlan`` whose tokens are the local
+    ones and whose attention, targets, loss and logits know about the other ranks.
 
     Local base stream: the tokens of chunk ``r`` then chunk ``2cp-1-r``. Local output stream:
-    the output tokens whose position lies in those chunks, in the same order. All indices
-    named ``*_global`` point into the padded sequence.
+    the output tokens whose position lies in those chunks, in the same order. Key indices
+    (``base_key_index``, ``out_key_index``) and ``key_cu_seqlens`` refer to the padded sequence.
     """
 
     cp: int
     rank: int
     chunk_len: int
-    window: int  # base-stream window; UNBOUNDED for the dense baseline
-    cu_seqlens: torch.Tensor  # document boundaries of the padded sequence (int64)
-    token_global: torch.Tensor  # [T_local] global index of each local base token
     output_select: torch.Tensor  # [N_local] which entries of layout.output_index are local
-    output_global: torch.Tensor  # [N_local] global token index of each local output token
-    output_base_row: torch.Tensor  # [N_local] local base row each output token sits on
-    base_positions: torch.Tensor  # [T_local] RoPE positions
-    out_positions: torch.Tensor  # [N_local]
-    input_ids: torch.Tensor  # [T_local]
     has_outputs: bool  # whether any rank has output queries (collectives must match)
+    gather: GatherFn | None = None  # autograd all-gather over the CP group along dim 0 (rank-major)
 
     @property
     def chunks(self) -> tuple[int, int]:
         return self.rank, 2 * self.cp - 1 - self.rank
 
-    def queries(self, with_base: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(RoPE positions, global key index, window) of the local queries ``[base; output]``."""
-        out_window = torch.full_like(self.output_global, UNBOUNDED)
-        if not with_base:
-            return self.out_positions, self.output_global, out_window
-        return (
-            torch.cat([self.base_positions, self.out_positions]),
-            torch.cat([self.token_global, self.output_global]),
-            torch.cat([torch.full_like(self.token_global, self.window), out_window]),
-        )
+    def output_targets(self, layout: OrthrosLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        return layout.labels[self.output_select], layout.loss_weights[self.output_select]
+
+    def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of the whole sequence as its value, ``cp`` x this rank's share as its gradient.
+
+        Every CP rank then reports (and NaN-checks) the same loss, and DeepSpeed, which averages
+        gradients over the data x context parallel group, ends with the gradient of the whole
+        sequence's loss: the mean over CP ranks of ``cp`` x each rank's share is their sum.
+        """
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self._group())
+        return total + self.cp * (loss - loss.detach())
+
+    def whole_logits(self, logits: torch.Tensor, layout: OrthrosLayout) -> torch.Tensor:
+        """Every CP rank's output-token logits back in layout order (for eval and tests, no grad)."""
+        counts = [output_select(layout, r, self.cp) for r in range(self.cp)]
+        width = max(c.numel() for c in counts)
+        padded = logits.new_zeros(width, *logits.shape[1:])
+        padded[: logits.shape[0]] = logits.detach()
+        parts = [torch.empty_like(padded) for _ in range(self.cp)]
+        dist.all_gather(parts, padded, group=self._group())
+        full = logits.new_empty(layout.num_outputs, *logits.shape[1:])
+        for select, part in zip(counts, parts):
+            full[select] = part[: select.numel()]
+        return full
+
+    @staticmethod
+    def _group():
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group()
 
     # -- attention -------------------------------------------------------------------------
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        with_base: bool,
-        gather: GatherFn,
-        backend: str = "auto",
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, with_base: bool, backend: str = "auto"
     ) -> torch.Tensor:
         """Attention of the local queries (``[base; output]`` or output only) over all keys.
 
-        ``k``/``v`` are this rank's base-stream keys ``[T_local, Hkv, D]``; ``gather`` is the
-        autograd all-gather over the CP group along dim 0 (rank-major).
+        ``k``/``v`` are this rank's base-stream keys ``[T_local, Hkv, D]``; the other ranks' come
+        through ``self.gather``.
         """
+        if self.gather is None:
+            raise ValueError("a ContextPlan needs its CP all-gather (context_plan(..., gather=...))")
+        gather = self.gather
         op = resolve_backend(backend, q.device)
         _, q_global, q_window = self.queries(with_base)
         windowed = q_window < UNBOUNDED
         kv = torch.cat([k, v], dim=1)  # one collective for both
         h_kv = k.shape[1]
-        halo = self._gather_halo(kv, gather) if with_base and self.window < UNBOUNDED else None
-        full = self._gather_full(kv, gather) if self.has_outputs or self.window >= UNBOUNDED else None
+        halo = self._gather_halo(kv, gather) if with_base and self.base_window < UNBOUNDED else None
+        full = self._gather_full(kv, gather) if self.has_outputs or self.base_window >= UNBOUNDED else None
         out = q.new_zeros(q.shape)
         for slot, chunk in enumerate(self.chunks):
             s, e = chunk * self.chunk_len, (chunk + 1) * self.chunk_len
@@ -137,7 +153,7 @@ class ContextPlan:
                 lo = e - keys.shape[0]
                 o, _ = op(
                     q[rows], *keys.split(h_kv, dim=1), q_global[rows] - lo, q_window[rows],
-                    clip_cu_seqlens(self.cu_seqlens, lo, e).to(torch.int32),
+                    clip_cu_seqlens(self.key_cu_seqlens, lo, e).to(torch.int32),
                 )
                 out = out.index_copy(0, rows, o)
             rows = torch.nonzero(in_chunk & ~windowed).flatten()
@@ -151,11 +167,11 @@ class ContextPlan:
         unbounded = torch.full_like(idx, UNBOUNDED)
         o, lse = op(
             q[rows], *local_kv.split(h_kv, dim=1), idx - s, unbounded,
-            clip_cu_seqlens(self.cu_seqlens, s, e).to(torch.int32),
+            clip_cu_seqlens(self.key_cu_seqlens, s, e).to(torch.int32),
         )
         if s == 0:
             return o
-        doc_start, _ = key_ranges(idx, unbounded, self.cu_seqlens)  # unbounded: the document start
+        doc_start, _ = key_ranges(idx, unbounded, self.key_cu_seqlens)  # unbounded: the document start
         sees_past = torch.nonzero(doc_start < s).flatten()
         if not sees_past.numel():
             return o
@@ -164,7 +180,7 @@ class ContextPlan:
         past = full[:s]
         o_p, lse_p = op(
             q[rows[sees_past]], *past.split(h_kv, dim=1), torch.full_like(sees_past, s - 1),
-            unbounded[sees_past], clip_cu_seqlens(self.cu_seqlens, 0, s).to(torch.int32),
+            unbounded[sees_past], clip_cu_seqlens(self.key_cu_seqlens, 0, s).to(torch.int32),
         )
         merged = merge_partial_attention(o[sees_past], lse[:, sees_past], o_p, lse_p)
         return o.index_copy(0, sees_past, merged)
@@ -177,7 +193,7 @@ class ContextPlan:
 
     def _gather_halo(self, kv: torch.Tensor, gather: GatherFn) -> dict[int, torch.Tensor]:
         """For each local chunk, the (up to) ``W - 1`` keys just before it."""
-        need = self.window - 1
+        need = self.base_window - 1
         tail = min(need, self.chunk_len)
         if tail == 0:
             return {c: kv[:0] for c in self.chunks}
@@ -204,8 +220,11 @@ def output_select(layout: OrthrosLayout, rank: int, cp: int) -> torch.Tensor:
     return torch.cat([torch.nonzero(chunk == c).flatten() for c in (rank, 2 * cp - 1 - rank)])
 
 
-def context_plan(config: OrthrosConfig, layout: OrthrosLayout, rank: int, cp: int) -> ContextPlan:
-    """Rank ``rank``'s share of ``layout`` under ``cp``-way context parallelism."""
+def context_plan(
+    config: OrthrosConfig, layout: OrthrosLayout, rank: int, cp: int, gather: GatherFn | None = None
+) -> ContextPlan:
+    """Rank ``rank``'s share of ``layout`` under ``cp``-way context parallelism; ``gather`` is the
+    autograd all-gather over the CP group (``orthros_train.parallel.model`` passes megatron's)."""
     device = layout.input_ids.device
     t = layout.num_tokens
     chunk_len = chunk_length(t, cp)
@@ -227,17 +246,18 @@ def context_plan(config: OrthrosConfig, layout: OrthrosLayout, rank: int, cp: in
     slot = (output_global // chunk_len == last).long()
     output_base_row = slot * chunk_len + output_global % chunk_len
     return ContextPlan(
+        input_ids=ids[token_global],
+        output_rows=output_base_row,
+        base_positions=positions[token_global],
+        out_positions=positions[output_global] if orthros else positions[:0],
+        base_key_index=token_global,
+        out_key_index=output_global if orthros else output_global[:0],
+        key_cu_seqlens=cu,
+        base_window=UNBOUNDED if config.attention_type == "dense" else config.sliding_window,
         cp=cp,
         rank=rank,
         chunk_len=chunk_len,
-        window=UNBOUNDED if config.attention_type == "dense" else config.sliding_window,
-        cu_seqlens=cu,
-        token_global=token_global,
         output_select=select,
-        output_global=output_global if orthros else output_global[:0],
-        output_base_row=output_base_row,
-        base_positions=positions[token_global],
-        out_positions=positions[output_global] if orthros else positions[:0],
-        input_ids=ids[token_global],
         has_outputs=orthros and layout.num_outputs > 0,
+        gather=gather,
     )

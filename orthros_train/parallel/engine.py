@@ -16,8 +16,6 @@ import torch
 from megatron.core import parallel_state
 
 from orthros_train.parallel.setup import ParallelConfig
-from orthros_train.train.config import OptimConfig, TrainerConfig
-from orthros_train.train.optim import build_optimizer
 
 
 class MegatronMPU:
@@ -50,21 +48,23 @@ class MegatronMPU:
     get_pipeline_model_parallel_world_size = staticmethod(parallel_state.get_pipeline_model_parallel_world_size)
 
 
-def deepspeed_config(pcfg: ParallelConfig, tcfg: TrainerConfig, ocfg: OptimConfig) -> dict[str, Any]:
+def deepspeed_config(
+    pcfg: ParallelConfig, micro_batch_size: int, grad_accum_steps: int, bf16: bool, grad_clip: float
+) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": pcfg.zero_stage}
     if pcfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if pcfg.zero_stage >= 2:
         zero.update({"overlap_comm": torch.cuda.is_available(), "contiguous_gradients": True})
     return {
-        "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
-        "gradient_accumulation_steps": tcfg.grad_accum_steps,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
         # DeepSpeed checks this against its data-parallel world size, which counts CP ranks too
         # (see MegatronMPU); the CP ranks of one DP rank share the same micro batches.
-        "train_batch_size": tcfg.micro_batch_size * tcfg.grad_accum_steps * pcfg.data_parallel * pcfg.context_parallel,
+        "train_batch_size": micro_batch_size * grad_accum_steps * pcfg.data_parallel * pcfg.context_parallel,
         "zero_optimization": zero,
-        "bf16": {"enabled": tcfg.precision == "bf16"},
-        "gradient_clipping": ocfg.grad_clip if ocfg.grad_clip > 0 else 0.0,
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": grad_clip if grad_clip > 0 else 0.0,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,  # offload with a torch optimizer: no CPUAdam compile
         "steps_per_print": 2**31 - 1,
@@ -72,19 +72,25 @@ def deepspeed_config(pcfg: ParallelConfig, tcfg: TrainerConfig, ocfg: OptimConfi
     }
 
 
-def build_engine(model: torch.nn.Module, pcfg: ParallelConfig, tcfg: TrainerConfig, ocfg: OptimConfig):
-    """Wrap ``model`` in a DeepSpeed engine; returns the engine (``engine.optimizer`` inside)."""
+def build_engine(
+    model: torch.nn.Module,
+    pcfg: ParallelConfig,
+    optimizer: torch.optim.Optimizer,
+    *,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    bf16: bool = False,
+    grad_clip: float = 0.0,
+):
+    """Wrap ``model`` and its ``optimizer`` in a DeepSpeed engine (``engine.optimizer`` inside).
+    ``grad_clip <= 0`` disables clipping. The caller (the trainer) builds the optimizer, so this
+    layer knows nothing of the recipe's ``optim``/``trainer`` groups."""
     import deepspeed
 
-    if pcfg.zero_stage == 3 and getattr(model, "ocfg", None) is not None and model.ocfg.tie_word_embeddings:
-        # The tied LM head uses the embedding's weight from another module; ZeRO-3 only gathers a
-        # partitioned parameter around its own module unless told about such outside uses.
-        deepspeed.zero.register_external_parameter(model.output_layer, model.embedding.weight)
-    optimizer = build_optimizer(model, ocfg)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        config=deepspeed_config(pcfg, tcfg, ocfg),
+        config=deepspeed_config(pcfg, micro_batch_size, grad_accum_steps, bf16, grad_clip),
         mpu=MegatronMPU,
         dist_init_required=False,
     )

@@ -1,36 +1,39 @@
-"""The Orthros model built from megatron-core tensor-parallel parts.
+"""Tensor, sequence and context parallelism applied to the one Orthros model from outside.
 
-Same math as ``orthros_train/model/orthros.py`` (the readable reference); this file only adds
-how it is split:
+``orthros_train/model/orthros.py`` is the only statement of the Orthros math. This module builds
+that same ``OrthrosForCausalLM`` through ``TensorParallelFactory``, a ``ModuleFactory`` that
+returns megatron-core's parallel parts under the model's own (HF/reference) names:
 
 * heads (and the output-stream query affine ``gamma``/``beta``, which lives per head) are split
-  across tensor-parallel ranks: ``ColumnParallelLinear`` for q, kv, the MLP's gate/up and the LM
-  head, ``RowParallelLinear`` for the attention output and the MLP's down projection,
+  across tensor-parallel ranks: ``ColumnParallelLinear`` for q, k, v, the MLP's gate/up and the
+  LM head, ``RowParallelLinear`` for the attention output and the MLP's down projection,
   ``VocabParallelEmbedding`` and vocab-parallel cross entropy for the vocabulary;
-* sequence parallelism shards the token dimension of ``[base; output]``: each rank holds a
-  slice of the base stream and a slice of the output stream (each padded to a multiple of the
-  TP size), gathered only around attention and the column-parallel linears;
+* sequence parallelism shards the token dimension of ``[base; output]`` between the layers:
+  each rank holds a slice of the base stream and a slice of the output stream (each padded to a
+  multiple of the TP size). The first layer scatters the streams, attention and the MLP gather
+  them (once per sub-layer) and their row-parallel output projections reduce-scatter back, the
+  last layer gathers the stream the LM head reads;
 * weights that every rank holds but that see only part of the work (norms under SP, the q/k
   norms shared by all heads) are used through ``copy_to_tensor_model_parallel_region``, so their
   gradient is summed over the TP group inside autograd — it is final when ``backward`` returns,
-  before any ZeRO hook reads it.
+  before any ZeRO hook reads it;
+* context parallelism swaps the attention plan for ``parallel/context.py``'s ``ContextPlan``:
+  each CP rank holds two chunks of the sequence and its attention exchanges K/V with the other
+  CP ranks; everything token-wise is unchanged.
 
-The attention op is called per rank on its local heads. Under context parallelism
-(``parallel/context.py``) each CP rank holds two chunks of the sequence and its attention
-exchanges K/V with the other CP ranks; everything token-wise is unchanged.
+Because parameter names and per-rank shapes follow the reference model, a weight's split rule
+(``parallel/state_dict.py``) is all that maps a TP rank's tensors to the reference layout.
 
-Activation recompute comes from megatron's ``TransformerConfig.recompute_granularity``:
-``selective`` recomputes the attention core (the op and, under CP, its K/V all-gathers) in the
-backward, ``full`` recomputes each layer from its input.
+Activation recompute follows megatron's ``recompute_granularity``: ``selective`` recomputes the
+attention core (the op and, under CP, its K/V all-gathers) in the backward, ``full`` recomputes
+each layer from its input.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
@@ -44,43 +47,32 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.transformer import ModuleSpec, TransformerConfig
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer import TransformerConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.model.layers import RMSNorm, RotaryEmbedding, apply_rope
-from orthros_train.model.orthros import AttentionPlan, OrthrosOutput, plan_for_layout
-from orthros_train.ops.attention import orthros_attention
-from orthros_train.parallel.context import ContextPlan, context_plan, output_select
+from orthros_train.model.layers import RMSNorm, SwiGLU
+from orthros_train.model.orthros import (
+    AttentionPlan,
+    ModuleFactory,
+    OrthrosAttention,
+    OrthrosBlock,
+    OrthrosForCausalLM,
+    initial_value,
+    plan_for_layout,
+)
+from orthros_train.parallel.context import context_plan
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
+from orthros_train.parallel.state_dict import SPLIT_ROWS, reference_shapes, shard_tensor, split_rule
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
-
-
-class TPReducedRMSNorm(RMSNorm):
-    """RMSNorm; with ``partial_grad`` its weight gradient is summed over the TP group.
-
-    ``partial_grad`` is for norms that see only this rank's part of the work: the hidden-state
-    norms under sequence parallelism (a slice of the tokens) and the q/k norms (a slice of the
-    heads). The sum happens in autograd, so ``.grad`` is final when ``backward`` returns.
-    """
-
-    def __init__(self, dim: int, eps: float, partial_grad: bool) -> None:
-        super().__init__(dim, eps)
-        self.partial_grad = partial_grad
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tensor_model_parallel_region(self.weight) if self.partial_grad else self.weight
-        return weight * self.normalize(x)
 
 
 def megatron_config(
     cfg: OrthrosConfig, tp: int, sequence_parallel: bool, dtype: torch.dtype, recompute: str = "none"
 ) -> TransformerConfig:
-    """The megatron TransformerConfig of an Orthros model (weights are loaded, not initialised)."""
+    """The megatron TransformerConfig of an Orthros model (weights are set by us, not megatron)."""
     granularity = {"none": {}, "selective": {"recompute_granularity": "selective"}}.get(
         recompute, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     )
@@ -104,35 +96,69 @@ def megatron_config(
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
-        perform_initialization=False,  # weights come from the reference model's state dict
+        perform_initialization=False,  # TensorParallelFactory.initialise sets every shard
         gradient_accumulation_fusion=False,
     )
 
 
-@dataclass
-class OrthrosAttentionSubmodules:
-    linear_q: type = ColumnParallelLinear
-    linear_kv: type = ColumnParallelLinear
-    linear_proj: type = RowParallelLinear
+# -- megatron's parallel parts on [tokens, features] ------------------------------------------------
+# megatron's linears take [tokens, batch, features] and return (output, bias); the model's
+# modules work on packed [tokens, features] and return the output.
 
 
-@dataclass
-class OrthrosLayerSubmodules:
-    self_attention: ModuleSpec
-    mlp: ModuleSpec
+class ColumnLinear(ColumnParallelLinear):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # megatron tags split weights only when it initialises them; ours are set by the
+        # factory. The grad norm (and DeepSpeed's clipping) counts a tagged tensor's shards on
+        # every TP rank and an untagged one once: untagged, the TP=2 norm missed rank 1's shards.
+        if self.weight is not None:
+            set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        out, _ = super().forward(x[:, None], weight=weight)
+        return out[:, 0]
 
 
-def orthros_layer_spec() -> ModuleSpec:
-    """ModuleSpec of one Orthros layer: swap any part (e.g. TE linears) without touching code."""
-    return ModuleSpec(
-        module=ParallelOrthrosLayer,
-        submodules=OrthrosLayerSubmodules(
-            self_attention=ModuleSpec(module=ParallelOrthrosAttention, submodules=OrthrosAttentionSubmodules()),
-            mlp=ModuleSpec(
-                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-            ),
-        ),
-    )
+class RowLinear(RowParallelLinear):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1, stride=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = super().forward(x[:, None])
+        return out[:, 0]
+
+
+class VocabEmbedding(VocabParallelEmbedding):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+
+
+class VocabParallelLMHead(ColumnLinear):
+    """The LM head with vocab-split logits ``[N, V / tp]``: megatron's vocab-parallel cross
+    entropy reads them where they are, and the full logits are gathered only when asked for."""
+
+    def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # megatron's kernel works in place on its input: give it a copy (``.float()`` of bf16 is one).
+        ce_input = logits.clone() if logits.dtype == torch.float32 else logits.float()
+        targets = torch.where(labels != IGNORE_INDEX, labels, 0)
+        return vocab_parallel_cross_entropy(ce_input[:, None], targets[:, None])[:, 0]
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_from_tensor_model_parallel_region(logits)
+
+
+class TPReducedRMSNorm(RMSNorm):
+    """RMSNorm whose weight gradient is summed over the TP group (it sees part of the work:
+    a slice of the tokens under SP, a slice of the heads for the q/k norms)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tensor_model_parallel_region(self.weight) * self.normalize(x)
+
+
+# -- the two streams under sequence parallelism -----------------------------------------------------
 
 
 class StreamShards:
@@ -144,21 +170,22 @@ class StreamShards:
     reduce-scatter hands every rank its own ``[x_r; y_r]`` back.
     """
 
-    def __init__(self, n_base: int, n_out: int, shards: int) -> None:
+    def __init__(self, plan: AttentionPlan, shards: int) -> None:
         self.shards = shards
-        self.n_base, self.n_out = n_base, n_out
-        self.base_local = -(-n_base // shards)
-        self.out_local = -(-n_out // shards)
+        self.n_base, self.n_out = plan.num_base, plan.num_outputs
+        self.base_local = -(-self.n_base // shards)
+        self.out_local = -(-self.n_out // shards)
 
     def pad(self, x: torch.Tensor, n_local: int) -> torch.Tensor:
         missing = n_local * self.shards - x.shape[0]
         return torch.cat([x, x.new_zeros((missing, *x.shape[1:]))]) if missing else x
 
     def split(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered ``[x_0; y_0; x_1; y_1; ...]`` -> ``x``, ``y`` (padding removed)."""
         per_rank = full.view(self.shards, self.base_local + self.out_local, *full.shape[1:])
         x = per_rank[:, : self.base_local].reshape(-1, *full.shape[1:])
         y = per_rank[:, self.base_local :].reshape(-1, *full.shape[1:])
-        return x, y
+        return x[: self.n_base], y[: self.n_out]
 
     def join(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = self.pad(x, self.base_local).view(self.shards, self.base_local, *x.shape[1:])
@@ -166,80 +193,12 @@ class StreamShards:
         return torch.cat([x, y], dim=1).reshape(-1, *x.shape[2:])
 
 
-class ParallelOrthrosAttention(MegatronModule):
-    def __init__(
-        self, config: TransformerConfig, submodules: OrthrosAttentionSubmodules, ocfg: OrthrosConfig, layer_idx: int
-    ) -> None:
-        super().__init__(config)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.ocfg, self.layer_idx = ocfg, layer_idx
-        self.heads = ocfg.num_attention_heads // tp
-        self.kv_heads = ocfg.num_key_value_heads // tp
-        self.head_dim = hd = ocfg.head_dim
-        d, bias = ocfg.hidden_size, ocfg.attention_bias
-        # The layer gathers (SP) or copies (TP) the normed input once for q and kv together, so
-        # these linears must neither gather it again nor reduce its gradient a second time.
-        no_sp = dataclasses.replace(config, sequence_parallel=False)
-        common = dict(config=no_sp, init_method=config.init_method, gather_output=False, skip_bias_add=False)
-        self.linear_q = build_module(
-            submodules.linear_q, d, ocfg.num_attention_heads * hd, bias=bias, disable_grad_reduce=True, **common
-        )
-        self.linear_kv = build_module(
-            submodules.linear_kv, d, 2 * ocfg.num_key_value_heads * hd, bias=bias, disable_grad_reduce=True, **common
-        )
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            ocfg.num_attention_heads * hd,
-            d,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=False,
-            input_is_parallel=True,
-            skip_bias_add=False,
-        )
-        self.q_norm = TPReducedRMSNorm(hd, ocfg.rms_norm_eps, partial_grad=True) if ocfg.qk_norm else None
-        self.k_norm = TPReducedRMSNorm(hd, ocfg.rms_norm_eps, partial_grad=True) if ocfg.qk_norm else None
-        self.gamma = nn.Parameter(torch.ones(self.heads, hd))
-        self.beta = nn.Parameter(torch.zeros(self.heads, hd))
-        for p in (self.gamma, self.beta):
-            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
-        self.rotary = RotaryEmbedding(hd, ocfg.rope_theta, ocfg.rope_scaling)
-
-    def forward(
-        self, x: torch.Tensor, y: torch.Tensor, plan: AttentionPlan, with_base_queries: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Full-sequence normed streams ``x [T, d]``, ``y [N, d]`` -> per-rank head outputs."""
-        n_base, n_out = x.shape[0], y.shape[0]
-        kv, _ = self.linear_kv(x[:, None])  # megatron linears take [tokens, batch=1, hidden]
-        k, v = kv.view(n_base, 2, self.kv_heads, self.head_dim).unbind(1)
-        q, _ = self.linear_q((torch.cat([x, y]) if with_base_queries else y)[:, None])
-        q = q.view(-1, self.heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if n_out:
-            q = torch.cat([q[: q.shape[0] - n_out], q[q.shape[0] - n_out :] * self.gamma + self.beta])
-        positions, q_index, q_window = plan.queries(with_base_queries)
-        q = apply_rope(q, *self.rotary.cos_sin(positions))
-        k = apply_rope(k, *self.rotary.cos_sin(plan.base_positions))
-        if self.config.recompute_granularity == "selective":
-            # Non-reentrant torch checkpoint: no dropout here, so megatron's RNG-tracking variant
-            # is not needed, and collectives inside (CP all-gathers) rerun in the same order.
-            o = checkpoint(self._core, q, k, v, plan, with_base_queries, use_reentrant=False)
-        else:
-            o = self._core(q, k, v, plan, with_base_queries)
-        o = o.reshape(o.shape[0], -1)
-        if not with_base_queries:
-            return None, o
-        return o[:n_base], o[n_base:]
-
-    def _core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan | ContextPlan, with_base: bool
-    ) -> torch.Tensor:
-        backend = self.ocfg.attention_backend
-        if isinstance(plan, ContextPlan):
-            return plan.attention(q, k, v, with_base, _gather_context_parallel, backend=backend)
-        _, q_index, q_window = plan.queries(with_base)
-        return orthros_attention(q, k, v, q_index, q_window, plan.key_cu_seqlens, backend=backend)
+def _gather_tokens(h: torch.Tensor, sequence_parallel: bool, output_grad_partial: bool = True) -> torch.Tensor:
+    """This rank's tokens -> every rank's (SP), or the same tensor with its gradient summed over
+    the TP group (TP alone: each rank's column-parallel linears see part of the heads)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(h[:, None], tensor_parallel_output_grad=output_grad_partial)[:, 0]
+    return copy_to_tensor_model_parallel_region(h) if output_grad_partial else h
 
 
 def _gather_context_parallel(t: torch.Tensor) -> torch.Tensor:
@@ -249,204 +208,176 @@ def _gather_context_parallel(t: torch.Tensor) -> torch.Tensor:
     )
 
 
-class ParallelOrthrosLayer(MegatronModule):
-    def __init__(
-        self, config: TransformerConfig, submodules: OrthrosLayerSubmodules, ocfg: OrthrosConfig, layer_idx: int
-    ) -> None:
-        super().__init__(config)
-        self.sequence_parallel = config.sequence_parallel
-        sp = self.sequence_parallel
-        self.input_layernorm = TPReducedRMSNorm(ocfg.hidden_size, ocfg.rms_norm_eps, partial_grad=sp)
-        self.self_attention = build_module(submodules.self_attention, config=config, ocfg=ocfg, layer_idx=layer_idx)
-        self.post_attention_layernorm = TPReducedRMSNorm(ocfg.hidden_size, ocfg.rms_norm_eps, partial_grad=sp)
-        self.mlp = build_module(submodules.mlp, config=config)
+class ParallelAttention(OrthrosAttention):
+    """The model's attention on this rank's heads: gathers the normed streams once for q, k and
+    v, and hands ``o_proj`` (row-parallel) the rows in the order its reduce-scatter returns."""
 
-    def _gather(self, h: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return gather_from_sequence_parallel_region(h[:, None], tensor_parallel_output_grad=True)[:, 0]
-        return copy_to_tensor_model_parallel_region(h)
+    def __init__(self, config: OrthrosConfig, layer_idx: int, factory: "TensorParallelFactory") -> None:
+        super().__init__(config, layer_idx, factory)
+        self.sequence_parallel = factory.sequence_parallel
+        self.shards = factory.stream_shards
+        self.selective_recompute = factory.recompute == "selective"
+
+    def forward(
+        self, h: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, with_base_queries: bool
+    ) -> torch.Tensor:
+        shards = StreamShards(plan, self.shards)
+        x, y = shards.split(_gather_tokens(h, self.sequence_parallel))
+        o = self.head_outputs(torch.cat([x, y]), plan, cache, with_base_queries)
+        if with_base_queries:
+            return self.o_proj(shards.join(o[: shards.n_base], o[shards.n_base :]))
+        return self.o_proj(shards.pad(o, shards.out_local))
+
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, with_base_queries: bool
+    ) -> torch.Tensor:
+        if self.selective_recompute:
+            # Non-reentrant torch checkpoint: no dropout here, so megatron's RNG-tracking variant
+            # is not needed, and collectives inside (CP all-gathers) rerun in the same order.
+            return checkpoint(super().core, q, k, v, plan, with_base_queries, use_reentrant=False)
+        return super().core(q, k, v, plan, with_base_queries)
+
+
+class ParallelSwiGLU(SwiGLU):
+    """The model's MLP on this rank's slice of the intermediate features: the input is gathered
+    once for gate and up; ``down_proj`` (row-parallel) reduces (or reduce-scatters) the output."""
+
+    def __init__(self, config: OrthrosConfig, factory: "TensorParallelFactory") -> None:
+        super().__init__(config.hidden_size, config.intermediate_size, factory.linear)
+        self.sequence_parallel = factory.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_gather_tokens(x, self.sequence_parallel))
+
+
+class ParallelBlock(OrthrosBlock):
+    """The model's layer between the stream layouts: the first layer shards the streams over the
+    TP ranks (SP), the last gathers the stream that is read out; ``full`` recompute reruns the
+    layer in the backward."""
+
+    def __init__(self, config: OrthrosConfig, layer_idx: int, factory: "TensorParallelFactory") -> None:
+        super().__init__(config, layer_idx, factory)
+        self.sequence_parallel = factory.sequence_parallel
+        self.shards = factory.stream_shards
+        self.first, self.last = layer_idx == 0, layer_idx == config.num_hidden_layers - 1
+        self.read_out_base = config.attention_type != "orthros"  # the baselines read out x
+        self.full_recompute = factory.recompute == "full"
 
     def forward(
         self,
         x: torch.Tensor,
         y: torch.Tensor,
         plan: AttentionPlan,
-        shards: StreamShards,
-        base_feeds_nothing: bool,
+        cache: KVCache | None = None,
+        base_feeds_nothing: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x``/``y`` are this rank's shards ``[T_local, d]``/``[N_local, d]`` (whole under no SP)."""
-        n_base_local = x.shape[0]
-        h = torch.cat([x, y])
-        full_x, full_y = shards.split(self._gather(self.input_layernorm(h)))
-        attn_x, attn_y = self.self_attention(
-            full_x[: shards.n_base], full_y[: shards.n_out], plan, not base_feeds_nothing
-        )
-        if base_feeds_nothing:
-            o, _ = self.linear_proj_rows(shards.pad(attn_y, shards.out_local))
-            y = y + o
-            y = y + self._mlp(self.post_attention_layernorm(y))
-            return x, y
-        o, _ = self.linear_proj_rows(shards.join(attn_x, attn_y))
-        h = h + o
-        h = h + self._mlp(self.post_attention_layernorm(h))
-        return h[:n_base_local], h[n_base_local:]
-
-    def linear_proj_rows(self, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out, bias = self.self_attention.linear_proj(o[:, None])
-        return out[:, 0], bias
-
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        out, _ = self.mlp(h[:, None])
-        return out[:, 0]
-
-
-class ParallelOrthrosForCausalLM(MegatronModule):
-    """Tensor/sequence-parallel Orthros; ``forward_layout`` mirrors the reference model's."""
-
-    def __init__(self, ocfg: OrthrosConfig, config: TransformerConfig, spec: ModuleSpec | None = None) -> None:
-        super().__init__(config)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        check_parallel_layout(ParallelConfig(tensor_parallel=tp), ocfg)
-        self.ocfg = ocfg
-        self.sequence_parallel = config.sequence_parallel
-        self.tp = tp
-        self.embedding = VocabParallelEmbedding(
-            ocfg.vocab_size, ocfg.hidden_size, init_method=config.init_method, config=config
-        )
-        spec = spec or orthros_layer_spec()
-        self.layers = nn.ModuleList(
-            build_module(spec, config=config, ocfg=ocfg, layer_idx=i) for i in range(ocfg.num_hidden_layers)
-        )
-        self.final_norm = TPReducedRMSNorm(ocfg.hidden_size, ocfg.rms_norm_eps, partial_grad=self.sequence_parallel)
-        self.output_layer = ColumnParallelLinear(
-            ocfg.hidden_size,
-            ocfg.vocab_size,
-            config=config,
-            init_method=config.init_method,
-            bias=False,
-            gather_output=False,
-            skip_bias_add=False,
-            skip_weight_param_allocation=ocfg.tie_word_embeddings,
-        )
-        self._mark_tensor_parallel_weights()
-
-    def _mark_tensor_parallel_weights(self) -> None:
-        """megatron tags its split weights ``tensor_model_parallel`` only when it initialises them
-        (``perform_initialization``); ours are loaded instead, so tag them here. The gradient norm
-        (and DeepSpeed's clipping) count a tagged tensor's shards on every TP rank, an untagged
-        one once: untagged, the TP=2 norm missed rank 1's shards (1.540 vs 1.836 at TP=1)."""
-        for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                dim = 0
-            elif isinstance(module, RowParallelLinear):
-                dim = 1
-            else:
-                continue
-            if getattr(module, "weight", None) is not None:
-                set_tensor_model_parallel_attributes(module.weight, is_parallel=True, dim=dim, stride=1)
-
-    @property
-    def is_orthros(self) -> bool:
-        return self.ocfg.attention_type == "orthros"
-
-    def _vocab_logits(self, layout: OrthrosLayout, shards: StreamShards, y: torch.Tensor) -> torch.Tensor:
-        weight = self.embedding.weight if self.ocfg.tie_word_embeddings else None
-        logits, _ = self.output_layer(self.final_norm(y)[:, None], weight=weight)
-        return logits[: shards.n_out, 0]  # [N, V / tp]; SP gathered the rows inside the linear
-
-    def attention_plan(self, layout: OrthrosLayout) -> AttentionPlan | ContextPlan:
-        """The whole layout's plan, or this CP rank's share of it under context parallelism."""
-        cp = parallel_state.get_context_parallel_world_size()
-        if cp > 1:
-            return context_plan(self.ocfg, layout, parallel_state.get_context_parallel_rank(), cp)
-        return plan_for_layout(self.ocfg, layout, None)
-
-    def hidden_and_shards(
-        self, layout: OrthrosLayout, plan: AttentionPlan | ContextPlan
-    ) -> tuple[torch.Tensor, StreamShards]:
-        if isinstance(plan, ContextPlan):
-            input_ids, out_rows = plan.input_ids, plan.output_base_row
+        if cache is not None:
+            raise ValueError("the parallel model has no KV cache; generate with the single-device model")
+        shards = StreamShards(plan, self.shards)
+        if self.sequence_parallel and self.first:
+            x = scatter_to_sequence_parallel_region(shards.pad(x, shards.base_local)[:, None])[:, 0]
+            y = scatter_to_sequence_parallel_region(shards.pad(y, shards.out_local)[:, None])[:, 0]
+        args = (x, y, plan, None, base_feeds_nothing)
+        if self.full_recompute:
+            x, y = checkpoint(super().forward, *args, use_reentrant=False)
         else:
-            input_ids, out_rows = layout.input_ids, layout.output_index
-        n_base = input_ids.numel()
-        emb = self.embedding(input_ids)  # [T, d], identical on every TP rank
-        shards = StreamShards(n_base, out_rows.numel() if self.is_orthros else 0, self._shards)
-        x = shards.pad(emb, shards.base_local)
-        y = shards.pad(emb[out_rows] if self.is_orthros else emb[:0], shards.out_local)
-        if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x[:, None])[:, 0]
-            y = scatter_to_sequence_parallel_region(y[:, None])[:, 0]
-        last = len(self.layers) - 1
-        full_recompute = self.config.recompute_granularity == "full"
-        for i, layer in enumerate(self.layers):
-            args = (x, y, plan, shards, self.is_orthros and i == last)
-            x, y = checkpoint(layer, *args, use_reentrant=False) if full_recompute else layer(*args)
-        if not self.is_orthros:
-            # Baselines read their outputs off the base stream.
-            if self.sequence_parallel:
-                # What follows is replicated on every rank, so the backward only splits the grad.
-                x = gather_from_sequence_parallel_region(x[:, None], tensor_parallel_output_grad=False)[:, 0]
-            y = x[out_rows]
-            shards = StreamShards(n_base, out_rows.numel(), self._shards)
-            y = shards.pad(y, shards.out_local)
-            if self.sequence_parallel:
-                y = scatter_to_sequence_parallel_region(y[:, None])[:, 0]
-        return y, shards
-
-    @property
-    def _shards(self) -> int:
-        return self.tp if self.sequence_parallel else 1
-
-    def forward(self, layout: OrthrosLayout, return_logits: bool = False) -> OrthrosOutput:
-        """What engines (DeepSpeed) call: the training forward, loss only."""
-        return self.forward_layout(layout, return_logits=return_logits)
-
-    def forward_layout(self, layout: OrthrosLayout, return_logits: bool = True) -> OrthrosOutput:
-        """Loss (as in the reference model) and, unless ``return_logits=False``, the full
-        ``[N, vocab]`` logits (all-gathered over TP). Training skips the logits: megatron's
-        vocab-parallel cross entropy works in place on them to save memory."""
-        plan = self.attention_plan(layout)
-        y, shards = self.hidden_and_shards(layout, plan)
-        logits = self._vocab_logits(layout, shards, y)
-        local = plan.output_select if isinstance(plan, ContextPlan) else None
-        loss = None
-        if layout.num_loss_tokens:
-            labels, weights = layout.labels, layout.loss_weights
-            if local is not None:
-                labels, weights = labels[local], weights[local]
-            valid = labels != IGNORE_INDEX
-            ce_input = logits.float().clone() if return_logits or logits.dtype == torch.float32 else logits.float()
-            per_token = vocab_parallel_cross_entropy(ce_input[:, None], torch.where(valid, labels, 0)[:, None])[:, 0]
-            loss = (per_token * weights * valid).sum() / layout.num_loss_tokens
-            if local is not None:
-                loss = _whole_sequence_loss(loss, plan.cp)
-        full = gather_from_tensor_model_parallel_region(logits) if return_logits else None
-        if full is not None and local is not None:
-            full = _gather_context_outputs(full, layout, plan.cp)
-        return OrthrosOutput(logits=full, loss=loss)
+            x, y = super().forward(*args)
+        if self.sequence_parallel and self.last:
+            # What follows (final norm, LM head) is replicated on every rank and the LM head's
+            # input gradient is summed over TP there, so the backward only takes this rank's rows.
+            if self.read_out_base:
+                x = _gather_tokens(x, True, output_grad_partial=False)[: shards.n_base]
+            else:
+                y = _gather_tokens(y, True, output_grad_partial=False)[: shards.n_out]
+        return x, y
 
 
-def _whole_sequence_loss(local: torch.Tensor, cp: int) -> torch.Tensor:
-    """The loss of the whole sequence as its value, ``cp`` x this rank's share as its gradient.
+class TensorParallelFactory(ModuleFactory):
+    """Builds the model's parts as this rank's tensor-parallel shards (megatron-core) under the
+    reference names; picks the context-parallel plan when the CP group has several ranks."""
 
-    Every CP rank then reports (and NaN-checks) the same loss, and DeepSpeed, which averages
-    gradients over the data x context parallel group, ends with the gradient of the whole
-    sequence's loss: the mean over CP ranks of ``cp`` x each rank's share is their sum.
-    """
-    total = local.detach().clone()
-    dist.all_reduce(total, group=parallel_state.get_context_parallel_group())
-    return total + cp * (local - local.detach())
+    def __init__(self, config: OrthrosConfig, pcfg: ParallelConfig, dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> None:
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        if self.tp != pcfg.tensor_parallel:
+            raise ValueError(
+                f"megatron's parallel state has tensor_parallel={self.tp}, the recipe {pcfg.tensor_parallel}; "
+                "call init_parallel with the same ParallelConfig first"
+            )
+        check_parallel_layout(pcfg, config)
+        self.mcfg = megatron_config(config, self.tp, pcfg.sequence_parallel, dtype, pcfg.recompute)
+        self.sequence_parallel = self.mcfg.sequence_parallel
+        self.stream_shards = self.tp if self.sequence_parallel else 1
+        self.recompute = pcfg.recompute
+        self.cp = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.config = config
+        self.seed = seed
+        # Linears inside a sub-layer see inputs already gathered once (SP) or copied once (TP), so
+        # they must neither gather again nor reduce their input gradient a second time.
+        self._inner = dataclasses.replace(self.mcfg, sequence_parallel=False)
+
+    def linear(self, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        if split_rule(name + ".weight") == SPLIT_ROWS:
+            return ColumnLinear(
+                in_features, out_features, config=self._inner, init_method=self.mcfg.init_method,
+                bias=bias, gather_output=False, skip_bias_add=False, disable_grad_reduce=True,
+            )
+        return RowLinear(
+            in_features, out_features, config=self.mcfg, init_method=self.mcfg.output_layer_init_method,
+            bias=bias, input_is_parallel=True, skip_bias_add=False,
+        )
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        # Full rows on every TP rank (all-reduced); the first layer shards them under SP.
+        return VocabEmbedding(num_embeddings, dim, init_method=self.mcfg.init_method, config=self._inner)
+
+    def lm_head(self, hidden_size: int, vocab_size: int) -> VocabParallelLMHead:
+        # Reads the full (gathered) output stream; its copy-to-TP sums the input gradient.
+        return VocabParallelLMHead(
+            hidden_size, vocab_size, config=self._inner, init_method=self.mcfg.init_method,
+            bias=False, gather_output=False, skip_bias_add=False,
+        )
+
+    def norm(self, name: str, dim: int, eps: float) -> RMSNorm:
+        partial = name in ("q_norm", "k_norm") or (self.sequence_parallel and name != "norm")
+        return TPReducedRMSNorm(dim, eps) if partial and self.tp > 1 else RMSNorm(dim, eps)
+
+    def head_parameter(self, fill: float, heads: int, head_dim: int) -> nn.Parameter:
+        p = nn.Parameter(torch.full((heads // self.tp, head_dim), fill))
+        set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+        return p
+
+    def attention(self, config: OrthrosConfig, layer_idx: int) -> OrthrosAttention:
+        return ParallelAttention(config, layer_idx, self)
+
+    def mlp(self, config: OrthrosConfig) -> SwiGLU:
+        return ParallelSwiGLU(config, self)
+
+    def block(self, config: OrthrosConfig, layer_idx: int) -> OrthrosBlock:
+        return ParallelBlock(config, layer_idx, self)
+
+    def plan(self, config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache | None) -> AttentionPlan:
+        if self.cp > 1:
+            return context_plan(config, layout, self.cp_rank, self.cp, gather=_gather_context_parallel)
+        return plan_for_layout(config, layout, cache)
+
+    def initialise(self, model: OrthrosForCausalLM) -> None:
+        """Each shard from the whole tensor ``initial_value`` draws, in reference order from one
+        seeded generator: the weights are the same at every TP size. One full tensor at a time."""
+        generator = torch.Generator().manual_seed(self.seed)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, shape in reference_shapes(self.config).items():
+                full = {name: initial_value(self.config, name, shape, generator)}
+                if name in params:  # a tied LM head is the embedding
+                    params[name].copy_(shard_tensor(name, full, self.config, self.tp, self.tp_rank))
 
 
-def _gather_context_outputs(logits: torch.Tensor, layout: OrthrosLayout, cp: int) -> torch.Tensor:
-    """Every CP rank's output-token logits back in layout order (for eval and tests, no grad)."""
-    counts = [output_select(layout, r, cp) for r in range(cp)]
-    width = max(c.numel() for c in counts)
-    padded = logits.new_zeros(width, *logits.shape[1:])
-    padded[: logits.shape[0]] = logits.detach()
-    parts = [torch.empty_like(padded) for _ in range(cp)]
-    dist.all_gather(parts, padded, group=parallel_state.get_context_parallel_group())
-    full = logits.new_empty(layout.num_outputs, *logits.shape[1:])
-    for select, part in zip(counts, parts):
-        full[select] = part[: select.numel()]
-    return full
+def build_parallel_model(
+    config: OrthrosConfig, pcfg: ParallelConfig, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> OrthrosForCausalLM:
+    """This rank's shard of the Orthros model (megatron's parallel state must be initialised),
+    randomly initialised with ``seed`` the same way at every TP size."""
+    return OrthrosForCausalLM(config, TensorParallelFactory(config, pcfg, dtype, seed))

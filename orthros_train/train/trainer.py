@@ -26,9 +26,14 @@ from megatron.core import parallel_state
 from orthros_train.data.schedule import build_scheduled_data
 from orthros_train.model import OrthrosForCausalLM
 from orthros_train.parallel.engine import build_engine
-from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
+from orthros_train.parallel.model import build_parallel_model
 from orthros_train.parallel.setup import DistributedEnv, check_parallel_layout, init_parallel
-from orthros_train.parallel.state_dict import LazyCheckpoint, gather_full_state_dict, shard_state_dict
+from orthros_train.parallel.state_dict import (
+    LazyCheckpoint,
+    gather_full_state_dict,
+    load_reference_shards,
+    shard_tensor,
+)
 from orthros_train.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from orthros_train.train.config import RunConfig
 from orthros_train.train.memory import GIB, memory_fit_problem, memory_summary
@@ -39,7 +44,7 @@ from orthros_train.train.metrics import (
     model_flops_per_token,
     peak_tflops,
 )
-from orthros_train.train.optim import lr_at
+from orthros_train.train.optim import build_optimizer, lr_at
 
 
 def seed_everything(seed: int) -> None:
@@ -149,7 +154,15 @@ class Trainer:
                 f"{cfg.model.vocab_size}; raise model.vocab_size"
             )
         self.model = self._build_model()
-        self.engine = build_engine(self.model, p, t, cfg.optim)
+        self.engine = build_engine(
+            self.model,
+            p,
+            build_optimizer(self.model, cfg.optim),
+            micro_batch_size=t.micro_batch_size,
+            grad_accum_steps=t.grad_accum_steps,
+            bf16=t.precision == "bf16",
+            grad_clip=cfg.optim.grad_clip,
+        )
         self.step = 0
         self._grad_norm = math.nan
         self.peak = peak_tflops(self.device, t.peak_tflops)
@@ -216,11 +229,12 @@ class Trainer:
         from deepspeed.utils import safe_set_full_fp32_param
 
         tp, rank = self.cfg.parallel.tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
-        local = shard_state_dict(LazyCheckpoint(directory), self.cfg.model, tp, rank)
-        params = dict(self.engine.module.named_parameters())
+        full = LazyCheckpoint(directory)
         with torch.no_grad():
-            for name, value in local.items():
-                param = params[name]
+            for name, param in self.engine.module.named_parameters():
+                if name not in full:
+                    raise ValueError(f"{directory} lacks {name!r}: the checkpoint was written for another model config")
+                value = shard_tensor(name, full, self.cfg.model, tp, rank)
                 if tuple(value.shape) != tuple(getattr(param, "ds_shape", param.shape)):
                     raise ValueError(
                         f"{directory}: {name} resharded to {tuple(value.shape)} but this model's is "
@@ -244,22 +258,14 @@ class Trainer:
                 print(f"ERROR: {exc}", file=sys.stderr, flush=True)
             return None
 
-    def _build_model(self) -> ParallelOrthrosForCausalLM:
-        """Weights come from the reference model (random init, identical for every TP size) or,
-        with ``model.init_from``, from a checkpoint read tensor by tensor."""
-        cfg, p = self.cfg, self.cfg.parallel
-        tp, tp_rank = p.tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
+    def _build_model(self) -> OrthrosForCausalLM:
+        """This rank's shard of the model, built directly: random weights drawn from
+        ``trainer.seed`` (the same at every TP size) or, with ``init.init_from``, a checkpoint's
+        read tensor by tensor."""
+        cfg = self.cfg
+        model = build_parallel_model(cfg.model, cfg.parallel, seed=cfg.trainer.seed)
         if cfg.init.init_from:
-            full = LazyCheckpoint(cfg.init.init_from)
-        else:
-            full = OrthrosForCausalLM(cfg.model).state_dict()
-        model = ParallelOrthrosForCausalLM(
-            cfg.model, megatron_config(cfg.model, tp, p.sequence_parallel, torch.float32, p.recompute)
-        )
-        missing, unexpected = model.load_state_dict(shard_state_dict(full, cfg.model, tp, tp_rank), strict=False)
-        missing = [m for m in missing if not m.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            load_reference_shards(model, LazyCheckpoint(cfg.init.init_from), cfg.model)
         return model.to(self.device)
 
     # -- one optimizer step -------------------------------------------------------------------

@@ -22,9 +22,9 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
-    from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
+    from orthros_train.parallel.model import build_parallel_model
     from orthros_train.parallel.setup import ParallelConfig, destroy_parallel, init_parallel
-    from orthros_train.parallel.state_dict import gather_full_grads, shard_state_dict
+    from orthros_train.parallel.state_dict import gather_full_grads, load_reference_shards
     from orthros_train.phase import pretrain_layout, sft_layout
     from orthros_train.train.cli import launcher_env
 
@@ -43,11 +43,8 @@ def main() -> None:
         # YaRN beyond an original length of 16: the parallel model's RoPE is the reference's.
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     )
-    init_parallel(
-        ParallelConfig(tensor_parallel=tp, context_parallel=cp, sequence_parallel=tp > 1, recompute=recompute),
-        OrthrosConfig(**base_cfg),
-        launcher_env(),
-    )
+    pcfg = ParallelConfig(tensor_parallel=tp, context_parallel=cp, sequence_parallel=tp > 1, recompute=recompute)
+    init_parallel(pcfg, OrthrosConfig(**base_cfg), launcher_env())
     assert parallel_state.get_context_parallel_world_size() == cp
     g = torch.Generator().manual_seed(1)
     # 2 rows x 23 tokens = 46 -> padded to 48 = 4 chunks of 12 at CP=2: the first row's second
@@ -69,10 +66,8 @@ def main() -> None:
             for layer in ref.layers:
                 layer.self_attn.gamma.normal_(1.0, 0.3)
                 layer.self_attn.beta.normal_(0.0, 0.3)
-        model = ParallelOrthrosForCausalLM(cfg, megatron_config(cfg, tp, tp > 1, torch.float32, recompute))
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        missing, unexpected = model.load_state_dict(shard_state_dict(ref.state_dict(), cfg, tp, tp_rank), strict=False)
-        assert not [m for m in missing if not m.endswith("_extra_state")] and not unexpected
+        model = build_parallel_model(cfg, pcfg)
+        load_reference_shards(model, ref.state_dict(), cfg)
         for name, layout in layouts.items():
             ref.zero_grad()
             model.zero_grad()

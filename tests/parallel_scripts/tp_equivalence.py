@@ -26,13 +26,13 @@ def reference_grads(ref, cfg):
 
 def main() -> None:
     from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
-    from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
+    from orthros_train.parallel.model import build_parallel_model
     from orthros_train.parallel.setup import ParallelConfig, destroy_parallel, init_parallel
     from orthros_train.parallel.state_dict import (
         LazyCheckpoint,
         gather_full_grads,
         gather_full_state_dict,
-        shard_state_dict,
+        load_reference_shards,
     )
     from orthros_train.phase import pretrain_layout, sft_layout
     from orthros_train.train.cli import launcher_env
@@ -79,11 +79,10 @@ def main() -> None:
         if rank == 0:
             ref.save_pretrained(ckpt)
         dist.barrier()
-        model = ParallelOrthrosForCausalLM(cfg, megatron_config(cfg, world, sp, torch.float32))
-        missing, unexpected = model.load_state_dict(
-            shard_state_dict(LazyCheckpoint(ckpt), cfg, world, rank), strict=False
-        )
-        assert not [m for m in missing if not m.endswith("_extra_state")] and not unexpected
+        model = build_parallel_model(cfg, ParallelConfig(tensor_parallel=world, sequence_parallel=sp))
+        # Same parameter names at every TP size: the reference model's.
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        load_reference_shards(model, LazyCheckpoint(ckpt), cfg)
         worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
         for layout in layouts.values():
             ref.zero_grad()

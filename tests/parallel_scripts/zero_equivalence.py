@@ -14,12 +14,12 @@ def main() -> None:
 
     from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
     from orthros_train.parallel.engine import build_engine
-    from orthros_train.parallel.model import ParallelOrthrosForCausalLM, megatron_config
+    from orthros_train.parallel.model import build_parallel_model
     from orthros_train.parallel.setup import ParallelConfig, destroy_parallel, init_parallel
-    from orthros_train.parallel.state_dict import gather_full_state_dict, shard_state_dict
+    from orthros_train.parallel.state_dict import gather_full_state_dict, load_reference_shards
     from orthros_train.phase import pretrain_layout
     from orthros_train.train.cli import launcher_env
-    from orthros_train.train.config import OptimConfig, TrainerConfig
+    from orthros_train.train.config import OptimConfig
     from orthros_train.train.optim import build_optimizer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -34,7 +34,6 @@ def main() -> None:
         tie_word_embeddings=True,
     )
     ocfg = OptimConfig(lr=1e-2, min_lr=1e-2, warmup_steps=0, schedule="constant", grad_clip=1.0)
-    tcfg = TrainerConfig(micro_batch_size=1, grad_accum_steps=1, seq_len=12)
     init_parallel(
         ParallelConfig(tensor_parallel=1, data_parallel=world),
         cfg,
@@ -59,9 +58,11 @@ def main() -> None:
     results = {}
     for stage, offload in ((0, False), (1, False), (2, False), (3, False), (2, True)):
         pcfg = ParallelConfig(tensor_parallel=1, data_parallel=world, zero_stage=stage, offload_optimizer=offload)
-        model = ParallelOrthrosForCausalLM(cfg, megatron_config(cfg, 1, False, torch.float32))
-        model.load_state_dict(shard_state_dict(init, cfg, 1, 0), strict=False)
-        engine = build_engine(model, pcfg, tcfg, ocfg)
+        model = build_parallel_model(cfg, pcfg)
+        load_reference_shards(model, init, cfg)
+        engine = build_engine(
+            model, pcfg, build_optimizer(model, ocfg), micro_batch_size=1, grad_accum_steps=1, grad_clip=ocfg.grad_clip
+        )
         losses = []
         for batch in batches:
             out = engine(pretrain_layout(batch[rank : rank + 1]))
