@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
-from orthros_train.train.config import OptimConfig
+from orthros_train.train.config import RLConfig
+from orthros_train.train.global_loss import loss_units
 from orthros_train.train.rl import (
-    GRPOTrainer,
+    GRPOObjective,
     PatternTask,
-    RLConfig,
     Rollout,
+    RolloutBatch,
     RolloutGenerator,
     compute_advantages,
     grpo_loss,
@@ -26,6 +31,7 @@ from orthros_train.train.rl import (
     surrogate_layout,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 V = 24
 
 
@@ -76,7 +82,7 @@ def full_sequence_logprobs(model: OrthrosForCausalLM, r: Rollout) -> torch.Tenso
     return logp[p - 1 : len(ids) - 1].gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0]
 
 
-def direct_grpo_loss(model, rollouts, cfg: RLConfig, advantages) -> torch.Tensor:
+def direct_grpo_loss(model, rollouts, cfg: RLConfig, advantages, loss_average: str) -> torch.Tensor:
     """GRPO written out per rollout, from full-sequence logits (independent of the rl layout)."""
     per_row = []
     n_tokens = sum(len(r.response_ids) for r in rollouts)
@@ -95,18 +101,8 @@ def direct_grpo_loss(model, rollouts, cfg: RLConfig, advantages) -> torch.Tensor
                 term = term + cfg.kl_coef * (torch.exp(d) - d - 1)
             terms.append(term)
         row = torch.stack(terms)
-        per_row.append(row.sum() / n_tokens if cfg.loss_average == "token" else row.mean() / len(rollouts))
+        per_row.append(row.sum() / n_tokens if loss_average == "token" else row.mean() / len(rollouts))
     return torch.stack(per_row).sum()
-
-
-class NoStep(torch.optim.SGD):
-    """An optimizer that leaves the gradients of the last update in place and the weights alone."""
-
-    def __init__(self, params):
-        super().__init__(params, lr=0.0)
-
-    def step(self, closure=None):
-        return None
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -136,23 +132,41 @@ def test_rollout_logprobs_on_the_rl_layout_equal_full_sequence_forward():
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-7)  # attention and norms run in fp32
 
 
+def objective_step(model, rollouts, cfg: RLConfig, loss_average: str, micro_rows: int, ref_model=None):
+    """What the trainer does with a step's rollouts: micro batches -> GRPOObjective -> the layout
+    loss over the step's units, accumulated; returns the logged GRPO loss and diagnostics."""
+    adv = compute_advantages(rollouts)
+    batches = [RolloutBatch.of(rollouts[i : i + micro_rows], adv[i : i + micro_rows])
+               for i in range(0, len(rollouts), micro_rows)]
+    units = sum(loss_units(b.layout, loss_average) for b in batches)
+
+    def logprobs(m):
+        return lambda layout: response_logprobs(m, layout).detach()
+
+    objective = GRPOObjective(cfg, loss_average, logprobs(model), logprobs(ref_model) if ref_model else None)
+    layouts, values, stats = objective.prepare(batches, units)
+    for layout in layouts:
+        model.forward_layout(layout, loss_normalizer=units).loss.backward()
+    return sum(values), stats
+
+
 @pytest.mark.parametrize("loss_average", ["token", "sequence"])
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_grpo_gradient_equals_direct_full_sequence_computation(loss_average, kl_coef):
     model = tiny_model(1)
     rollouts = make_rollouts(1, with_old=True, with_ref=True)
-    cfg = RLConfig(loss_average=loss_average, kl_coef=kl_coef, clip_eps_low=0.2, clip_eps_high=0.28, micro_batch_rows=2)
+    cfg = RLConfig(kl_coef=kl_coef, clip_eps_low=0.2, clip_eps_high=0.28)
     advantages = compute_advantages(rollouts)
 
-    # the trainer's update (rl layout, micro-batches of 2 rows accumulated), optimizer stopped
-    trainer = GRPOTrainer(model, cfg, OptimConfig(grad_clip=0.0), optimizer=NoStep(model.parameters()),
-                          ref_model=tiny_model(2))
-    stats = trainer.update(rollouts)
+    # the trainer's path: micro-batches of 2 rows, each with the step's global normalizer
+    value, stats = objective_step(model, rollouts, cfg, loss_average, 2, ref_model=tiny_model(2))
     assert 0 < stats["clip_fraction"] < 1  # both clip branches are exercised
     got = grads(model)
 
     model.zero_grad(set_to_none=True)
-    direct_grpo_loss(model, rollouts, cfg, advantages).backward()
+    want = direct_grpo_loss(model, rollouts, cfg, advantages, loss_average)
+    want.backward()
+    assert value == pytest.approx(float(want), rel=1e-5)  # the logged loss is the GRPO loss
     assert_same_grads(got, grads(model))
 
 
@@ -173,23 +187,31 @@ def test_surrogate_layout_gives_the_grpo_gradient_through_the_plain_layout_loss(
     want = grads(model)
 
     model.zero_grad(set_to_none=True)
-    sur = surrogate_layout(layout, logp.detach(), old, adv, w, ref, **objective)
+    sur, value, _ = surrogate_layout(layout, logp.detach(), old, adv, w, ref, **objective)
     assert torch.equal(sur.output_index, layout.output_index)
+    assert value == pytest.approx(float(loss), rel=1e-9)
     model.forward_layout(sur).loss.backward()
     # (the model's layout loss takes the cross entropy in fp32, hence the fp32 tolerance)
     assert_same_grads(grads(model), want, rel=1e-5)
 
 
 def test_on_policy_step_is_the_advantage_weighted_layout_loss():
-    """ratio == 1, no KL: the GRPO gradient is that of the rl layout with weights = advantages."""
+    """ratio == 1, no KL: the GRPO gradient is that of the rl layout with weights = advantages,
+    and no extra forward is needed (the objective never asks for log-probs)."""
     model = tiny_model(4)
     rollouts = make_rollouts(4, with_old=False)
-    trainer = GRPOTrainer(model, RLConfig(), OptimConfig(grad_clip=0.0), optimizer=NoStep(model.parameters()))
-    trainer.update(rollouts)
+
+    def no_forward(layout):
+        raise AssertionError("an on-policy step without KL needs no log-probs")
+
+    adv = compute_advantages(rollouts)
+    batch = RolloutBatch.of(rollouts, adv)
+    layouts, values, stats = GRPOObjective(RLConfig(), "token", no_forward).prepare([batch], batch.layout.num_outputs)
+    model.forward_layout(layouts[0], loss_normalizer=batch.layout.num_outputs).loss.backward()
+    assert stats["ratio_mean"] == 1.0 and stats["clip_fraction"] == 0.0
     got = grads(model)
     model.zero_grad(set_to_none=True)
-    layout = rollout_layout(rollouts, compute_advantages(rollouts))
-    model.forward_layout(layout).loss.backward()  # sum(A * CE) / N == -sum(A * logp) / N
+    model.forward_layout(rollout_layout(rollouts, adv)).loss.backward()  # sum(A * CE) / N == -sum(A * logp) / N
     assert_same_grads(got, grads(model), rel=1e-5)
 
 
@@ -251,51 +273,31 @@ def test_generation_logprobs_match_the_training_layout():
     assert got.tolist() == pytest.approx(logps, abs=1e-5)
 
 
-def test_rollout_generator_groups_and_rewards():
+def test_rollout_generator_groups_rewards_and_samples_independently_of_the_batch():
     model = tiny_model(7).float()
     task = PatternTask(vocab_size=V, prompt_len=4, response_len=3)
     cfg = RLConfig(group_size=3, max_new_tokens=3, seed=1)
-    rollouts = RolloutGenerator(task.reward, cfg)(model, task.prompts(2), group_offset=10)
+    generate = RolloutGenerator(task.reward, cfg)
+    rollouts = generate(model, task.prompts([10, 11]), slots=[10, 11])
     assert [r.group for r in rollouts] == [10, 10, 10, 11, 11, 11]
     assert all(len(r.response_ids) == 3 and r.reward == task.reward(r.prompt_ids, r.response_ids) for r in rollouts)
     assert task.reward([5], task.target([5])[:3]) == 1.0 and task.target([V - 1])[0] == task.low
+    # a prompt's rollouts depend on its slot only, not on the other prompts of the call (a
+    # data-parallel rank samples exactly what one process would)
+    alone = generate(model, task.prompts([11]), slots=[11])
+    assert [r.response_ids for r in alone] == [r.response_ids for r in rollouts[3:]]
+    assert task.prompts([11]) == task.prompts([3, 11])[1:]
 
 
-def test_ppo_epochs_and_minibatches_run_and_move_the_policy():
-    model = tiny_model(8).float()
-    rollouts = make_rollouts(8, with_old=False)
-    cfg = RLConfig(ppo_epochs=2, minibatches=2, kl_coef=0.01)
-    trainer = GRPOTrainer(model, cfg, OptimConfig(lr=1e-2, min_lr=1e-2, warmup_steps=0, weight_decay=0.0))
-    before = [p.detach().clone() for p in model.parameters()]
-    stats = trainer.update(rollouts)
-    assert trainer.optimizer_steps == 4 and trainer.step == 1
-    assert math.isfinite(stats["loss"]) and stats["kl"] >= 0
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-
-
-@pytest.mark.slow
-def test_toy_task_reward_rises():
-    torch.manual_seed(0)
-    cfg = OrthrosConfig(vocab_size=16, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=128, sliding_window=8, tie_word_embeddings=True)
-    model = OrthrosForCausalLM(cfg)
-    task = PatternTask(vocab_size=16, prompt_len=8, response_len=6, token_rewards=True)
-    rl = RLConfig(group_size=8, prompts_per_step=8, max_new_tokens=6)
-    optim = OptimConfig(lr=3e-3, min_lr=3e-3, warmup_steps=0, schedule="constant", weight_decay=0.0)
-    trainer = GRPOTrainer(model, rl, optim, max_steps=40)
-    history = trainer.train(lambda step: task.prompts(rl.prompts_per_step), RolloutGenerator(task.reward, rl))
-    first = sum(h["reward_mean"] for h in history[:5]) / 5
-    last = sum(h["reward_mean"] for h in history[-5:]) / 5
-    assert last > first + 1.0, (first, last)  # hits per 6-token response
-
-
-def _recipe(tmp_path, task: dict, rl: dict, vocab: int = V, steps: int = 2, **sections) -> dict:
+# -- RL through the trainer ------------------------------------------------------------------------
+def _recipe(tmp_path, task: dict, rl: dict, vocab: int = V, steps: int = 2, micro: int = 5, **sections) -> dict:
     return {
         "model": {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "intermediate_size": 64, "sliding_window": 4, "init_from": None},
         "optim": {"lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
         "trainer": {"max_steps": steps, "run_dir": str(tmp_path / "run"), "device": "cpu", "log_every": 0,
-                    "seed": 0, "wandb": {"enabled": False}},
+                    "seed": 0, "eval_every": 0, "micro_batch_size": micro, "progress": False,
+                    "wandb": {"enabled": False}},
         "parallel": {"zero_stage": 0},
         "rl": rl,
         "task": task,
@@ -303,45 +305,124 @@ def _recipe(tmp_path, task: dict, rl: dict, vocab: int = V, steps: int = 2, **se
     }
 
 
-def _metrics(tmp_path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def _train(recipe: dict) -> dict:
+    from orthros_train.parallel.setup import destroy_parallel
+    from orthros_train.train.config import run_config_from_dict
+    from orthros_train.train.trainer import Trainer
+
+    try:
+        return Trainer(run_config_from_dict(recipe), recipe).fit()
+    finally:
+        destroy_parallel()
 
 
-def test_run_rl_trains_on_an_external_engines_rollouts(tmp_path):
-    from orthros_train.train.rl_cli import run_rl
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
+
+def test_trainer_runs_grpo_on_an_external_engines_rollouts(tmp_path):
     rollouts = make_rollouts(9, with_old=True) + make_rollouts(10, with_old=True)
     save_rollouts(tmp_path / "r.jsonl", rollouts)
-    summary = run_rl(_recipe(tmp_path, {"name": "rollouts", "rollouts": str(tmp_path / "r.jsonl")},
-                             {"group_size": 5, "prompts_per_step": 1, "kl_coef": 0.02}, steps=5))
-    records = _metrics(tmp_path)
-    assert summary["steps"] == 2 and [r["step"] for r in records] == [1, 2]  # 10 rollouts, 5 per update
+    task = {"name": "rollouts", "rollouts": str(tmp_path / "r.jsonl")}
+    rl = {"group_size": 5, "prompts_per_step": 1, "kl_coef": 0.02}
+    with pytest.raises(ValueError, match="2 steps of .* set trainer.max_steps=2"):
+        _train(_recipe(tmp_path, task, rl, steps=3))
+    with pytest.raises(ValueError, match="set trainer.micro_batch_size=5"):
+        _train(_recipe(tmp_path, task, rl, micro=4))
+    result = _train(_recipe(tmp_path, task, rl, steps=2))
+    records = _metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]  # 10 rollouts, 5 per step
     assert all(r["loss_tokens"] == sum(len(x.response_ids) for x in rollouts[5 * i : 5 * i + 5])
                for i, r in enumerate(records))
-    assert all(math.isfinite(r["loss"]) and r["kl"] >= 0 for r in records)
-    model = OrthrosForCausalLM.from_pretrained(summary["checkpoint"])
+    assert all(math.isfinite(r["loss"]) and r["kl"] >= 0 and 0 <= r["clip_fraction"] <= 1 for r in records)
+    model = OrthrosForCausalLM.from_pretrained(result["checkpoint"])
     assert model.config.vocab_size == V
 
 
-def test_run_rl_prompt_set_with_reference_rewards(tmp_path):
+def test_trainer_runs_grpo_on_a_prompt_set_with_reference_rewards(tmp_path):
     from data_helpers import make_tokenizer, write_jsonl
 
     from data_tools.chat import ChatFields
     from data_tools.pretokenize import TokenizeOptions, run
-    from orthros_train.train.rl_cli import run_rl
 
     tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=300)
     rows = [{"prompt": f"Count to {n}", "answer": " ".join(str(i) for i in range(n))} for n in range(2, 8)]
     src = write_jsonl(tmp_path / "p.jsonl", rows)
     run(TokenizeOptions([str(src)], str(tok_dir), str(tmp_path / "rl"), kind="rl", progress=False,
                         fields=ChatFields(reference="answer")))
-    summary = run_rl(_recipe(
+    _train(_recipe(
         tmp_path,
         {"name": "prompts", "reward": "orthros_train.train.rl:reference_match_reward", "stop_token_ids": [0]},
         {"group_size": 2, "prompts_per_step": 3, "max_new_tokens": 4},
-        vocab=300,
-        data={"source": "indexed", "paths": [str(tmp_path / "rl")]},
+        vocab=300, micro=6,
+        data={"source": "indexed", "paths": [str(tmp_path / "rl")], "tokenizer": str(tok_dir)},
     ))
-    records = _metrics(tmp_path)
-    assert summary["steps"] == 2 and len(records) == 2
+    records = _metrics(tmp_path / "run")
+    assert len(records) == 2
     assert all(0 < r["response_len_mean"] <= 4 and math.isfinite(r["loss"]) for r in records)
+
+
+# -- the recipe, end to end (orthros-train --config-name rl_tiny_cpu) -------------------------------
+RL_TINY = ["--config-name", "rl_tiny_cpu", "trainer.progress=false", "trainer.wandb.enabled=false",
+           "trainer.log_every=0"]  # fmt: skip
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+
+
+def rl_cli(*overrides: str, nproc: int = 1, cwd: Path) -> subprocess.Popen:
+    launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
+    cmd = [sys.executable, *launch, "-m", "orthros_train.train.cli", *RL_TINY, *overrides]
+    return subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def by_step(run_dir: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in _metrics(run_dir)}  # a resumed run's later records win
+
+
+@pytest.mark.slow
+def test_toy_task_reward_rises(tmp_path):
+    finished(rl_cli("trainer.max_steps=40", f"trainer.run_dir={tmp_path / 'run'}", cwd=tmp_path))
+    rewards = list(by_step(tmp_path / "run", "reward_mean").values())
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 1.0, (first, last)  # hits per 6-token response
+
+
+@pytest.mark.slow
+def test_two_ranks_log_the_same_losses_and_rewards_as_one(tmp_path):
+    """DP = 2 (torchrun, gloo): each rank samples half of the prompts; with a KL term, so the
+    sharded reference model and the policy's log-probs take part."""
+    common = ["trainer.max_steps=4", "rl.kl_coef=0.05"]
+    finished(rl_cli(*common, f"trainer.run_dir={tmp_path / 'one'}", cwd=tmp_path))
+    finished(rl_cli(*common, "parallel.data_parallel=2", "trainer.micro_batch_size=32",
+                    f"trainer.run_dir={tmp_path / 'two'}", nproc=2, cwd=tmp_path))
+    for key in ("loss", "reward_mean", "kl"):
+        one, two = by_step(tmp_path / "one", key), by_step(tmp_path / "two", key)
+        assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+        for step in one:
+            assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-7), (key, step, one, two)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_resumes_bitwise(tmp_path):
+    from test_resume import kill_tree, wait_for_step
+
+    steps = ["trainer.max_steps=6", "trainer.save_every=2"]
+    finished(rl_cli(*steps, f"trainer.run_dir={tmp_path / 'straight'}", cwd=tmp_path))
+    run = tmp_path / "killed"
+    proc = rl_cli(*steps, f"trainer.run_dir={run}", cwd=tmp_path)
+    wait_for_step(run, 3, proc)  # the checkpoint of step 2 exists once step 3 is logged
+    kill_tree(proc.pid)
+    proc.wait()
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest in ("step_000000002", "step_000000004")
+    out = finished(rl_cli(*steps, f"trainer.run_dir={run}", cwd=tmp_path))
+    assert "resumed from" in out and latest in out
+    for key in ("loss", "reward_mean"):
+        straight, resumed = by_step(tmp_path / "straight", key), by_step(run, key)
+        assert sorted(straight) == sorted(resumed) == list(range(1, 7))
+        assert all(straight[s] == resumed[s] for s in straight), (key, straight, resumed)  # bitwise

@@ -18,6 +18,7 @@ from orthros_train.data import DataConfig, build_data
 from orthros_train.data.sft import average_per_sequence
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.phase import sft_layout
+from orthros_train.train.global_loss import loss_units
 
 REPO = Path(__file__).resolve().parents[1]
 V = 40
@@ -96,9 +97,10 @@ def test_sft_gradient_equals_full_sequence_computation_on_answer_tokens(average)
     layout = packed_layout(convs)
     n_answer = sum(b - a for _, spans in convs for a, b in spans)
     assert layout.num_outputs == n_answer  # output tokens on the answer targets only
+    units = loss_units(layout, average)  # labelled tokens, or conversations with an answer
     if average == "sequence":
         layout = average_per_sequence(layout)
-    out = model.forward_layout(layout)
+    out = model.forward_layout(layout, loss_normalizer=units)
     out.loss.backward()
     got = grads(model)
     model.zero_grad(set_to_none=True)
@@ -117,10 +119,9 @@ def test_per_sequence_weights_make_every_conversation_count_the_same():
     convs = conversations(1)
     layout = average_per_sequence(packed_layout(convs))
     doc = torch.tensor([c for c, (_, spans) in enumerate(convs) for a, b in spans for _ in range(a, b)])
-    n = layout.num_outputs
     per_conv = torch.zeros(len(convs), dtype=torch.float64).index_add_(0, doc, layout.loss_weights.double())
-    torch.testing.assert_close(per_conv, torch.full((3,), n / 3, dtype=torch.float64))
-    assert float(layout.loss_weights.sum()) == pytest.approx(n)  # same scale as the token average
+    torch.testing.assert_close(per_conv, torch.ones(3, dtype=torch.float64))  # each conversation sums to 1
+    assert loss_units(layout, "sequence") == 3
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,7 @@ def test_demo_data_sequence_average_and_held_out_eval(plain_tokenizer_dir, tmp_p
     doc = b.document_ids()[b.output_index]
     per_doc = torch.zeros(int(doc.max()) + 1).index_add_(0, doc, b.loss_weights)
     used = per_doc[per_doc > 0]
-    torch.testing.assert_close(used, torch.full_like(used, b.num_outputs / used.numel()))
+    torch.testing.assert_close(used, torch.ones_like(used))
     # held-out conversations: evaluated per token whatever the training average
     valid = seq.valid_batches(2)
     assert valid and all(torch.all(v.loss_weights == 1) for v in valid)

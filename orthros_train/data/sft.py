@@ -166,21 +166,18 @@ def rows_to_layout(rows: list[tuple[np.ndarray, np.ndarray, list]], loss_average
 
 
 def average_per_sequence(layout: OrthrosLayout) -> OrthrosLayout:
-    """Loss weights that make the layout loss a mean over conversations of their mean answer loss.
-
-    The models' loss is ``sum(w * CE) / N`` over the ``N`` labelled output tokens. With
-    ``w = N / (D * n_d)`` for a token of conversation (document) ``d`` that has ``n_d`` labelled
-    tokens, out of ``D`` conversations with any, it equals ``(1/D) sum_d (1/n_d) sum_{t in d} CE_t``:
-    a short answer weighs as much as a long one. Existing weights are multiplied in.
+    """Loss weights ``1 / n_d`` for a token of conversation (document) ``d`` with ``n_d``
+    labelled tokens (existing weights are multiplied in): a short answer weighs as much as a long
+    one. Divided by the number of conversations, ``sum(w * CE)`` is the mean over conversations
+    of their mean answer loss; the trainer divides by the count of the whole step's batch
+    (``orthros_train.train.global_loss``), which with ``loss_average=sequence`` is conversations.
     """
     valid = layout.labels != IGNORE_INDEX
-    n = int(valid.sum())
-    if n == 0:
+    if not bool(valid.any()):
         return layout
     doc = layout.document_ids()[layout.output_index]
     counts = torch.bincount(doc[valid], minlength=layout.cu_seqlens.numel() - 1).to(layout.loss_weights.dtype)
-    n_docs = int((counts > 0).sum())
-    scale = torch.where(valid, n / (counts[doc].clamp(min=1) * n_docs), torch.zeros_like(counts[doc]))
+    scale = torch.where(valid, 1.0 / counts[doc].clamp(min=1), torch.zeros_like(counts[doc]))
     out = copy.copy(layout)
     out.loss_weights = layout.loss_weights * scale
     return out

@@ -80,13 +80,15 @@ def run(cfg: DictConfig) -> dict:
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
-    if "rl" in resolved:  # an RL recipe (rl + task sections): the GRPO loop of train/rl_cli.py
-        from orthros_train.train.rl_cli import run_rl
-
-        return run_rl(resolved)
     run_cfg = run_config_from_dict(resolved)
     if run_cfg.trainer.dry_run:
         summary = plan_summary(run_cfg)
+        if run_cfg.rl is not None:  # an RL recipe: what one step samples and trains on
+            rl = run_cfg.rl
+            rows = rl.prompts_per_step * rl.group_size
+            response = run_cfg.task.response_len if run_cfg.task.name == "pattern" else rl.max_new_tokens
+            summary["rl"] = {"task": run_cfg.task.name, "rollouts_per_step": rows,
+                             "max_response_tokens_per_step": rows * response}
         print(json.dumps(summary, indent=2))
         warn_memory_fit(summary["memory_per_gpu"])
         return summary

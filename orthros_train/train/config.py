@@ -112,6 +112,64 @@ class ModelInit:
     init_from: str | None = None
 
 
+RL_TASKS = ("pattern", "prompts", "rollouts")
+
+
+@dataclass
+class RLConfig:
+    """GRPO settings (the ``rl`` section of an RL recipe; orthros_train/train/rl.py)."""
+
+    group_size: int = 8  # responses sampled per prompt (the group is the baseline)
+    # prompts per optimizer step over all data-parallel ranks; prompts_per_step x group_size
+    # rollouts = trainer.micro_batch_size x trainer.grad_accum_steps x parallel.data_parallel
+    prompts_per_step: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # sampling (1.0: the policy's own distribution, so old logp == policy logp)
+    top_p: float = 1.0
+    clip_eps_low: float = 0.2  # ratio clipped to [1 - low, 1 + high] (DAPO "clip-higher": high > low)
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0  # beta of KL(policy || reference); > 0 keeps a frozen copy of the initial policy
+    scale_advantages: bool = True  # divide group-centred rewards by the group std (GRPO) or not (Dr. GRPO)
+    recompute_old_logprobs: bool = False  # ignore rollouts' logprobs: every update is on-policy
+    seed: int = 0  # sampling seed
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "prompts_per_step", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+        if self.clip_eps_low < 0 or self.clip_eps_high < 0 or self.clip_eps_low >= 1:
+            raise ValueError("rl.clip_eps_low must lie in [0, 1) and rl.clip_eps_high must be >= 0")
+        if self.kl_coef < 0:
+            raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.temperature <= 0:
+            raise ValueError("rl.temperature must be > 0 (RL samples; greedy rollouts carry no exploration)")
+
+
+@dataclass
+class TaskConfig:
+    """Where an RL run's rollouts come from (the ``task`` section of an RL recipe)."""
+
+    name: str = "pattern"  # pattern | prompts | rollouts
+    # pattern (toy): prompts of random tokens in [low, model.vocab_size); count up from the last one
+    low: int = 2
+    prompt_len: int = 8
+    response_len: int = 8
+    token_rewards: bool = False  # per-token (process) rewards instead of one reward per response
+    # prompts: an `orthros-data rl` set (data.paths) + reward_fn(prompt_ids, response_ids, reference_ids)
+    reward: str | None = None  # "package.module:function"
+    stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS when there is one
+    # rollouts: an external engine's rollouts (JSONL of Rollout records), read in file order
+    rollouts: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in RL_TASKS:
+            raise ValueError(f"task.name must be one of {RL_TASKS}, got {self.name!r}")
+        if self.name == "prompts" and not self.reward:
+            raise ValueError("task.name=prompts needs task.reward (a reward function 'module:function')")
+        if self.name == "rollouts" and not self.rollouts:
+            raise ValueError("task.name=rollouts needs task.rollouts (a JSONL file of rollouts)")
+
+
 @dataclass
 class RunConfig:
     model: OrthrosConfig
@@ -120,6 +178,9 @@ class RunConfig:
     trainer: TrainerConfig
     parallel: ParallelConfig
     init: ModelInit
+    # An RL run (GRPO through the same trainer): both sections set, or neither.
+    rl: RLConfig | None = None
+    task: TaskConfig | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -145,11 +206,14 @@ def _section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
 
 def run_config_from_dict(cfg: dict[str, Any]) -> RunConfig:
     """Build the typed config from a resolved recipe (``OmegaConf.to_container(resolve=True)``)."""
-    unknown = sorted(set(cfg) - {"model", "data", "optim", "trainer", "parallel", "hydra"})
+    unknown = sorted(set(cfg) - {"model", "data", "optim", "trainer", "parallel", "rl", "task", "hydra"})
     if unknown:
         raise ValueError(
-            f"unknown top-level recipe section(s) {unknown}; expected model, data, optim, trainer, parallel"
+            f"unknown top-level recipe section(s) {unknown}; expected model, data, optim, trainer, parallel "
+            "(and rl, task in an RL recipe)"
         )
+    if ("rl" in cfg) != ("task" in cfg):
+        raise ValueError("an RL recipe needs both an 'rl' section (GRPO settings) and a 'task' section (rollouts)")
     model = dict(cfg.get("model") or {})
     init = ModelInit(init_from=model.pop("init_from", None))
     return RunConfig(
@@ -159,4 +223,6 @@ def run_config_from_dict(cfg: dict[str, Any]) -> RunConfig:
         trainer=_section(TrainerConfig, cfg.get("trainer"), "trainer"),
         parallel=_section(ParallelConfig, cfg.get("parallel"), "parallel"),
         init=init,
+        rl=_section(RLConfig, cfg["rl"], "rl") if "rl" in cfg else None,
+        task=_section(TaskConfig, cfg["task"], "task") if "task" in cfg else None,
     )

@@ -1,8 +1,9 @@
-"""RL fine-tuning: GRPO-style policy-gradient steps on rl layouts (docs/sft_rl.md).
+"""RL fine-tuning: the GRPO math on rl layouts (docs/sft_rl.md).
 
-A *rollout* is a prompt, a sampled response and how good it was. Rollouts come from our own
-generation (``RolloutGenerator``: prefill + decode with sampling) or from an external engine
-(vLLM, SGLang, ...) as JSON lines in the format of ``Rollout`` (``load_rollouts``).
+A *rollout* is a prompt, a sampled response and how good it was. Rollouts come from a source
+(``orthros_train/train/rollouts.py``): our own generation with the current weights
+(``RolloutGenerator``: prefill + decode with sampling) or an external engine (vLLM, SGLang, ...)
+as JSON lines in the format of ``Rollout`` (``load_rollouts``).
 
 A batch of rollouts becomes one ``rl_layout``: every prompt + response is one document of the
 packed base stream (sliding-window attention only), and output tokens sit only on the positions
@@ -14,22 +15,19 @@ tokens, not with the prompt length. The same layout gives
 * the GRPO loss (``grpo_loss``): the PPO clipped surrogate on per-token advantages
   ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` with ``r = exp(logp - logp_old)``, plus
   ``kl_coef * KL(policy || reference)`` (the non-negative ``k3`` estimator
-  ``exp(ref - logp) - (ref - logp) - 1``), averaged over all response tokens of the batch
-  (``loss_average="token"``) or per sequence and then over sequences (``"sequence"``, the GRPO
-  paper's form).
+  ``exp(ref - logp) - (ref - logp) - 1``), averaged over all response tokens of the step's
+  global batch (``data.loss_average=token``) or per response and then over responses
+  (``sequence``, the GRPO paper's form).
 
 Advantages (``compute_advantages``): given per rollout, or from rewards normalised within each
 group of rollouts that share a prompt (GRPO): a sequence reward gives every response token
 ``(r - mean) / std`` of its group; per-token rewards are normalised over all tokens of the group
 and summed from each token to the end of the response (GRPO's process supervision).
 
-``surrogate_layout`` turns a GRPO step into a plain weighted-cross-entropy layout whose gradient
-is exactly the GRPO gradient (the weights are ``-dLoss/dlogp`` times the token count), so the
-main trainer (megatron TP/SP + DeepSpeed), whose loss is ``sum(w * CE) / N``, can run RL updates
-without knowing about them.
-
-``GRPOTrainer`` is the simple synchronous loop on one process (generate -> score -> update) with
-a plain torch AdamW on the reference ``OrthrosForCausalLM``; ``PatternTask`` is the CPU toy task.
+The trainer (megatron TP/SP/CP + DeepSpeed) runs RL with the loss it runs everywhere,
+``sum(w * CE) / units`` over the step's global batch: ``GRPOObjective`` turns each micro-batch
+of rollouts into the same rl layout with weights ``w = -units * dLoss/dlogp`` (``surrogate_layout``),
+whose gradient is exactly the GRPO gradient. ``PatternTask`` is the CPU toy task.
 """
 
 from __future__ import annotations
@@ -37,24 +35,24 @@ from __future__ import annotations
 import copy
 import json
 import math
-import random
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from orthros_train.data.rl import rl_batch
+from orthros_train.data.sft import average_per_sequence
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
-from orthros_train.train.config import OptimConfig
-from orthros_train.train.optim import build_optimizer, lr_at, set_lr
+from orthros_train.train.config import RLConfig
+from orthros_train.train.global_loss import loss_units
 
 # reward_fn(prompt_ids, response_ids, reference_ids or None) -> one reward or one per response token
 RewardFn = Callable[[list[int], list[int], "list[int] | None"], "float | Sequence[float]"]
-LOSS_AVERAGES = ("token", "sequence")
 
 
 # -- the rollout format ---------------------------------------------------------------------------
@@ -214,59 +212,19 @@ def response_logprobs(model: torch.nn.Module, layout: OrthrosLayout) -> torch.Te
 
 
 # -- the GRPO objective ---------------------------------------------------------------------------
-@dataclass
-class RLConfig:
-    """GRPO settings (the ``rl`` section of an RL recipe)."""
-
-    group_size: int = 8  # responses sampled per prompt
-    prompts_per_step: int = 8  # prompts per rollout batch
-    max_new_tokens: int = 16
-    temperature: float = 1.0  # sampling (1.0: the policy's own distribution, so old logp == policy logp)
-    top_p: float = 1.0
-    clip_eps_low: float = 0.2  # ratio clipped to [1 - low, 1 + high] (DAPO "clip-higher": high > low)
-    clip_eps_high: float = 0.2
-    kl_coef: float = 0.0  # beta of KL(policy || reference); > 0 keeps a frozen copy of the initial policy
-    loss_average: str = "token"  # token: over all response tokens | sequence: per response, then over responses
-    scale_advantages: bool = True  # divide group-centred rewards by the group std (GRPO) or not (Dr. GRPO)
-    ppo_epochs: int = 1  # passes over each rollout batch
-    minibatches: int = 1  # optimizer steps per pass
-    micro_batch_rows: int | None = None  # rows per forward (gradient accumulation); None: the whole minibatch
-    recompute_old_logprobs: bool = False  # ignore rollouts' logprobs; use the current policy's before updating
-    seed: int = 0  # sampling seed
-
-    def __post_init__(self) -> None:
-        if self.loss_average not in LOSS_AVERAGES:
-            raise ValueError(f"rl.loss_average must be one of {LOSS_AVERAGES}, got {self.loss_average!r}")
-        for name in ("group_size", "prompts_per_step", "ppo_epochs", "minibatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"rl.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.clip_eps_low < 0 or self.clip_eps_high < 0 or self.clip_eps_low >= 1:
-            raise ValueError("rl.clip_eps_low must lie in [0, 1) and rl.clip_eps_high must be >= 0")
-        if self.kl_coef < 0:
-            raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.temperature <= 0:
-            raise ValueError("rl.temperature must be > 0 (RL samples; greedy rollouts carry no exploration)")
-        if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
-            raise ValueError(f"rl.micro_batch_rows must be >= 1 or null, got {self.micro_batch_rows}")
-
-
-def normalizer(layout: OrthrosLayout, loss_average: str, num_rows: int | None = None) -> torch.Tensor:
+def normalizer(layout: OrthrosLayout, loss_average: str, units: int | None = None) -> torch.Tensor:
     """Per-token factor ``[N]`` that turns a sum over tokens into the chosen average.
 
-    token: ``1 / N`` (every response token counts the same); sequence: ``1 / (rows * len(row))``
-    (every response counts the same). ``num_rows`` is the row count of the batch the average runs
-    over when this layout is only a micro-batch of it (default: this layout's rows).
+    token: ``1 / units`` (every response token counts the same); sequence: ``1 / (len(row) *
+    units)`` (every response counts the same). ``units`` are the response tokens, or responses,
+    of the whole batch the average runs over (default: this layout's own; the trainer passes the
+    step's global count, ``orthros_train.train.global_loss``).
     """
-    n = layout.num_outputs
-    if loss_average == "token":
-        return torch.full((n,), 1.0 / max(n, 1), dtype=torch.float64, device=layout.labels.device)
-    if loss_average != "sequence":
-        raise ValueError(f"loss_average must be one of {LOSS_AVERAGES}, got {loss_average!r}")
-    counts = torch.bincount(layout.row_of_output, minlength=layout.num_rows).double()
-    rows = num_rows if num_rows is not None else int((counts > 0).sum())
-    return 1.0 / (counts[layout.row_of_output] * rows)
+    units = loss_units(layout, loss_average) if units is None else units
+    ones = copy.copy(layout)
+    ones.loss_weights = torch.ones_like(layout.loss_weights, dtype=torch.float64)
+    per_token = average_per_sequence(ones).loss_weights if loss_average == "sequence" else ones.loss_weights
+    return per_token / max(units, 1)
 
 
 def grpo_loss(
@@ -279,7 +237,8 @@ def grpo_loss(
     clip_eps_high: float = 0.2,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """``sum_t weights_t * (-min(r_t A_t, clip(r_t) A_t) + kl_coef * k3_t)`` and diagnostics.
+    """``sum_t weights_t * (-min(r_t A_t, clip(r_t) A_t) + kl_coef * k3_t)`` and diagnostics
+    (sums over the tokens: ``ratio_sum``, ``clipped``, ``neg_logp_sum``, ``kl_sum``).
 
     All tensors are per response token ``[N]``; ``weights`` come from ``normalizer``.
     """
@@ -296,14 +255,13 @@ def grpo_loss(
         per_token = per_token + kl_coef * kl
     loss = (per_token * weights).sum()
     with torch.no_grad():
-        n = max(logp.numel(), 1)
         stats = {
-            "ratio_mean": float(ratio.sum() / n),
-            "clip_fraction": float((clipped != unclipped).float().sum() / n),
-            "entropy_proxy": float(-logp.sum() / n),  # mean negative log-prob of the sampled tokens
+            "ratio_sum": float(ratio.sum()),
+            "clipped": float((clipped != unclipped).float().sum()),
+            "neg_logp_sum": float(-logp.sum()),  # entropy proxy: negative log-prob of the sampled tokens
         }
         if kl is not None:
-            stats["kl"] = float(kl.sum() / n)
+            stats["kl_sum"] = float(kl.sum())
     return loss, stats
 
 
@@ -314,67 +272,193 @@ def surrogate_layout(
     advantages: torch.Tensor,
     weights: torch.Tensor,
     ref_logp: torch.Tensor | None = None,
+    units: int | None = None,
     **objective: float,
-) -> OrthrosLayout:
-    """A copy of ``layout`` whose weighted cross entropy has exactly the GRPO gradient at ``logp``.
+) -> tuple[OrthrosLayout, float, dict[str, float]]:
+    """A copy of ``layout`` whose weighted cross entropy has exactly the GRPO gradient at ``logp``,
+    with the GRPO loss there and its diagnostics.
 
     ``logp`` is the policy's current log-prob (no grad). With ``c = dLoss/dlogp`` the layout
-    loss ``sum(w * CE) / N = -sum(w * logp) / N`` has gradient ``sum(c * dlogp)`` when
-    ``w = -c * N``: the main trainer's loss then is a GRPO step.
+    loss ``sum(w * CE) / units = -sum(w * logp) / units`` has gradient ``sum(c * dlogp)`` when
+    ``w = -c * units`` (``units`` defaults to the layout's labelled tokens, the models' default
+    normalizer).
     """
-    leaf = logp.detach().float().clone().requires_grad_(True)
-    loss, _ = grpo_loss(leaf, old_logp.detach(), advantages, weights, ref_logp, **objective)
+    units = layout.num_loss_tokens if units is None else units
+    leaf = logp.detach().double().clone().requires_grad_(True)
+    loss, stats = grpo_loss(leaf, old_logp.detach().double(), advantages.double(), weights.double(),
+                            None if ref_logp is None else ref_logp.detach().double(), **objective)
     (coeff,) = torch.autograd.grad(loss, leaf)
     out = copy.copy(layout)
-    out.loss_weights = (-coeff * layout.num_loss_tokens).to(layout.loss_weights.dtype)
-    return out
+    out.loss_weights = (-coeff * units).to(layout.loss_weights.dtype)
+    return out, float(loss.detach()), stats
+
+
+@dataclass
+class RolloutBatch:
+    """A micro-batch of rollouts as the trainer reads it: the rl layout (weights = advantages) and
+    the per-response-token tensors that line up with ``layout.labels``."""
+
+    layout: OrthrosLayout
+    advantages: torch.Tensor  # [N]
+    old_logp: torch.Tensor | None = None  # [N] the sampling policy's; None: on-policy
+    ref_logp: torch.Tensor | None = None  # [N] given by the rollouts; None: the reference model's
+    rewards: list[float] = field(default_factory=list)  # total reward of each rollout
+
+    @classmethod
+    def of(cls, rollouts: Sequence[Rollout], advantages: Sequence[torch.Tensor], recompute_old: bool = False):
+        def given(name: str) -> torch.Tensor | None:
+            values = [getattr(r, name) for r in rollouts]
+            if any(v is None for v in values):
+                return None
+            return torch.tensor([x for v in values for x in v], dtype=torch.float32)
+
+        return cls(
+            layout=rollout_layout(rollouts, advantages),
+            advantages=torch.cat(list(advantages)).float(),
+            old_logp=None if recompute_old else given("logprobs"),
+            ref_logp=given("ref_logprobs"),
+            rewards=[rollout_reward(r) for r in rollouts],
+        )
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return RolloutBatch(self.layout.to(device), self.advantages.to(device), move(self.old_logp),
+                            move(self.ref_logp), list(self.rewards))
+
+
+LogprobFn = Callable[[OrthrosLayout], torch.Tensor]
+
+
+class GRPOObjective:
+    """A step's rollout micro-batches -> the layouts the trainer's loss turns into a GRPO step.
+
+    ``policy_logprobs`` / ``reference_logprobs`` give the response tokens' log-probs under the
+    current policy and the frozen reference (no grad; sharded models, collective calls). The
+    policy's are needed only off-policy (rollouts with ``logprobs``) or with a KL term: an
+    on-policy update without KL has ratio 1, and its GRPO gradient is that of the rl layout with
+    weights = advantages (times ``1 / len(row)`` in sequence mode).
+    """
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        loss_average: str,
+        policy_logprobs: LogprobFn,
+        reference_logprobs: LogprobFn | None = None,
+        group: Any = None,
+    ) -> None:
+        if cfg.kl_coef > 0 and reference_logprobs is None:
+            raise ValueError("rl.kl_coef > 0 needs the frozen reference model")
+        self.cfg = cfg
+        self.loss_average = loss_average
+        self.policy_logprobs = policy_logprobs
+        self.reference_logprobs = reference_logprobs
+        self.group = group  # data-parallel group the diagnostics are summed over
+
+    def prepare(
+        self, batches: Sequence[RolloutBatch], units: int
+    ) -> tuple[list[OrthrosLayout], list[float], dict[str, float]]:
+        """Layouts to train on, each micro-batch's share of the step's GRPO loss, and the step's
+        diagnostics (global means over the data-parallel group)."""
+        cfg = self.cfg
+        objective = dict(clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef)
+        layouts, values = [], []
+        sums = {"ratio_sum": 0.0, "clipped": 0.0, "neg_logp_sum": 0.0, "kl_sum": 0.0}
+        for b in batches:
+            weights = normalizer(b.layout, self.loss_average, units).to(b.advantages.device)
+            if b.old_logp is None and cfg.kl_coef == 0:
+                out = copy.copy(b.layout)  # ratio 1: dLoss/dlogp = -A * weights
+                out.loss_weights = (b.advantages.double() * weights * max(units, 1)).to(b.layout.loss_weights.dtype)
+                value = float(-(b.advantages.double() * weights).sum())
+                n = b.layout.num_outputs
+                stats = {"ratio_sum": float(n), "clipped": 0.0, "neg_logp_sum": math.nan}
+            else:
+                logp = self.policy_logprobs(b.layout)
+                old = b.old_logp if b.old_logp is not None else logp
+                ref = b.ref_logp
+                if cfg.kl_coef > 0 and ref is None:
+                    ref = self.reference_logprobs(b.layout)
+                out, value, stats = surrogate_layout(
+                    b.layout, logp, old, b.advantages, weights, ref, units=max(units, 1), **objective
+                )
+            for k, v in stats.items():
+                sums[k] += v
+            layouts.append(out)
+            values.append(value)
+        rewards = [r for b in batches for r in b.rewards]
+        tokens = sum(b.layout.num_outputs for b in batches)
+        totals = torch.tensor(
+            [sum(rewards), float(len(rewards)), float(tokens), sums["ratio_sum"], sums["clipped"],
+             sums["neg_logp_sum"], sums["kl_sum"], float(sum(b.advantages.abs().sum() for b in batches))],
+            dtype=torch.float64,
+        )
+        if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(totals, group=self.group)
+        r_sum, n_rollouts, n_tokens, ratio, clipped, neg_logp, kl, adv_abs = totals.tolist()
+        stats = {
+            "reward_mean": r_sum / n_rollouts,
+            "response_len_mean": n_tokens / n_rollouts,
+            "loss_tokens": n_tokens,
+            "ratio_mean": ratio / n_tokens,
+            "clip_fraction": clipped / n_tokens,
+            "advantage_abs_mean": adv_abs / n_tokens,
+        }
+        if not math.isnan(neg_logp):
+            stats["entropy_proxy"] = neg_logp / n_tokens
+        if cfg.kl_coef > 0:
+            stats["kl"] = kl / n_tokens
+        return layouts, values, stats
 
 
 # -- rollouts from our own generation -------------------------------------------------------------
 class RolloutGenerator:
-    """Samples ``group_size`` responses per prompt with the policy (prefill + decode) and scores them."""
+    """Samples ``group_size`` responses per prompt with the policy (prefill + decode) and scores them.
+
+    Each prompt is sampled on its own with a seed of its own (``rl.seed`` and the prompt's global
+    slot), so a rollout does not depend on which rank or batch its prompt landed in: a run on
+    any number of data-parallel ranks samples the same rollouts.
+    """
 
     def __init__(self, reward_fn: RewardFn, cfg: RLConfig, stop_token_ids: Sequence[int] = ()) -> None:
         self.reward_fn = reward_fn
         self.cfg = cfg
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
-        self.calls = 0
 
     @torch.no_grad()
     def __call__(
         self,
         policy: torch.nn.Module,
         prompts: Sequence[Sequence[int]],
-        group_offset: int = 0,
+        slots: Sequence[int],
         references: Sequence[Sequence[int] | None] | None = None,
     ) -> list[Rollout]:
-        """``group_size`` scored rollouts per prompt; prompt ``i`` gets group ``group_offset + i``."""
+        """``group_size`` scored rollouts per prompt; prompt ``i`` is group ``slots[i]``."""
         from orthros_train.infer import SamplingParams, generate
 
         cfg = self.cfg
         refs = list(references) if references is not None else [None] * len(prompts)
-        rows = [list(p) for p in prompts for _ in range(cfg.group_size)]
-        params = SamplingParams(
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            stop_token_ids=self.stop_token_ids,
-            seed=cfg.seed * 1_000_003 + self.calls,
-        )
-        self.calls += 1
-        result = generate(policy, rows, params)
         rollouts = []
-        for k, (prompt, response) in enumerate(zip(rows, result.sequences)):
-            if not response:  # max_new_tokens >= 1 and prompts are non-empty: cannot happen
-                continue
-            ref = refs[k // cfg.group_size]
-            reward = self.reward_fn(list(prompt), list(response), None if ref is None else [int(t) for t in ref])
-            kw: dict[str, Any] = {}
-            if isinstance(reward, (int, float)):
-                kw["reward"] = float(reward)
-            else:
-                kw["token_rewards"] = [float(x) for x in reward]
-            rollouts.append(Rollout(prompt, response, group=group_offset + k // cfg.group_size, **kw))
+        for prompt, slot, ref in zip(prompts, slots, refs):
+            params = SamplingParams(
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                stop_token_ids=self.stop_token_ids,
+                seed=int(np.random.SeedSequence([cfg.seed, int(slot)]).generate_state(1)[0]),
+            )
+            result = generate(policy, [list(prompt)] * cfg.group_size, params)
+            for response in result.sequences:
+                if not response:  # max_new_tokens >= 1 and prompts are non-empty: cannot happen
+                    continue
+                reward = self.reward_fn(list(prompt), list(response), None if ref is None else [int(t) for t in ref])
+                kw: dict[str, Any] = {}
+                if isinstance(reward, (int, float)):
+                    kw["reward"] = float(reward)
+                else:
+                    kw["token_rewards"] = [float(x) for x in reward]
+                rollouts.append(Rollout(list(prompt), list(response), group=int(slot), **kw))
         return rollouts
 
 
@@ -398,166 +482,6 @@ def rollout_reward(r: Rollout) -> float:
     return float("nan")
 
 
-# -- the synchronous loop -------------------------------------------------------------------------
-class GRPOTrainer:
-    """GRPO on one process: plain AdamW on a reference ``OrthrosForCausalLM`` (or any module with
-    ``forward_layout`` returning logits).
-
-    ``update(rollouts)`` trains on a batch of rollouts (ours or an external engine's);
-    ``train(prompt_fn, generator)`` runs the synchronous generate -> score -> update loop.
-    """
-
-    def __init__(
-        self,
-        policy: torch.nn.Module,
-        cfg: RLConfig,
-        optim: OptimConfig | None = None,
-        max_steps: int = 100,
-        ref_model: torch.nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> None:
-        self.policy = policy
-        self.cfg = cfg
-        # RL fine-tuning defaults: a small constant lr, no weight decay.
-        self.optim = optim or OptimConfig(lr=1e-5, min_lr=1e-5, weight_decay=0.0, warmup_steps=0, schedule="constant")
-        self.max_steps = max_steps
-        if cfg.kl_coef > 0 and ref_model is None:
-            ref_model = copy.deepcopy(policy)  # the frozen initial policy
-        self.ref_model = ref_model
-        if self.ref_model is not None:
-            self.ref_model.eval().requires_grad_(False)
-        self.optimizer = optimizer or build_optimizer(policy, self.optim)
-        self.device = next(policy.parameters()).device
-        self.step = 0  # rollout batches trained on
-        self.optimizer_steps = 0
-        self.rng = random.Random(cfg.seed)
-
-    @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, layout: OrthrosLayout) -> torch.Tensor:
-        was = model.training
-        model.eval()
-        try:
-            return response_logprobs(model, layout).detach()
-        finally:
-            model.train(was)
-
-    def prepare(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
-        """Layout, advantages, old and reference log-probs of a rollout batch (no gradient)."""
-        cfg = self.cfg
-        adv = compute_advantages(rollouts, scale=cfg.scale_advantages)
-        layout = rollout_layout(rollouts, adv).to(self.device)
-        advantages = torch.cat(adv).to(self.device)
-        given_old = [r.logprobs for r in rollouts]
-        single_pass = cfg.ppo_epochs == 1 and cfg.minibatches == 1
-        if all(x is not None for x in given_old) and not cfg.recompute_old_logprobs:
-            old = torch.tensor([v for x in given_old for v in x], dtype=torch.float32, device=self.device)
-        elif single_pass:
-            old = None  # on-policy, one update: old == current policy, taken from the same forward
-        else:
-            old = self._logprobs(self.policy, layout)
-        ref = None
-        if cfg.kl_coef > 0:
-            given_ref = [r.ref_logprobs for r in rollouts]
-            if all(x is not None for x in given_ref):
-                ref = torch.tensor([v for x in given_ref for v in x], dtype=torch.float32, device=self.device)
-            else:
-                ref = self._logprobs(self.ref_model, layout)
-        return {"layout": layout, "advantages": advantages, "old_logp": old, "ref_logp": ref}
-
-    def _rows_layout(self, rollouts: Sequence[Rollout], rows: Sequence[int]) -> OrthrosLayout:
-        return rollout_layout([rollouts[i] for i in rows]).to(self.device)
-
-    def update(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
-        """``ppo_epochs`` x ``minibatches`` optimizer steps on a rollout batch; returns diagnostics."""
-        cfg = self.cfg
-        prep = self.prepare(rollouts)
-        layout, adv = prep["layout"], prep["advantages"]
-        # per-row slices of the flat per-token tensors
-        starts = torch.cumsum(torch.tensor([0] + [len(r.response_ids) for r in rollouts]), 0).tolist()
-        self.policy.train()
-        stats: dict[str, float] = {}
-        n_rows = len(rollouts)
-        for _epoch in range(cfg.ppo_epochs):
-            order = list(range(n_rows))
-            if cfg.ppo_epochs > 1 or cfg.minibatches > 1:
-                self.rng.shuffle(order)
-            per_mb = math.ceil(n_rows / cfg.minibatches)
-            for m in range(cfg.minibatches):
-                mb = sorted(order[m * per_mb : (m + 1) * per_mb])
-                if not mb:
-                    continue
-                stats = self._optimizer_step(rollouts, mb, starts, prep)
-        stats["loss_tokens"] = float(layout.num_outputs)
-        stats["reward_mean"] = sum(rollout_reward(r) for r in rollouts) / len(rollouts)
-        stats["advantage_abs_mean"] = float(adv.abs().mean())
-        stats["response_len_mean"] = sum(len(r.response_ids) for r in rollouts) / len(rollouts)
-        self.step += 1
-        return stats
-
-    def _optimizer_step(self, rollouts, mb: list[int], starts: list[int], prep: dict) -> dict[str, float]:
-        cfg = self.cfg
-        tokens_total = sum(len(rollouts[i].response_ids) for i in mb)
-        micro = cfg.micro_batch_rows or len(mb)
-        self.optimizer.zero_grad(set_to_none=True)
-        total_loss, agg = 0.0, {}
-        for c in range(0, len(mb), micro):
-            rows = mb[c : c + micro]
-            layout = self._rows_layout(rollouts, rows)
-            idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows]).to(self.device)
-            if cfg.loss_average == "token":
-                weights = torch.full((layout.num_outputs,), 1.0 / tokens_total, dtype=torch.float64, device=self.device)
-            else:
-                weights = normalizer(layout, "sequence", num_rows=len(mb))
-            logp = response_logprobs(self.policy, layout)
-            old = prep["old_logp"][idx] if prep["old_logp"] is not None else logp.detach()
-            ref = prep["ref_logp"][idx] if prep["ref_logp"] is not None else None
-            loss, s = grpo_loss(
-                logp, old, prep["advantages"][idx], weights, ref,
-                cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef,
-            )
-            loss.backward()
-            total_loss += float(loss.detach())
-            share = layout.num_outputs / tokens_total
-            for k, v in s.items():
-                agg[k] = agg.get(k, 0.0) + v * share
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        lr = lr_at(self.step, self.optim, self.max_steps)  # the schedule runs over rollout batches
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer_steps += 1
-        return {"loss": total_loss, "grad_norm": float(grad_norm), "lr": lr, **agg}
-
-    def train(
-        self,
-        prompt_fn: Callable[[int], Sequence[Sequence[int]] | tuple[list, list]],
-        generator: RolloutGenerator,
-        steps: int | None = None,
-        log: Callable[[dict[str, Any]], None] | None = None,
-    ) -> list[dict[str, Any]]:
-        """The synchronous loop: prompts -> ``generator`` (sample + score) -> ``update``.
-
-        ``prompt_fn(step)`` returns the prompts of a step (token id lists), or ``(prompts,
-        references)`` for reward functions that compare with a reference answer.
-        """
-        history = []
-        target = self.step + steps if steps is not None else self.max_steps
-        while self.step < target:
-            t0 = time.perf_counter()
-            got = prompt_fn(self.step)
-            prompts, refs = got if isinstance(got, tuple) else (got, None)
-            rollouts = generator(self.policy, prompts, self.step * len(prompts), refs)
-            t1 = time.perf_counter()
-            stats = self.update(rollouts)
-            t2 = time.perf_counter()
-            record = {"step": self.step, **stats, "generate_s": t1 - t0, "update_s": t2 - t1}
-            history.append(record)
-            if log is not None:
-                log(record)
-        return history
-
-
 # -- the CPU toy task -----------------------------------------------------------------------------
 @dataclass
 class PatternTask:
@@ -577,12 +501,10 @@ class PatternTask:
     response_len: int = 8
     token_rewards: bool = False
     seed: int = 0
-    _rng: random.Random = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if not 0 <= self.low < self.vocab_size - 1:
             raise ValueError("PatternTask needs 0 <= low < vocab_size - 1")
-        self._rng = random.Random(self.seed)
 
     def next_token(self, t: int) -> int:
         span = self.vocab_size - self.low
@@ -601,8 +523,14 @@ class PatternTask:
         return [1.0 if i < self.response_len and int(t) == self.next_token(p) else 0.0
                 for i, (p, t) in enumerate(zip(prev, response))]
 
-    def prompts(self, n: int) -> list[list[int]]:
-        return [[self._rng.randrange(self.low, self.vocab_size) for _ in range(self.prompt_len)] for _ in range(n)]
+    def prompt(self, index: int) -> list[int]:
+        """Prompt number ``index`` of the task's stream (a pure function of seed and index, so a
+        resumed or differently sharded run reads the same prompts)."""
+        rng = np.random.default_rng([self.seed, int(index)])
+        return [int(t) for t in rng.integers(self.low, self.vocab_size, self.prompt_len)]
+
+    def prompts(self, indices: Iterable[int]) -> list[list[int]]:
+        return [self.prompt(i) for i in indices]
 
     def reward(self, prompt: list[int], response: list[int], reference: list[int] | None = None) -> float | list[float]:
         hits = self.hits(prompt, response)
@@ -612,18 +540,17 @@ class PatternTask:
         """Greedy accuracy (mean per-token hit rate) on ``n`` fresh prompts."""
         from orthros_train.infer import generate
 
-        rng = random.Random(seed)
-        prompts = [[rng.randrange(self.low, self.vocab_size) for _ in range(self.prompt_len)] for _ in range(n)]
+        fresh = PatternTask(self.vocab_size, self.low, self.prompt_len, self.response_len, seed=seed)
+        prompts = fresh.prompts(range(n))
         out = generate(policy, prompts, max_new_tokens=self.response_len)
         return sum(sum(self.hits(p, r)) / self.response_len for p, r in zip(prompts, out.sequences)) / n
 
 
 __all__ = [
-    "GRPOTrainer",
-    "LOSS_AVERAGES",
+    "GRPOObjective",
     "PatternTask",
-    "RLConfig",
     "Rollout",
+    "RolloutBatch",
     "RolloutGenerator",
     "compute_advantages",
     "grpo_loss",

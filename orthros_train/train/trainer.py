@@ -15,6 +15,7 @@ import random
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from orthros_train.parallel.state_dict import (
 )
 from orthros_train.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from orthros_train.train.config import RunConfig
+from orthros_train.train.global_loss import global_loss_units, micro_batch_normalizer
 from orthros_train.train.memory import GIB, memory_fit_problem, memory_summary
 from orthros_train.train.metrics import (
     PEAK_BF16_TFLOPS,
@@ -45,6 +47,7 @@ from orthros_train.train.metrics import (
     peak_tflops,
 )
 from orthros_train.train.optim import build_optimizer, lr_at
+from orthros_train.train.rl import GRPOObjective, response_logprobs
 
 
 def seed_everything(seed: int) -> None:
@@ -138,22 +141,29 @@ class Trainer:
         self._check_memory_fit()
         self.run_dir = Path(t.run_dir)
         seed_everything(t.seed)
-        self.data = build_scheduled_data(  # build_data itself unless trainer.seq_len_schedule is set
-            cfg.data,
-            t.seq_len,
-            t.micro_batch_size,
-            t.seq_len_schedule,
-            t.grad_accum_steps,
-            t.seed,
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=parallel_state.get_data_parallel_world_size(),
-        )
+        dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        if cfg.rl is not None:  # RL: rollouts sampled with the current weights, or read from a file
+            from orthros_train.train.rollouts import build_rollout_data
+
+            self.data = build_rollout_data(cfg, self._sampling_policy, dp_rank, dp_size)
+        else:
+            self.data = build_scheduled_data(  # build_data itself unless trainer.seq_len_schedule is set
+                cfg.data,
+                t.seq_len,
+                t.micro_batch_size,
+                t.seq_len_schedule,
+                t.grad_accum_steps,
+                t.seed,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+            )
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ValueError(
                 f"the tokenizer has {self.data.vocab_size} tokens but model.vocab_size is "
                 f"{cfg.model.vocab_size}; raise model.vocab_size"
             )
         self.model = self._build_model()
+        self.grpo = self._grpo_objective() if cfg.rl is not None else None  # before the engine wraps the model
         self.engine = build_engine(
             self.model,
             p,
@@ -268,9 +278,44 @@ class Trainer:
             load_reference_shards(model, LazyCheckpoint(cfg.init.init_from), cfg.model)
         return model.to(self.device)
 
+    # -- RL -------------------------------------------------------------------------------------
+    def _grpo_objective(self) -> GRPOObjective:
+        """GRPO on this run's sharded policy; with a KL term, the frozen reference is a copy of
+        the initial policy, sharded like it (taken before DeepSpeed partitions or steps it)."""
+        reference = None
+        if self.cfg.rl.kl_coef > 0:
+            frozen = self._build_model()
+            frozen.load_state_dict(self.model.state_dict())
+            reference = partial(self._response_logprobs, frozen.eval().requires_grad_(False))
+        return GRPOObjective(
+            self.cfg.rl,
+            self.cfg.data.loss_average,
+            lambda layout: self._response_logprobs(self.engine.module, layout),
+            reference,
+            parallel_state.get_data_parallel_group(),
+        )
+
+    @torch.no_grad()
+    def _response_logprobs(self, model: torch.nn.Module, layout: Any) -> torch.Tensor:
+        was = model.training
+        model.eval()
+        try:
+            return response_logprobs(model, layout).detach()
+        finally:
+            model.train(was)
+
+    def _sampling_policy(self) -> OrthrosForCausalLM:
+        """The current weights as a single-device model that RL samples rollouts with (collective)."""
+        return self.reference_model().to(self.device).eval()
+
     # -- one optimizer step -------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``grad_accum_steps`` micro batches.
+
+        The loss is the mean over the step's whole global batch (every micro-batch, DP and CP
+        rank; ``orthros_train/train/global_loss.py``), so neither the gradient nor the logged
+        loss depends on how the batch is split. An RL step's micro-batches are rollouts whose
+        GRPO objective becomes per-token loss weights (``GRPOObjective``).
 
         A micro batch whose loss is NaN/Inf on any rank contributes zero gradients instead, and
         the step is then taken with lr = 0: the weights stay exactly as they were (Adam's moments
@@ -279,11 +324,22 @@ class Trainer:
         t, engine = self.cfg.trainer, self.engine
         engine.train()
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
+        dp = parallel_state.get_data_parallel_world_size()
+        dp_group = parallel_state.get_data_parallel_group()
+        micro = [self.data.next_batch().to(self.device) for _ in range(t.grad_accum_steps)]
+        layouts = [m.layout for m in micro] if self.grpo is not None else micro
+        units = global_loss_units(layouts, self.cfg.data.loss_average, dp_group)
+        normalizer = micro_batch_normalizer(units, t.grad_accum_steps, dp)
+        values: list[float | None] = [None] * len(micro)
+        extra: dict[str, float] = {}
+        if self.grpo is not None:
+            layouts, values, extra = self.grpo.prepare(micro, units)
         total_loss, tokens, flops, nonfinite = 0.0, 0, 0.0, False
-        for _ in range(t.grad_accum_steps):
-            layout = self.data.next_batch().to(self.device)
+        for layout, value in zip(layouts, values):
             flops += layout_flops(self.cfg.model, layout)
-            loss = engine(layout).loss
+            loss = engine(layout, loss_normalizer=normalizer).loss
+            if loss is None:  # no labelled token in this micro batch: it adds nothing
+                loss = sum((p * 0).sum() for p in engine.module.parameters() if p.requires_grad)
             bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach())) else 1.0])
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same path
             if bool(bad.item()):
@@ -301,7 +357,9 @@ class Trainer:
                         if p.grad is not None:
                             p.grad.zero_()
             engine.step()  # steps the optimizer at the accumulation boundary only
-            total_loss += float(loss.detach()) / t.grad_accum_steps if not nonfinite else math.nan
+            # This micro batch's share of the step's loss (GRPO: the objective's own value).
+            share = float(loss.detach()) / (t.grad_accum_steps * dp) if value is None else value
+            total_loss += share if not nonfinite else math.nan
             tokens += layout.num_tokens
         grad_norm = engine.get_global_grad_norm()  # None without ZeRO: see _grad_norm
         if grad_norm is None:
@@ -310,29 +368,30 @@ class Trainer:
         if not nonfinite and not math.isfinite(grad_norm):
             nonfinite = True  # under ZeRO the norm is known only after the update: count, stop if it repeats
         self.step += 1
-        # Report the data-parallel mean (every DP rank saw different samples).
+        # Every DP rank holds its share of the global mean: their sum is the step's loss.
         stats = torch.tensor([total_loss, float(tokens), flops], dtype=torch.float64)
-        dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
-        dp = parallel_state.get_data_parallel_world_size()
+        dist.all_reduce(stats, group=dp_group)
         return {
-            "loss": float(stats[0]) / dp,
+            "loss": float(stats[0]),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": int(stats[1]),
             # Every TP rank of a DP group computes the same layout: count each group once.
             "flops": float(stats[2]),
             "nonfinite": nonfinite,
+            "objective": extra,  # RL: rewards, clip fraction, KL (global means)
         }
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Token-weighted validation loss; None when the data has no validation split."""
+        """Validation loss per labelled token; None when the data has no validation split."""
         self.engine.eval()
         total, weight = 0.0, 0
         for layout in self.data.valid_batches(self.cfg.trainer.eval_batches):
-            out = self.engine(layout.to(self.device))
-            total += float(out.loss) * layout.num_loss_tokens
-            weight += layout.num_loss_tokens
+            out = self.engine(layout.to(self.device), loss_normalizer=1.0)  # sum(w * CE)
+            if out.loss is not None:
+                total += float(out.loss)
+                weight += layout.num_loss_tokens
         return total / weight if weight else None
 
     # -- the loop -----------------------------------------------------------------------------
@@ -373,6 +432,7 @@ class Trainer:
                     "model_tflops_per_s": stats["flops"] / elapsed / 1e12,
                     "consumed_samples": self.data.consumed_samples,
                     "skipped_steps": self.skipped_steps,
+                    **stats["objective"],
                 }
                 if stats["nonfinite"]:
                     self.skipped_steps += 1
@@ -391,6 +451,7 @@ class Trainer:
                     if (
                         running_loss is not None
                         and t.loss_spike_factor > 0
+                        and self.grpo is None  # a GRPO loss hovers around 0, of either sign
                         and stats["loss"] > t.loss_spike_factor * running_loss
                     ):
                         record["loss_spike"] = True
@@ -417,6 +478,7 @@ class Trainer:
                         f"step {self.step:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                         f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:.0f} tok/s"
                         + (f" | eval {eval_loss:.4f}" if "eval_loss" in record else "")
+                        + (f" | reward {record['reward_mean']:.3f}" if "reward_mean" in record else "")
                     )
                 if t.save_every > 0 and self.step % t.save_every == 0 and self.step < t.max_steps:
                     self.save_checkpoint()

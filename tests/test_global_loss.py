@@ -1,0 +1,77 @@
+"""The loss of a step is one mean over its whole global batch: gradients and the logged loss do
+not depend on micro_batch_size x grad_accum_steps or the data-parallel size, and equal a direct
+computation on the whole batch (SFT and RL rows with very different answer lengths)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent / "parallel_scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import global_loss  # noqa: E402
+
+CASES = [(kind, average) for kind in ("sft", "rl") for average in ("token", "sequence")]
+
+
+def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """|a - b| / |b| over all gradient tensors together (L2)."""
+    assert a.keys() == b.keys() and a
+    diff = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
+    norm = sum(float(b[n].double().pow(2).sum()) for n in b)
+    return (diff / norm) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("global_loss") / "run")
+    return {
+        (micro, accum): global_loss.measure(run, micro, accum) for micro, accum in ((8, 1), (2, 4), (1, 8))
+    } | {"per_micro_batch": global_loss.measure(run, 2, 4, per_micro_batch=True)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_step_gradient_and_loss_do_not_depend_on_micro_batching(splits, case):
+    whole = splits[(8, 1)][case]
+    # the whole batch in one micro batch equals the loss written out directly (float64)
+    assert whole["loss"] == pytest.approx(whole["direct_loss"], rel=1e-6)
+    assert relative(whole["grads"], whole["direct_grads"]) <= 1e-6
+    for split in ((2, 4), (1, 8)):
+        got = splits[split][case]
+        assert got["loss"] == pytest.approx(whole["loss"], rel=1e-6), split
+        assert relative(got["grads"], whole["grads"]) <= 1e-6, split
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_per_micro_batch_averaging_depends_on_the_split(splits, case):
+    """What the trainer used to do: each micro batch averaged by itself, the averages averaged."""
+    old, whole = splits["per_micro_batch"][case], splits[(8, 1)][case]
+    if case == ("rl", "sequence"):  # one response per row, 2 rows per micro batch: equal shares
+        assert relative(old["grads"], whole["grads"]) <= 1e-6
+        return
+    assert relative(old["grads"], whole["grads"]) > 1e-2
+    assert abs(old["loss"] - whole["loss"]) > 1e-4 * abs(whole["loss"])
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_equal_one(splits, tmp_path):
+    """DP = 2 (torchrun, gloo): each rank reads half of the batch; same gradients and loss."""
+    for micro, accum in ((4, 1), (1, 4)):
+        out = tmp_path / f"dp2_{micro}x{accum}.pt"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+             str(SCRIPTS / "global_loss.py"), str(out), str(micro), str(accum)],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        dp2 = torch.load(out, weights_only=False)
+        for case in CASES:
+            whole = splits[(8, 1)][case]
+            assert dp2[case]["loss"] == pytest.approx(whole["loss"], rel=1e-6), (micro, accum, case)
+            assert relative(dp2[case]["grads"], whole["grads"]) <= 1e-6, (micro, accum, case)
