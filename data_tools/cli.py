@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             from data_tools.inspect_data import format_report, inspect_dataset
-            from data_tools.tokenizer_utils import load_tokenizer
             from orthros_train.data.indexed import load_summary
+            from orthros_train.data.tokenize import load_tokenizer
 
             tok_path = args.tokenizer or (load_summary(args.path) or {}).get("tokenizer", {}).get("path")
             tokenizer = load_tokenizer(tok_path) if tok_path and os.path.exists(tok_path) else None

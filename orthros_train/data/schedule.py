@@ -51,11 +51,6 @@ def check_seq_len_schedule(
     return stages
 
 
-def stage_micro_batch(stage_len: int, seq_len: int, micro_batch_size: int) -> int:
-    """Sequences per micro batch in a stage of length ``stage_len`` (constant tokens)."""
-    return seq_len * micro_batch_size // stage_len
-
-
 class SeqLenScheduledData:
     """The ``build_data`` interface over one data object per stage (see the module docstring)."""
 
