@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 from test_resume import cli, finish, losses, make_trainer  # noqa: F401 - make_trainer is a fixture
 
-from orthros_train.train.checkpoint import CheckpointError, build_manifest, verify_checkpoint
+from orthros_train.train.checkpoint import CheckpointError, load_reference_optimizer
+from orthros_train.train.checkpoint_store import build_manifest, verify_checkpoint
 
 TOL = 1e-5  # fp32; TP/ZeRO only change reduction order
 STEPS = ["trainer.max_steps=6", "trainer.save_every=3", "optim.warmup_steps=1"]
@@ -39,14 +40,12 @@ def optimizer_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def run_in_process(make, stage: int, *overrides: str) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-    """Losses by step and the final weights: the fp32 masters when the model runs in bf16."""
+    """Losses by step and the final fp32 master weights (the checkpoint's model/)."""
     trainer = make(*STEPS, f"parallel.zero_stage={stage}", *overrides)
     out = trainer.fit()
     history = {r["step"]: r["loss"] for r in out["history"]}
-    if trainer.cfg.trainer.precision == "bf16":
-        saved = optimizer_tensors(trainer.run_dir / "checkpoints" / f"step_{trainer.step:09d}")
-        return history, {k[: -len(".master")]: v for k, v in saved.items() if k.endswith(".master")}
-    return history, {k: v.clone() for k, v in trainer.full_state_dict().items()}
+    model = trainer.run_dir / "checkpoints" / f"step_{trainer.step:09d}" / "model"
+    return history, {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -65,16 +64,15 @@ def test_resume_across_zero_stages_keeps_adam_moments(
 ):
     import orthros_train.train.checkpoint as ckpt_module
 
-    monkeypatch.setattr(ckpt_module, "OPTIMIZER_SHARD_BYTES", 1 << 19)  # several files, as for a big model
+    monkeypatch.setattr(ckpt_module, "HOST_BUFFER_BYTES", 1 << 20)  # several files, as for a big model
     dtype = f"trainer.precision={precision}"
     straight, final = run_in_process(make_trainer, source, dtype)
     ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
     index = json.loads((ckpt / "optimizer" / "index.json").read_text())
-    masters = ["master"] if precision == "bf16" else []  # bf16 weights: fp32 masters saved too
     # DeepSpeed's stage-0 bf16 optimizer takes one zero-gradient step when it is built: its step
     # count runs one ahead, and is carried over as it is so the resumed run continues it exactly.
     assert index["step"] == (4 if (precision, source) == ("bf16", 0) else 3)
-    assert index["keys"] == ["exp_avg", "exp_avg_sq", *masters]
+    assert index["keys"] == ["exp_avg", "exp_avg_sq"]  # the fp32 masters are model/ (bf16 too)
     assert len(set(index["weight_map"].values())) > 1
     moments = optimizer_tensors(ckpt)
     assert set(index["weight_map"]) == set(moments)
@@ -113,15 +111,13 @@ def test_optimizer_state_of_another_model_is_refused(make_trainer, tmp_path):  #
     from safetensors.torch import save_file
 
     save_file(tensors, path)
+    trainer = make_trainer("trainer.max_steps=3", "parallel.zero_stage=1", "trainer.resume=none")
     with pytest.raises(CheckpointError, match=r"up_proj.*another model config|another model config"):
-        from orthros_train.train.checkpoint import load_reference_optimizer
-
-        trainer = make_trainer("trainer.max_steps=3", "parallel.zero_stage=1", "trainer.resume=none")
-        load_reference_optimizer(trainer, ckpt / "optimizer")
+        load_reference_optimizer(trainer.engine, trainer.cfg.model, ckpt / "optimizer")
     # A shard named by index.json but gone: the error names the file.
     path.unlink()
     with pytest.raises(CheckpointError, match="optimizer-00001.safetensors"):
-        load_reference_optimizer(trainer, ckpt / "optimizer")
+        load_reference_optimizer(trainer.engine, trainer.cfg.model, ckpt / "optimizer")
 
 
 # -- torchrun: TP and DP size change between runs ------------------------------------------------

@@ -66,7 +66,9 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     path = run_dir / "metrics.jsonl"
     _wait_until(
         lambda: path.is_file() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines()),
-        proc, timeout, f"step {step} not reached",
+        proc,
+        timeout,
+        f"step {step} not reached",
     )
 
 
@@ -222,8 +224,8 @@ def test_nonfinite_steps_are_skipped_then_stop(make_trainer, monkeypatch):
     module = trainer.engine.module
     real_forward = module.forward
 
-    def nan_forward(layout, return_logits=False):
-        out = real_forward(layout, return_logits)
+    def nan_forward(layout, *args, **kwargs):
+        out = real_forward(layout, *args, **kwargs)
         out.loss = out.loss * float("nan")
         return out
 
@@ -275,7 +277,8 @@ def test_async_save_writes_the_same_checkpoint_as_sync(make_trainer, tmp_path):
     assert verify_checkpoint(sync) is None and verify_checkpoint(asy) is None
     files = sorted(str(p.relative_to(sync)) for p in sync.rglob("*") if p.is_file())
     assert files == sorted(str(p.relative_to(asy)) for p in asy.rglob("*") if p.is_file())
-    assert any(f.startswith("optimizer/") for f in files) and any(f.startswith("engine/") for f in files)
+    assert any(f.startswith("optimizer/") for f in files) and any(f.startswith("model/") for f in files)
+    assert not any(f.startswith("engine/") for f in files)  # one copy of the state: no DeepSpeed files
     for name in files:
         if name.endswith((".safetensors", "index.json", "tokenizer.json", "config.json")):
             assert (sync / name).read_bytes() == (asy / name).read_bytes(), name
@@ -290,15 +293,15 @@ def test_async_save_writes_the_same_checkpoint_as_sync(make_trainer, tmp_path):
 
 
 def test_async_save_snapshots_the_step_and_exit_waits(make_trainer, tmp_path, monkeypatch):
-    import orthros_train.train.checkpoint as ckpt
+    from orthros_train.train.checkpoint_store import FileSink
 
-    real_write = ckpt._CapturingCheckpointEngine.write
+    real_close = FileSink.close
 
-    def slow_write(self):
+    def slow_close(self):  # the writer finishes 2 s late (a slow disk)
         time.sleep(2.0)
-        real_write(self)
+        return real_close(self)
 
-    monkeypatch.setattr(ckpt._CapturingCheckpointEngine, "write", slow_write)
+    monkeypatch.setattr(FileSink, "close", slow_close)
     trainer = make_trainer("trainer.max_steps=4", "trainer.save_every=1", "trainer.async_save=true")
     trainer.train_step()
     at_save = {k: v.clone() for k, v in trainer.full_state_dict().items()}
@@ -342,3 +345,73 @@ def test_async_save_failure_is_loud_and_never_published(make_trainer, tmp_path, 
     assert not (root / "step_000000004").exists() and not list(root.glob(".step_*"))
     assert (root / "latest").read_text().strip() == "step_000000006"
     assert verify_checkpoint(root / "step_000000002") is None
+
+
+# -- one copy of the state, bounded host memory -------------------------------------------------------
+
+
+def model_tensors(ckpt: Path, part: str = "model") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted((ckpt / part).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "bf16"), (3, "fp32")])
+def test_same_layout_resume_from_the_reference_copy_is_bitwise(make_trainer, tmp_path, stage, precision):
+    """No DeepSpeed files: a same-layout resume restores weights, fp32 masters and moments from
+    model/ and optimizer/, and continues exactly as the run that never stopped."""
+    steps = ["trainer.max_steps=6", "trainer.save_every=3", f"parallel.zero_stage={stage}"]
+    steps.append(f"trainer.precision={precision}")
+    straight = make_trainer(*steps)
+    history = {r["step"]: r["loss"] for r in straight.fit()["history"]}
+    root = tmp_path / "run" / "checkpoints"
+    final = model_tensors(root / "step_000000006")
+    (tmp_path / "run").rename(tmp_path / "straight")
+    assert not (tmp_path / "straight" / "checkpoints" / "step_000000003" / "engine").exists()
+    resumed = make_trainer(*steps, f"trainer.resume={tmp_path / 'straight' / 'checkpoints' / 'step_000000003'}")
+    again = {r["step"]: r["loss"] for r in resumed.fit()["history"]}
+    assert sorted(again) == [4, 5, 6]
+    assert all(again[s] == history[s] for s in again), (history, again)  # bitwise
+    after = model_tensors(root / "step_000000006")
+    assert set(after) == set(final) and all(torch.equal(after[k], final[k]) for k in final)
+
+
+def test_save_host_memory_stays_under_its_bound(make_trainer, tmp_path):
+    """A save copies each tensor to host memory under a byte budget: with a budget far below the
+    checkpoint, the peak held stays under it, every copy is counted, and the files are complete."""
+    from orthros_train.train.checkpoint_store import tensor_bytes
+
+    trainer = make_trainer("trainer.max_steps=2", "trainer.async_save=true", "parallel.zero_stage=1")
+    trainer.train_step()
+    trainer.train_step()
+    largest = max(tensor_bytes(p.float()) for p in trainer.engine.module.parameters())
+    trainer.checkpoints.host_buffer_bytes = 1  # raised to two of the largest tensor, the least that works
+    path = trainer.save_checkpoint()
+    trainer.checkpoints.wait()
+    budget = trainer.checkpoints.last_budget
+    assert verify_checkpoint(path) is None
+    written = {**model_tensors(path), **model_tensors(path, "optimizer")}
+    assert budget.limit == 2 * largest
+    assert budget.total == sum(tensor_bytes(t) for t in written.values()) > 3 * budget.limit  # all counted
+    assert 0 < budget.peak <= budget.limit
+    assert len(list((path / "optimizer").glob("*.safetensors"))) > 3
+    assert (path / "model" / "model.safetensors.index.json").is_file()
+    # The same tensors as a save with the default budget (one file each).
+    trainer.checkpoints = CheckpointManager(tmp_path / "other")
+    other = trainer.save_checkpoint()
+    assert sorted(p.name for p in (other / "model").glob("*.safetensors")) == ["model.safetensors"]
+    expected = {**model_tensors(other), **model_tensors(other, "optimizer")}
+    assert set(expected) == set(written) and all(torch.equal(expected[k], written[k]) for k in written)
+    from orthros_train.model import OrthrosForCausalLM
+
+    OrthrosForCausalLM.from_pretrained(path / "model")  # several files load like one
+
+
+def test_unsupported_deepspeed_is_refused_naming_the_versions():
+    from orthros_train.train.deepspeed_state import UnsupportedDeepSpeedError, check_deepspeed_version
+
+    check_deepspeed_version()  # the installed one
+    for version in ("0.18.4", "0.20.0"):
+        expected = rf"deepspeed {version} is installed.*deepspeed>=0\.19\.8,<0\.20"
+        with pytest.raises(UnsupportedDeepSpeedError, match=expected):
+            check_deepspeed_version(version)

@@ -35,7 +35,14 @@ from orthros_train.parallel.state_dict import (
     load_reference_shards,
     shard_tensor,
 )
-from orthros_train.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
+from orthros_train.train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointState,
+    TrainingCounters,
+    layout_signature,
+    verify_checkpoint,
+)
 from orthros_train.train.config import RunConfig
 from orthros_train.train.global_loss import global_loss_units, micro_batch_normalizer
 from orthros_train.train.memory import GIB, memory_fit_problem, memory_summary
@@ -199,18 +206,17 @@ class Trainer:
             print(f"WARNING: {problem} (starting anyway: trainer.allow_memory_overflow=true)", file=sys.stderr)
 
     # -- checkpoints --------------------------------------------------------------------------
-    def layout_signature(self) -> dict[str, Any]:
-        p = self.cfg.parallel
-        return {
-            "tp": p.tensor_parallel,
-            "sp": p.sequence_parallel,
-            "cp": p.context_parallel,
-            "dp": p.data_parallel,
-            "zero": p.zero_stage,
-            # DeepSpeed's optimizer files differ between fp32 and bf16 engines: another precision
-            # resumes through the reference-layout copies, like another parallel layout.
-            "precision": self.cfg.trainer.precision,
-        }
+    def checkpoint_state(self) -> CheckpointState:
+        """What a checkpoint saves and restores: the engine, the data state, the counters."""
+        return CheckpointState(
+            engine=self.engine,
+            model_config=self.cfg.model,
+            data=self.data,
+            tokenizer=self.data.tokenizer,
+            layout=layout_signature(self.cfg.parallel, self.cfg.trainer.precision),
+            counters=TrainingCounters(self.step, self.skipped_steps, self.wandb_run_id),
+            recipe=self.recipe,
+        )
 
     def _resume(self) -> Path | None:
         mode = self.cfg.trainer.resume
@@ -225,10 +231,8 @@ class Trainer:
             problem = verify_checkpoint(path) if path.is_dir() else "no such directory"
             if problem:
                 raise ValueError(f"trainer.resume={mode}: {problem}")
-        meta = self.checkpoints.load(self, path)
-        self.step = int(meta["step"])
-        self.skipped_steps = int(meta.get("skipped_steps", 0))
-        self.wandb_run_id = meta.get("wandb_run_id")
+        counters = self.checkpoints.load(self.checkpoint_state(), path).counters
+        self.step, self.skipped_steps, self.wandb_run_id = counters.step, counters.skipped_steps, counters.wandb_run_id
         if self.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
         return path
@@ -262,7 +266,7 @@ class Trainer:
         """A checkpoint of the current step; a failed save is reported and training goes on.
         ``asynchronous`` defaults to ``trainer.async_save``."""
         try:
-            return self.checkpoints.save(self, self.step, asynchronous)
+            return self.checkpoints.save(self.checkpoint_state(), asynchronous)
         except CheckpointError as exc:
             if self.is_main:
                 print(f"ERROR: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,331 @@
+"""The on-disk side of checkpoints: atomic writes, manifests, the ``latest`` pointer, pruning, and
+safetensors shards written tensor by tensor within a bounded host-memory budget.
+
+Nothing here knows about models, optimizers or DeepSpeed: a checkpoint is a directory of files,
+written into a hidden temporary directory and published by one atomic rename, after which
+``latest`` is replaced atomically. A crash or a full disk at any point leaves the previous
+checkpoint and pointer as they were; ``find_latest`` skips (with a warning naming it) anything
+whose manifest does not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("orthros_train.checkpoint")
+
+LATEST = "latest"
+PREFIX = "step_"
+MANIFEST = "manifest.json"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a small file so readers see the old or the new content, never a partial one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build_manifest(root: Path, with_hashes: bool) -> dict[str, dict[str, Any]]:
+    """``relative path -> {size[, sha256]}`` of every file under ``root`` but the manifest."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST):
+        entry: dict[str, Any] = {"size": path.stat().st_size}
+        if with_hashes:
+            entry["sha256"] = sha256_file(path)
+        files[str(path.relative_to(root))] = entry
+    return files
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when ``path`` is a complete, intact checkpoint; else what is wrong with it."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return f"no {MANIFEST} (the save did not finish)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"unreadable {MANIFEST} ({exc})"
+    for name, entry in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"missing file {name}"
+        if file.stat().st_size != entry["size"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {entry['size']}"
+        if "sha256" in entry and sha256_file(file) != entry["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+class CheckpointStore:
+    """``<run_dir>/checkpoints``: published ``step_*`` directories, ``latest``, temporary saves."""
+
+    def __init__(self, run_dir: str | Path, keep_last_k: int = 3, verify_hashes: bool = True) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last_k = keep_last_k
+        self.verify_hashes = verify_hashes
+
+    @staticmethod
+    def name(step: int) -> str:
+        return f"{PREFIX}{step:09d}"
+
+    def temporary(self, step: int, unique: str) -> Path:
+        """Where a save of ``step`` is written before it is published (ignored by resume)."""
+        return self.root / f".{self.name(step)}.tmp-{unique}"
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Published checkpoint directories, newest first (not yet verified)."""
+        if not self.root.is_dir():
+            return []
+        return sorted((p for p in self.root.glob(f"{PREFIX}*") if p.is_dir()), reverse=True)
+
+    def find_latest(self) -> Path | None:
+        """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning."""
+        candidates = self.complete_checkpoints()
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            named = self.root / pointer.read_text().strip()
+            if named in candidates:  # prefer what `latest` names, then anything newer or older
+                candidates.remove(named)
+                candidates.insert(0, named)
+        for path in sorted(candidates, reverse=True):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            log.warning("skipping checkpoint %s: %s", path, problem)
+        return None
+
+    def publish(self, tmp: Path, step: int) -> Path:
+        """Write the manifest into ``tmp``, rename it to ``step_N`` and point ``latest`` at it.
+        Raises OSError with nothing published when any part fails."""
+        final = self.root / self.name(step)
+        manifest = {"step": step, "files": build_manifest(tmp, self.verify_hashes)}
+        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if final.exists():  # a re-save of the same step: replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        write_atomic(self.root / LATEST, final.name + "\n")
+        return final
+
+    def prune(self) -> None:
+        """Keep the newest ``keep_last_k`` checkpoints (0: all); remove leftovers of crashed saves."""
+        if self.keep_last_k > 0:
+            for old in self.complete_checkpoints()[self.keep_last_k :]:
+                shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob(f".{PREFIX}*.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+# -- tensors to safetensors shards, within a host-memory budget ----------------------------------------
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class HostBudget:
+    """Bytes of host memory a save may hold at once. ``acquire`` blocks until the bytes are free
+    (the writer releases them once their shard is on disk); ``peak`` is the most ever held."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self.total = 0  # bytes that went through the budget (every host copy a save makes)
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        if nbytes > self.limit:
+            raise ValueError(f"a {nbytes}-byte tensor does not fit a host budget of {self.limit} bytes")
+        with self._cond:
+            self._cond.wait_for(lambda: self.held + nbytes <= self.limit)
+            self.held += nbytes
+            self.total += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.held -= nbytes
+            self._cond.notify_all()
+
+
+class ShardedTensorWriter:
+    """Tensors arriving one at a time, grouped into safetensors files of about ``shard_bytes``.
+
+    Every rank sees the same sequence of tensors (they come out of collective gathers), so every
+    rank computes the same files; file ``i`` is written by rank ``(i - 1 + first_owner) % world``
+    only, which spreads the writing over all ranks and lets the others drop the tensor at once. A
+    tensor this rank keeps is copied to host memory under ``budget`` (``add`` blocks while the
+    budget is spent) and handed to ``sink``, which writes closed files in order; the bytes are
+    released when their file is written. File boundaries depend on tensor sizes only, so a sync and an async save write
+    identical files.
+
+    Files are ``<stem>-00001.safetensors`` ...; ``finish`` adds ``index_name`` with the weight map.
+    ``first_owner`` shifts which rank writes file 1, so that two writers in a row (weights, then
+    optimizer state) start on different ranks. With ``single_name`` (the Hugging Face layout), a
+    save that fits one file names it so instead and writes no index.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        stem: str,
+        shard_bytes: int,
+        rank: int,
+        world: int,
+        budget: HostBudget,
+        sink: FileSink,
+        index_name: str,
+        single_name: str | None = None,
+        metadata: dict[str, str] | None = None,
+        first_owner: int = 0,
+    ) -> None:
+        self.directory, self.stem, self.shard_bytes = directory, stem, shard_bytes
+        self.index_name, self.single_name = index_name, single_name
+        self.rank, self.world, self.budget, self.sink = rank, world, budget, sink
+        self.metadata, self.first_owner = metadata, first_owner
+        self.weight_map: dict[str, int] = {}  # tensor -> file number (1-based)
+        self.total_bytes = 0
+        self._file = 1
+        self._file_bytes = 0
+        self._current: dict[str, torch.Tensor] = {}
+        self._current_bytes = 0
+
+    def _owned(self, file: int) -> bool:
+        return (file - 1 + self.first_owner) % self.world == self.rank
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor_bytes(tensor)
+        if self._file_bytes and self._file_bytes + nbytes > self.shard_bytes:
+            self._close()
+        self.weight_map[key] = self._file
+        self._file_bytes += nbytes
+        self.total_bytes += nbytes
+        if self._owned(self._file):
+            self.budget.acquire(nbytes)
+            # copy=True: the source may be live state (stage 0's moments) the next step changes.
+            self._current[key] = tensor.detach().to("cpu", copy=True).contiguous()
+            self._current_bytes += nbytes
+
+    def _close(self) -> None:
+        if self._owned(self._file) and self._current:
+            shard, nbytes, path = self._current, self._current_bytes, self._path(self._file)
+            metadata = self.metadata
+
+            def write() -> None:
+                from safetensors.torch import save_file
+
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_file(shard, str(path), metadata=metadata)
+
+            self.sink.put(write, release=nbytes)
+        self._current, self._current_bytes = {}, 0
+        self._file += 1
+        self._file_bytes = 0
+
+    def _path(self, file: int) -> Path:
+        return self.directory / f"{self.stem}-{file:05d}.safetensors"
+
+    @property
+    def files(self) -> int:
+        """Files this save has (or will have, once ``finish`` closes the last)."""
+        return max(self.weight_map.values(), default=0)
+
+    def finish(self, index: dict[str, Any] | None = None) -> None:
+        """Close the last file and queue the index (rank 0) or the single file's rename (its
+        owner); ``index`` adds fields to the index."""
+        files = self.files
+        if self._file_bytes:
+            self._close()
+        single = files == 1 and self.single_name is not None
+        if single and self._owned(1):
+            first, target = self._path(1), self.directory / str(self.single_name)
+            self.sink.put(lambda: os.replace(first, target))  # after file 1's write: the sink runs in order
+        if single or self.rank != 0:
+            return
+        names = {i: self._path(i).name for i in range(1, files + 1)}
+        weight_map = {key: names[i] for key, i in self.weight_map.items()}
+        body = {**(index or {}), "metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        directory, index_name = self.directory, self.index_name
+
+        def write_index() -> None:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / index_name).write_text(json.dumps(body, indent=1) + "\n")
+
+        self.sink.put(write_index)
+
+
+class FileSink:
+    """Runs file writes in order in a thread of its own, so that writing overlaps the gathers.
+    The first failure is kept, later writes are skipped (their bytes still released) and
+    ``close`` returns it as a message: the producer never sees an exception mid-gather, since the
+    gathers around it are collective and must go on on every rank."""
+
+    def __init__(self, budget: HostBudget, rank: int) -> None:
+        self.budget, self.rank = budget, rank
+        self.error: str | None = None
+        self._queue: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._drain, name="checkpoint-writer", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, write: Callable[[], None], release: int = 0) -> None:
+        """Queue ``write``; ``release`` bytes go back to the budget once it has run."""
+        self._queue.put((write, release))
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            write, release = item
+            try:
+                if self.error is None:
+                    write()
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the publish vote, not kill it
+                self.error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            finally:
+                if release:
+                    self.budget.release(release)
+
+    def close(self) -> str | None:
+        """Wait for every queued write; the first error, or None."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        return self.error
