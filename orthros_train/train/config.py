@@ -1,13 +1,18 @@
 """Typed run configuration: a Hydra recipe is resolved into these dataclasses, then objects.
 
-Every section rejects unknown keys with the section's name, so a typo in a recipe or on the
-command line fails before anything is built.
+Every section is checked against its dataclass as an OmegaConf structured config: an unknown
+key or a value of the wrong type fails with the full key, the value and the expected type before
+anything is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from orthros_train.data import DataConfig
 from orthros_train.model.config import OrthrosConfig
@@ -89,7 +94,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):
-            self.wandb = _section(WandbConfig, self.wandb, "trainer.wandb")
+            self.wandb = WandbConfig(**self.wandb)  # checked by typed_section with its parent
         for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
@@ -192,37 +197,94 @@ class RunConfig:
         return self.global_batch_size * self.trainer.seq_len
 
 
-def _section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
+def _hint_name(hint: Any) -> str:
+    """``int``, ``float or null``, ``list[list[int]]``: how an error names the expected type."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) < len(typing.get_args(hint)):  # Optional[...]
+        return " or ".join(_hint_name(a) for a in args) + " or null"
+    origin = typing.get_origin(hint)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_hint_name(a) for a in typing.get_args(hint))}]"
+    return "any" if hint is Any else getattr(hint, "__name__", str(hint))
+
+
+def _expected(cls: type, key: str) -> str:
+    """The declared type of ``key`` (``wandb.mode``, ``seq_len_schedule[0]``) in section ``cls``."""
+    hint: Any = cls
+    for part in key.split("."):
+        name = part.split("[")[0]
+        if not is_dataclass(hint):
+            break
+        hint = typing.get_type_hints(hint).get(name, Any)
+    return _hint_name(hint)
+
+
+def _lookup(values: Any, key: str) -> Any:
+    """The value at ``wandb.mode`` / ``seq_len_schedule[0]`` of a section's plain dict."""
+    for part in key.replace("[", ".").replace("]", "").split("."):
+        try:
+            values = values[int(part)] if isinstance(values, list) else values[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            return "?"
+    return values
+
+
+def _refuse_non_booleans(cls: type, values: dict[str, Any], name: str) -> None:
+    """OmegaConf takes yes/no/on/off/1/0 for a bool; a recipe's booleans are true or false only."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        hint = hints.get(key)
+        if is_dataclass(hint) and isinstance(value, dict):
+            _refuse_non_booleans(hint, value, f"{name}.{key}")
+        elif bool in (hint, *typing.get_args(hint)) and not isinstance(value, bool):
+            if value is None and hint is not bool:  # Optional[bool] takes null
+                continue
+            raise ValueError(f"{name}.{key}={value!r}: expected a boolean, true or false")
+
+
+def typed_section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
+    """One recipe section as its dataclass, checked against the dataclass as an OmegaConf
+    structured config: an unknown key or a value of the wrong type (an int given a float or a
+    word, a bool given anything but true/false) fails here naming the full key, the value and the
+    expected type, before the section's own checks (``__post_init__``) run."""
     values = dict(values or {})
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in recipe section '{name}'; valid keys: {sorted(known)}")
+    _refuse_non_booleans(cls, values, name)
     try:
-        return cls(**values)
+        # OmegaConf's structured-config validation (the same Hydra applies to ConfigStore
+        # schemas) rather than a type checker of our own.
+        checked = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except ConfigKeyError as exc:
+        known = sorted(f.name for f in fields(cls))
+        raise ValueError(f"unknown key {name}.{exc.full_key} in the recipe; valid keys of {name}: {known}") from exc
+    except OmegaConfBaseException as exc:
+        key = exc.full_key
+        raise ValueError(
+            f"{name}.{key}={_lookup(values, key)!r}: expected {_expected(cls, key)} ({exc.msg.splitlines()[0]})"
+        ) from exc
+    try:
+        return cls(**checked)
     except TypeError as exc:  # e.g. a required field missing
         raise ValueError(f"recipe section '{name}': {exc}") from exc
 
 
 def run_config_from_dict(cfg: dict[str, Any]) -> RunConfig:
-    """Build the typed config from a resolved recipe (``OmegaConf.to_container(resolve=True)``)."""
-    unknown = sorted(set(cfg) - {"model", "data", "optim", "trainer", "parallel", "rl", "task", "hydra"})
+    """Build the typed config from a resolved recipe (``OmegaConf.to_container(resolve=True)``).
+
+    Every field of ``RunConfig`` but ``init`` is a recipe section typed by its dataclass: a new
+    section or field needs no code here."""
+    hints = typing.get_type_hints(RunConfig)
+    optional = {"rl": RLConfig, "task": TaskConfig}  # present in RL recipes only
+    sections = [name for name in hints if name != "init" and name not in optional]
+    unknown = sorted(set(cfg) - set(sections) - set(optional) - {"hydra"})
     if unknown:
-        raise ValueError(
-            f"unknown top-level recipe section(s) {unknown}; expected model, data, optim, trainer, parallel "
-            "(and rl, task in an RL recipe)"
-        )
+        raise ValueError(f"unknown top-level recipe section(s) {unknown}; expected {', '.join(sections)}")
     if ("rl" in cfg) != ("task" in cfg):
         raise ValueError("an RL recipe needs both an 'rl' section (GRPO settings) and a 'task' section (rollouts)")
     model = dict(cfg.get("model") or {})
     init = ModelInit(init_from=model.pop("init_from", None))
+    given = {**cfg, "model": model}
     return RunConfig(
-        model=_section(OrthrosConfig, model, "model"),
-        data=_section(DataConfig, cfg.get("data"), "data"),
-        optim=_section(OptimConfig, cfg.get("optim"), "optim"),
-        trainer=_section(TrainerConfig, cfg.get("trainer"), "trainer"),
-        parallel=_section(ParallelConfig, cfg.get("parallel"), "parallel"),
+        **{name: typed_section(hints[name], given.get(name), name) for name in sections},
         init=init,
-        rl=_section(RLConfig, cfg["rl"], "rl") if "rl" in cfg else None,
-        task=_section(TaskConfig, cfg["task"], "task") if "task" in cfg else None,
+        **{name: typed_section(cls, cfg[name], name) for name, cls in optional.items() if name in cfg},
     )
