@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, shard_tensor
+from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, reference_shapes, shard_tensor
 from orthros_train.train.checkpoint_store import (
     CheckpointStore,
     FileSink,
@@ -60,7 +60,7 @@ from orthros_train.train.checkpoint_store import (
     ShardedTensorWriter,
     verify_checkpoint,
 )
-from orthros_train.train.deepspeed_state import ADAM_KEYS, MASTER_KEY, DeepSpeedState
+from orthros_train.train.deepspeed_state import ADAM_KEYS, MASTER_KEY, DeepSpeedState, check_deepspeed_version
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointState", "TrainingCounters", "verify_checkpoint"]
 
@@ -166,10 +166,10 @@ def reference_parameters(
     return out
 
 
-def host_bound(engine: Any, host_buffer_bytes: int, tp: int) -> int:
+def host_bound(cfg: OrthrosConfig, host_buffer_bytes: int) -> int:
     """The host-memory budget of one rank's save: ``host_buffer_bytes``, raised to twice the largest
     fp32 reference tensor when that is bigger (a file must hold at least one whole tensor)."""
-    largest = max(int(np.prod(DeepSpeedState.full_shape(p))) for p in engine.module.parameters()) * tp * 4
+    largest = max(shape.numel() for shape in reference_shapes(cfg).values()) * 4
     return max(host_buffer_bytes, 2 * largest)
 
 
@@ -299,6 +299,7 @@ class CheckpointManager:
         async_save: bool = False,
         host_buffer_bytes: int | None = None,
     ) -> None:
+        check_deepspeed_version()  # at the start of a run, not at its first checkpoint hours later
         self.store = CheckpointStore(run_dir, keep_last_k, verify_hashes)
         self.root = self.store.root
         self.async_save = async_save
@@ -329,7 +330,8 @@ class CheckpointManager:
         holder = [str(self.store.temporary(step, str(int(time.time() * 1e6))))] if rank == 0 else [None]
         dist.broadcast_object_list(holder, src=0)
         tmp = Path(holder[0])
-        budget = HostBudget(host_bound(state.engine, self.host_buffer_bytes, _tp()[0]))
+        ds, cfg = DeepSpeedState(state.engine), state.model_config
+        budget = HostBudget(host_bound(cfg, self.host_buffer_bytes))
         self.last_budget = budget
         sink = FileSink(budget, rank)
         error: str | None = None
@@ -342,7 +344,6 @@ class CheckpointManager:
         # copies: the background write must see the state of this step, not a later one
         rank_state = {"rng": rng_state(), "data": copy.deepcopy(state.data.state_dict())}
         sink.put(lambda: torch.save(rank_state, tmp / f"rank_{rank:05d}.pt"))
-        ds, cfg = DeepSpeedState(state.engine), state.model_config
         shard_bytes = budget.limit // 2
         try:
             weights = ShardedTensorWriter(

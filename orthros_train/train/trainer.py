@@ -33,7 +33,6 @@ from orthros_train.parallel.state_dict import (
     LazyCheckpoint,
     gather_full_state_dict,
     load_reference_shards,
-    shard_tensor,
 )
 from orthros_train.train.checkpoint import (
     CheckpointError,
@@ -236,31 +235,6 @@ class Trainer:
         if self.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
         return path
-
-    def load_reference_weights(self, directory: Path) -> None:
-        """Weights from a reference-layout checkpoint into this run's shards (any TP/DP/ZeRO)."""
-        import deepspeed
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        tp, rank = self.cfg.parallel.tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
-        full = LazyCheckpoint(directory)
-        with torch.no_grad():
-            for name, param in self.engine.module.named_parameters():
-                if name not in full:
-                    raise ValueError(f"{directory} lacks {name!r}: the checkpoint was written for another model config")
-                value = shard_tensor(name, full, self.cfg.model, tp, rank)
-                if tuple(value.shape) != tuple(getattr(param, "ds_shape", param.shape)):
-                    raise ValueError(
-                        f"{directory}: {name} resharded to {tuple(value.shape)} but this model's is "
-                        f"{tuple(getattr(param, 'ds_shape', param.shape))}: the checkpoint was written for another "
-                        "model config; resume with that config"
-                    )
-                if hasattr(param, "ds_id"):  # ZeRO-3: write the full tensor, DeepSpeed re-partitions it
-                    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                        param.copy_(value)
-                else:
-                    param.copy_(value)
-                safe_set_full_fp32_param(param, value.float().to(param.device))
 
     def save_checkpoint(self, asynchronous: bool | None = None) -> Path | None:
         """A checkpoint of the current step; a failed save is reported and training goes on.
