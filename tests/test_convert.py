@@ -1,4 +1,4 @@
-"""orthros-convert: HF Llama/Qwen <-> Orthros checkpoints (DESIGN.md section 1).
+"""orthros-convert: HF Llama/Qwen <-> Orthros checkpoints (docs/convert.md).
 
 A converted Llama/Qwen reproduces the HF logits on sequences of at most W tokens; the to-hf
 export reproduces the Orthros model everywhere and generates through prefill + decode.

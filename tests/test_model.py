@@ -1,4 +1,5 @@
-"""The Orthros model against DESIGN.md section 1: equivalences, consistency, no leakage."""
+"""The Orthros model against its definition (docs/architecture.md): equivalences, consistency,
+no leakage."""
 
 from __future__ import annotations
 

@@ -132,8 +132,8 @@ def plain_tokenizer_dir(tmp_path_factory):
 
 def test_plain_chat_template_cuts_answers_ending_with_eos(plain_tokenizer_dir):
     from data_tools.chat import render_conversation
+    from data_tools.sft_demo import chat_tokenizer
     from orthros_train.data.indexed import MODE_ANSWER, MODE_PROMPT
-    from orthros_train.train.sft_demo import chat_tokenizer
 
     tok = chat_tokenizer(plain_tokenizer_dir)
     msgs = [
@@ -155,7 +155,7 @@ def test_plain_chat_template_cuts_answers_ending_with_eos(plain_tokenizer_dir):
 
 
 def test_demo_data_sequence_average_and_held_out_eval(plain_tokenizer_dir, tmp_path):
-    from orthros_train.train.sft_demo import prepare
+    from data_tools.sft_demo import prepare
 
     summary = prepare(plain_tokenizer_dir, str(tmp_path / "demo"), limit=120)
     assert summary["documents"] == 120
@@ -180,7 +180,7 @@ def test_demo_data_sequence_average_and_held_out_eval(plain_tokenizer_dir, tmp_p
 
 @pytest.mark.slow
 def test_sft_tiny_cpu_recipe_trains_with_eval(plain_tokenizer_dir, tmp_path):
-    from orthros_train.train.sft_demo import prepare
+    from data_tools.sft_demo import prepare
 
     prepare(plain_tokenizer_dir, str(tmp_path / "demo"), limit=300)
     run_dir = tmp_path / "run"

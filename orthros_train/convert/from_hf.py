@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Qwen2 / Qwen3 checkpoint -> Orthros checkpoint (DESIGN.md section 1).
+"""Hugging Face Llama / Qwen2 / Qwen3 checkpoint -> Orthros checkpoint (``docs/convert.md``).
 
 The conversion swaps the attention module and nothing else: every HF tensor keeps its value and
 (minus the ``model.`` prefix) its name; each layer gains the output stream's query affine

@@ -41,7 +41,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=64,
         tie_word_embeddings=True,
     ),
-    # ~22M: the CPU figure of the closing note (W = 128, the paper's default)
+    # ~22M: the model of the CPU prefill figures in docs/eval.md (W = 128, the paper's default)
     "20m": dict(
         vocab_size=8192,
         hidden_size=512,

@@ -1,6 +1,6 @@
 """The Orthros attention op in plain torch: the ground truth for every kernel.
 
-One op serves both streams (DESIGN.md section 2). All tensors are packed along one token
+One op serves both streams (``docs/architecture.md``). All tensors are packed along one token
 dimension with no padding (flash-attn "varlen" style):
 
     q        [Nq, Hq, D]   queries of the base stream and of the output stream, any order

@@ -1,4 +1,4 @@
-"""Phase layouts (DESIGN.md section 2): which positions get an output token.
+"""Phase layouts: which positions get an output token (``docs/architecture.md``).
 
 | phase    | output tokens                                         | loss weight        |
 | pretrain | every position                                        | 1                  |

@@ -1,6 +1,6 @@
 """The one structure that carries a batch through the stack: base tokens + output plan.
 
-DESIGN.md section 2: the base stream is every input token (packed, varlen, with positions and
+The base stream is every input token (packed, varlen, with positions and
 document ids); the output stream is a sorted list of positions that must predict a token, each
 with a label and a loss weight. Every phase (pretrain, sft, rl, prefill, decode) is a builder in
 ``orthros_train/phase/builders.py`` that produces an ``OrthrosLayout``.

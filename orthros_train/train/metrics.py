@@ -28,7 +28,7 @@ def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = Tru
     head on output tokens, and attention over the exact number of visible (query, key) pairs of
     each stream (window-clipped for base queries, document-clipped for both). For an sft layout
     with few answer tokens this is close to a sliding-window model; for pretrain it is the
-    Orthros cost of DESIGN.md section 2 (T*W + T^2/2 pairs per layer).
+    Orthros cost of a pretraining layout (T*W + T^2/2 pairs per layer).
     """
     from orthros_train.ops.reference import UNBOUNDED, key_ranges
 

@@ -1,7 +1,7 @@
 """Data for the SFT CPU demo: chatterbot-corpus QA pairs for the tiny pretrained model.
 
     orthros-train --config-name tiny_cpu                     # the tiny pretrained model (once)
-    python -m orthros_train.train.sft_demo                   # tokenizer + chat template + SFT shards
+    python -m data_tools.sft_demo                            # tokenizer + chat template + SFT shards
     orthros-train --config-name sft_tiny_cpu                 # fine-tune on the QA pairs
 
 The tiny model's tokenizer is a byte-level BPE trained on essays: it has ``<|endoftext|>`` and
