@@ -42,6 +42,10 @@ def _layouts():
     cache.lengths = torch.tensor([30, 17])
     yield "decode", decode_layout(ids[:, 0], cache.lengths), cache
     yield "chunk", prefill_layout([ids[0, :13], ids[1, :5]], start_positions=cache.lengths), cache
+    # A chunk that continues a document inside the first window: its head is lower-right causal.
+    short = KVCache(2, 2, capacity=24)
+    short.lengths = torch.tensor([3, 1])
+    yield "early-chunk", prefill_layout([ids[0, :20], ids[1, :9]], start_positions=short.lengths), short
 
 
 CASES = [(name, layout, cache, kind, w) for name, layout, cache in _layouts()
@@ -69,6 +73,10 @@ def test_sdpa_equals_reference_forward_and_backward(name, layout, cache, kind, w
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
         for a, b in zip(grads, ref_grads):
             torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5)
+    with torch.no_grad():  # inference writes the parts straight into one output buffer
+        for block in (32, 3):
+            out, _ = attention_sdpa(q, k, v, q_index, q_window, cu, need_lse=False, block=block)
+            torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
 def test_segments_and_flash_cover():

@@ -4,7 +4,7 @@
     orthros-eval recall CKPT --length 4k --num-pairs 32                MQAR accuracy vs distance
     orthros-eval ppl CKPT DATA... --seq-len 4k                         perplexity, per position bucket
     orthros-eval lm-eval CKPT --tasks pg_lambada,hellaswag             any lm-eval task (offline: local YAML)
-    orthros-eval bench-prefill CKPT|CONFIG|PRESET --lengths 1k..64k    TTFT + decode tok/s vs dense
+    orthros-eval bench-prefill CKPT|CONFIG|PRESET --lengths 1k..64k    TTFT + decode tok/s vs SDPA peers
 
 Every command writes JSON under ``--output-dir`` (default ``eval_results/``) and prints a summary.
 """
@@ -89,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     _common(p)
 
-    p = sub.add_parser("bench-prefill", help="TTFT and decode tokens/s: Orthros vs dense of the same shape")
+    p = sub.add_parser(
+        "bench-prefill",
+        help="TTFT and decode tokens/s: Orthros vs transformers' SDPA Llama and the dense baseline of the same shape",
+    )
     p.add_argument("model", help="checkpoint dir, config JSON/YAML, or a preset (tiny, 3m, 20m, 1p3b)")
     p.add_argument("--lengths", default="1k..16k", help="1k..64k (powers of two) or 1k,4k,32k")
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps per round and model")
@@ -98,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--prefill-chunk-size", type=parse_size, default=None)
     p.add_argument("--baseline", choices=["dense", "sliding"], default="dense")
-    p.add_argument("--max-baseline-length", type=parse_size, default=None, help="skip the baseline above this")
+    p.add_argument("--max-baseline-length", type=parse_size, default=None, help="skip the baselines above this")
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers peer (Llama/Qwen3, SDPA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the machine-readable result here")
     p.add_argument("--no-plot", action="store_true")
@@ -212,7 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         args.model, parse_lengths(args.lengths), device=args.device, dtype=args.dtype, baseline=args.baseline,
         decode_tokens=args.decode_tokens, repeats=args.repeats, chunk_size=args.prefill_chunk_size,
         batch_size=args.batch_size, max_baseline_length=args.max_baseline_length, seed=args.seed,
-        decode_rounds=args.decode_rounds,
+        decode_rounds=args.decode_rounds, peer=not args.no_peer,
         overrides=overrides,
     )  # fmt: skip
     out = Path(args.output_dir)

@@ -73,39 +73,41 @@ def recall_curve(buckets: Sequence[dict], path: str | Path, window: int | None, 
 
 
 def bench_plot(rows: Sequence[dict], path: str | Path, title: str) -> Path:
-    """Time to first token of both models (log-log) and the ratios vs prompt length.
+    """Time to first token of the three models (log-log) and the prefill ratio against its FLOP
+    limit, with the decode ratios, vs prompt length.
 
-    Solid: wall clock. Dashed: process CPU time (the robust figure on a busy shared CPU).
+    Process CPU time where the rows carry it (CPU runs), wall clock otherwise.
     """
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     lengths = [r["length"] for r in rows]
+    cpu = any("orthros_ttft_cpu_s" in r for r in rows)
+    c = "_cpu" if cpu else ""
 
     def series(key: str) -> list[tuple[int, float]]:
         return [(r["length"], r[key]) for r in rows if r.get(key) is not None]
 
-    for model, color in (("orthros", "C0"), ("dense", "C1")):
-        label = "Orthros" if model == "orthros" else "dense"
-        for suffix, style, what in (("ttft_s", "-", "wall"), ("ttft_cpu_s", "--", "CPU time")):
-            pts = series(f"{model}_{suffix}")
-            if pts:
-                ax1.plot(*zip(*pts), style, marker="o", color=color, label=f"{label} ({what})")
+    for model, color, label in (("orthros", "C0", "Orthros"), ("peer", "C1", "transformers SDPA peer"),
+                                ("dense", "C4", "dense baseline (this repo)")):  # fmt: skip
+        pts = series(f"{model}_ttft{c}_s")
+        if pts:
+            ax1.plot(*zip(*pts), "-", marker="o", color=color, label=label)
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
     ax1.set_xticks(lengths, [_k(n) for n in lengths])
     ax1.set_xlabel("prompt length (tokens)")
-    ax1.set_ylabel("time to first token (s)")
+    ax1.set_ylabel(f"time to first token (s, {'CPU time' if cpu else 'wall'})")
     ax1.legend(fontsize=8)
     ax1.grid(True, which="both", alpha=0.3)
-    for key, style, label, marker in (
-        ("prefill_speedup", "-", "prefill: dense / Orthros time (wall)", "o"),
-        ("prefill_speedup_cpu", "--", "prefill: dense / Orthros time (CPU)", "o"),
-        ("decode_ratio", "-", "decode: Orthros / dense tokens/s (wall)", "s"),
-        ("decode_ratio_cpu", "--", "decode: Orthros / dense tokens/s (CPU)", "s"),
+    for key, style, label, marker, color in (
+        ("flop_limit", ":", "FLOP-ratio limit (dense / Orthros)", None, "gray"),
+        (f"peer_speedup{c}", "-", "prefill: peer / Orthros time", "o", "C2"),
+        (f"prefill_speedup{c}", "--", "prefill: dense baseline / Orthros time", "o", "C2"),
+        (f"peer_decode_ratio{c}", "-", "decode: Orthros / peer tokens/s", "s", "C3"),
     ):
         pts = series(key)
         if pts:
-            ax2.plot(*zip(*pts), style, marker=marker, color="C2" if "prefill" in key else "C3", label=label)
+            ax2.plot(*zip(*pts), style, marker=marker, color=color, label=label)
     ax2.axhline(1.0, color="gray", linewidth=0.8)
     ax2.set_xscale("log", base=2)
     ax2.set_xticks(lengths, [_k(n) for n in lengths])
