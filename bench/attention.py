@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from datetime import date
@@ -371,70 +372,125 @@ def print_cpu(res: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def compile_sm90(args) -> dict:
-    """Compile each kernel for sm_90 with triton's bundled ptxas; reports shared memory per config."""
+PTXAS_STATS = re.compile(r"(\d+) bytes spill stores")
+PTXAS_REGS = re.compile(r"Used (\d+) registers")
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _ptxas_stats(ptx: str) -> dict:
+    """Registers and spill bytes of one kernel: ptxas -v on the PTX triton produced.
+
+    Triton runs the same ptxas while compiling but keeps its log only on failure, so the PTX is
+    assembled once more here with the same flags triton passes for sm_90.
+    """
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia.compiler as nv
+
+    ptxas = nv.get_ptxas(90).path
+    arch = re.search(r"\.target\s+(\S+)", ptx).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [ptxas, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", src, "-o", os.path.join(tmp, "k.o")],
+            capture_output=True, text=True, check=True,
+        ).stderr
+    return {"regs": int(PTXAS_REGS.search(log).group(1)), "spill_bytes": int(PTXAS_STATS.search(log).group(1))}
+
+
+def _signature(fn, consts: dict, dtype: str) -> tuple[dict, dict]:
+    """Argument types and the JIT's alignment attributes for real (aligned) tensors.
+
+    The JIT marks every pointer whose address is a multiple of 16 and every int argument
+    divisible by 16 with ``tt.divisibility=16`` (``BaseBackend.get_*_specialization``); torch
+    allocations are 16-byte aligned and the strides of [tokens, heads, 64|128] tensors are
+    multiples of 16, so those are the kernels a training run builds. Counts (n_q, n_k, ...) are
+    left unspecialised (the general case the JIT also compiles).
+    """
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        if name in ta.KERNEL_ARG_TYPES:
+            sig[name] = ta.KERNEL_ARG_TYPES[name]
+        elif name in ("qk_scale", "sm_scale"):
+            sig[name] = "fp32"
+        elif name.startswith("stride") or name in ("n_q", "n_k", "split", "n_splits"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "*" + dtype
+        if sig[name].startswith("*") or name.startswith("stride") or name == "split":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_report(head_dims=(64, 128), dtypes=("bfloat16", "float16"), group: int = 4, log=None) -> list[dict]:
+    """AOT-compile every kernel config for sm_90 as the JIT would specialise it; one dict each.
+
+    ``autotune`` is true for the configs the autotuner may pick for that dtype (after its prune);
+    the decode kernels have one fixed launch config (``autotune`` false, ``fixed`` true).
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    target = GPUTarget("cuda", 90, 32)
+    rows = []
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        torch_dtype = getattr(torch, dtype_name)
+        for d in head_dims:
+            for spec in ta.kernel_specs(d, group, torch_dtype) + _decode_specs(d, group, torch_dtype):
+                fn, consts, cfg = spec["fn"], spec["consts"], spec["config"]
+                sig, attrs = _signature(fn, consts, dtype)
+                src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+                t0 = time.perf_counter()
+                row = {"kernel": spec["kernel"], "config": cfg, "head_dim": d, "dtype": dtype,
+                       "autotune": spec["autotune"]}
+                if spec.get("fixed"):
+                    row["fixed"] = True
+                try:
+                    kern = triton.compile(src, target=target,
+                                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+                    row.update(_ptxas_stats(kern.asm["ptx"]), shared_bytes=int(kern.metadata.shared))
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
+                    row.update(regs=None, spill_bytes=None, shared_bytes=None,
+                               error=f"{type(exc).__name__}: {exc}"[-400:])
+                row["seconds"] = round(time.perf_counter() - t0, 2)
+                rows.append(row)
+                if log is not None:
+                    log(row)
+    return rows
+
+
+def _decode_specs(d: int, group: int, dtype: torch.dtype) -> list[dict]:
     from orthros_train.ops import triton_decode as td
 
-    target = GPUTarget("cuda", 90, 32)
-    special = {"PERM": "*i32", "QSTART": "*i32", "QEND": "*i32", "COMP_START": "*i64", "COMP_END": "*i64",
-               "NGROUPS": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "LP": "*fp32", "OP": "*fp32", "DQ": "*fp32",
-               "ROWS": "*i32", "DKA": "*fp32", "DVA": "*fp32"}
-    results = []
+    return td.kernel_specs(d, group, dtype)
 
-    def build(fn, dtype, consts, num_warps=4, num_stages=3):
-        ident = (fn.__name__, tuple(sorted(consts.items())), num_warps, num_stages)
-        if ident in seen:
-            return
-        seen.add(ident)
-        sig = {}
-        for name in fn.arg_names:
-            if name in consts:
-                sig[name] = "constexpr"
-            elif name in special:
-                sig[name] = special[name]
-            elif name in ("qk_scale", "sm_scale"):
-                sig[name] = "fp32"
-            elif name.startswith("stride") or name in ("n_q", "n_k", "split", "n_splits"):
-                sig[name] = "i32"
-            else:
-                sig[name] = "*" + dtype
-        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        t0 = time.perf_counter()
-        try:
-            kern = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
-            res = {"ok": True, "shared_bytes": kern.metadata.shared}
-        except Exception as exc:  # noqa: BLE001
-            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-600:]}
-        res.update(kernel=fn.__name__, dtype=dtype, consts={k: v for k, v in consts.items() if k.startswith("BLOCK")},
-                   num_warps=num_warps, num_stages=num_stages, seconds=time.perf_counter() - t0)
-        results.append(res)
-        if not args.json:
-            status = f"ok shared={res['shared_bytes']}" if res["ok"] else f"FAIL {res['error']}"
-            print(f"{res['kernel']:24} {dtype:5} {res['consts']} w{num_warps} s{num_stages}: {status}", flush=True)
 
-    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
-    d = args.head_dim
-    common = {"GROUP": args.heads // args.kv_heads, "D": d, "BLOCK_D": d, "EVEN_D": True, "UPCAST": False,
-              "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
-    seen = set()
-    for cls in ("band", "full"):
-        for cfg in ta._FWD_CONFIGS[cls]:
-            build(ta._attn_fwd_kernel, dtype, {**common, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
-        for cfg in ta._BWD_DQ_CONFIGS[cls]:
-            build(ta._attn_bwd_dq_kernel, dtype, {**common, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
-        for atomic in (False, True):
-            for cfg in ta._BWD_DKDV_CONFIGS[cls]:
-                consts = {**common, "ATOMIC_DQ": atomic, "ACCUMULATE": cls == "full", **cfg.kwargs}
-                build(ta._attn_bwd_dkdv_kernel, dtype, consts, cfg.num_warps, cfg.num_stages)
-    build(td._decode_split_kernel, dtype, {"GROUP": common["GROUP"], "D": d, "BLOCK_G": 16, "BLOCK_D": d,
-                                           "BLOCK_N": 64, "EVEN_D": True, "UPCAST": False,
-                                           "PRECISION": common["PRECISION"]})
-    build(td._decode_combine_kernel, dtype, {"D": d, "BLOCK_S": 64, "BLOCK_D": d})
-    return {"target": "cuda sm_90", "results": results}
+def _fmt_compile(r: dict) -> str:
+    c = r["config"]
+    cfg = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+    tag = "autotune" if r["autotune"] else ("fixed" if r.get("fixed") else "-")
+    if r.get("error"):
+        return f"| {r['kernel']} | {cfg} | {r['head_dim']} | {r['dtype']} | FAIL | | | {tag} |"
+    return (f"| {r['kernel']} | {cfg} | {r['head_dim']} | {r['dtype']} | {r['regs']} | {r['spill_bytes']} | "
+            f"{r['shared_bytes'] / 1024:.0f} | {tag} |")
+
+
+def compile_sm90(args) -> list[dict]:
+    head_dims = [args.head_dim] if args.head_dim_given else [64, 128]
+    dtypes = [args.dtype] if args.dtype_given else ["bfloat16", "float16", "float32"]
+    if not args.json:
+        print("| kernel | config | head_dim | dtype | regs | spill bytes | shared KB | |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    log = None if args.json else (lambda r: print(_fmt_compile(r), flush=True))
+    return compile_report(head_dims, dtypes, args.heads // args.kv_heads, log=log)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,14 +503,17 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=None, help="default 128 (--compile-sm90: 64 and 128)")
     p.add_argument("--window", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default bfloat16 (--compile-sm90: all)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
     p.add_argument("--band-blocks", default="64x64", help="BLOCK_MxBLOCK_N of the windowed queries (CPU work count)")
     p.add_argument("--full-blocks", default="128x64", help="BLOCK_MxBLOCK_N of the whole-document queries")
     p.add_argument("--compile-sm90", action="store_true", help="compile the kernels for sm_90 (no GPU needed)")
     args = p.parse_args(argv)
+    args.head_dim_given, args.dtype_given = args.head_dim is not None, args.dtype is not None
+    args.head_dim = args.head_dim or 128
+    args.dtype = args.dtype or "bfloat16"
     args.seqlens = [int(x) for x in args.seqlens.split(",") if x]
     args.layouts = [x for x in args.layouts.split(",") if x]
     args.blocks = {
@@ -463,10 +522,10 @@ def main(argv=None) -> int:
     }
 
     if args.compile_sm90:
-        res = compile_sm90(args)
+        rows = compile_sm90(args)
         if args.json:
-            print(json.dumps(res, indent=2))
-        return 0 if all(r["ok"] for r in res["results"]) else 1
+            print(json.dumps(rows, indent=1))
+        return 0 if all(not r.get("error") for r in rows) else 1
     if torch.cuda.is_available():
         res = gpu_bench(args)
         if args.json:

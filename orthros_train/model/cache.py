@@ -38,6 +38,8 @@ class KVCache:
         self.lengths = torch.zeros(num_rows, dtype=torch.long)
         self._dest: tuple[tuple[int, ...], tuple[int, ...], torch.Tensor] | None = None
         self._dest_dev: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (new_lengths, slots) of the step ``key_space`` prepared; extend() trusts that object
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- key layout ---------------------------------------------------------------------------
     def reserve(self, tokens_per_row: int) -> None:
@@ -70,14 +72,16 @@ class KVCache:
         Returns ``cu_seqlens`` of the keys (one document of ``capacity`` slots per row) and the
         key index of every new token in packed order.
         """
-        new_lengths = self._check(new_lengths)
+        given, new_lengths = new_lengths, self._check(new_lengths)
         needed = int((self.lengths + new_lengths).max())
         if needed > self.capacity:
             grown = math.ceil(self.capacity * self.growth) if self.capacity else 0
             self.capacity = max(needed, grown)
             self._dest = None
         cu = torch.arange(self.num_rows + 1, dtype=torch.long) * self.capacity
-        return cu.to(torch.int32), self._destinations(new_lengths).clone()
+        dest = self._destinations(new_lengths)
+        self._pending = (given, dest)
+        return cu.to(torch.int32), dest.clone()
 
     def _buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K/V buffers at the current capacity (allocated or regrown)."""
@@ -105,14 +109,22 @@ class KVCache:
         """Write one layer's new K/V ([sum(new_lengths), Hkv, D]) in place; return the whole buffers.
 
         Call ``key_space`` first (it fixes the capacity); the returned keys match its layout.
+        Passing the very ``new_lengths`` tensor given to ``key_space`` (as the model does for
+        every layer) reuses its checks and slots: a layer's write then reads no tensor value.
         """
-        new_lengths = self._check(new_lengths)
-        if int((self.lengths + new_lengths).max()) > self.capacity:
-            raise ValueError("extend() past the cache capacity: call key_space() for this step first")
-        if k_new.shape[0] != int(new_lengths.sum()) or v_new.shape != k_new.shape:
-            raise ValueError(f"k_new/v_new must hold {int(new_lengths.sum())} tokens, got {tuple(k_new.shape)}")
+        pending = self._pending
+        if pending is not None and new_lengths is pending[0]:
+            dest = pending[1]
+            if k_new.shape[0] != dest.numel() or v_new.shape != k_new.shape:
+                raise ValueError(f"k_new/v_new must hold {dest.numel()} tokens, got {tuple(k_new.shape)}")
+        else:
+            new_lengths = self._check(new_lengths)
+            if int((self.lengths + new_lengths).max()) > self.capacity:
+                raise ValueError("extend() past the cache capacity: call key_space() for this step first")
+            if k_new.shape[0] != int(new_lengths.sum()) or v_new.shape != k_new.shape:
+                raise ValueError(f"k_new/v_new must hold {int(new_lengths.sum())} tokens, got {tuple(k_new.shape)}")
+            dest = self._destinations(new_lengths)
         k, v = self._buffers(layer, k_new)
-        dest = self._destinations(new_lengths)
         if dest.device != k.device:  # one host-to-device copy per step, shared by all layers
             if self._dest_dev is None or self._dest_dev[0] is not dest:
                 self._dest_dev = (dest, dest.to(k.device))
@@ -125,6 +137,7 @@ class KVCache:
         """Record that every layer now holds the new tokens (call once per forward)."""
         self.lengths = self.lengths + self._check(new_lengths)
         self._dest = None
+        self._pending = None
 
     def clone(self, capacity: int | None = None) -> "KVCache":
         """An independent copy (optionally with more capacity per row)."""
@@ -185,6 +198,7 @@ class KVCacheRows:
             raise ValueError(f"rows must be sorted, unique and in [0, {parent.num_rows}), got {rows.tolist()}")
         self.parent = parent
         self.rows = rows
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -199,11 +213,16 @@ class KVCacheRows:
         return self.parent.lengths[self.rows]
 
     def _full(self, new_lengths: torch.Tensor) -> torch.Tensor:
+        # the same object for the same step, so the parent's extend() recognises key_space's step
+        if self._last is not None and self._last[0] is new_lengths:
+            return self._last[1]
+        given = new_lengths
         new_lengths = torch.as_tensor(new_lengths).long().cpu().reshape(-1)
         if new_lengths.numel() != self.num_rows:
             raise ValueError(f"this view has {self.num_rows} rows, the batch has {new_lengths.numel()}")
         full = torch.zeros(self.parent.num_rows, dtype=torch.long)
         full[self.rows] = new_lengths
+        self._last = (given, full)
         return full
 
     def key_space(self, new_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,18 +35,31 @@ _OUTPUT_ONLY: dict[str, AttentionFn] = {"sdpa": attention_sdpa_output}
 
 
 def _triton_backend(deterministic: bool) -> AttentionFn:
-    def run(q, k, v, q_index, q_window, cu_seqlens, scale=None):
+    def run(q, k, v, q_index, q_window, cu_seqlens, scale=None, prepared=None):
         from orthros_train.ops.triton_attention import attention_triton  # lazy: imports triton
 
-        return attention_triton(q, k, v, q_index, q_window, cu_seqlens, scale=scale, deterministic=deterministic)
+        return attention_triton(
+            q, k, v, q_index, q_window, cu_seqlens, scale=scale, deterministic=deterministic, prepared=prepared
+        )
 
     run.__name__ = "attention_triton" if deterministic else "attention_triton_atomic"
     return run
 
 
+def _prepare_triton(q_index, q_window, cu_seqlens, n_k, **hints):
+    from orthros_train.ops.triton_attention import prepare_attention  # lazy: imports triton
+
+    return prepare_attention(q_index, q_window, cu_seqlens, n_k, **hints)
+
+
+# Backends that precompute per-forward metadata (``prepare_attention``), by backend function.
+_PREPARERS: dict[AttentionFn, Callable[..., object]] = {}
+
 if importlib.util.find_spec("triton") is not None:
     _BACKENDS["triton"] = _triton_backend(deterministic=True)
     _BACKENDS["triton_atomic"] = _triton_backend(deterministic=False)
+    _PREPARERS[_BACKENDS["triton"]] = _prepare_triton
+    _PREPARERS[_BACKENDS["triton_atomic"]] = _prepare_triton
 
 
 def register_backend(name: str, fn: AttentionFn, output_only: AttentionFn | None = None) -> None:
@@ -83,6 +97,39 @@ def resolve_backend(backend: str, device: torch.device, need_lse: bool = True) -
     return _BACKENDS[backend]
 
 
+@dataclass(frozen=True)
+class PreparedAttention:
+    """Per-forward metadata of one backend (``prepare_attention``), reused by every layer."""
+
+    fn: AttentionFn
+    payload: object
+
+
+def prepare_attention(
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    n_k: int,
+    backend: str = "auto",
+    need_lse: bool = False,
+    **hints: int | None,
+) -> PreparedAttention | None:
+    """What ``backend`` can compute once per forward pass for these queries and keys (the
+    Triton kernels: the query sort and tile plan), or ``None`` when it has nothing to prepare.
+
+    Pass the result to every ``orthros_attention`` call of that forward (all layers, and their
+    backward through autograd). The layout must already be validated (the phase builders do it
+    once per batch): prepared calls skip the per-call value checks, which each cost a device
+    sync. ``hints`` are host-known counts (``n_band``: queries with a window of at most ``n_k``
+    keys; ``max_range``: the longest key range, for decode steps) that save further syncs.
+    """
+    fn = resolve_backend(backend, q_index.device, need_lse=need_lse)
+    preparer = _PREPARERS.get(fn)
+    if preparer is None:
+        return None
+    return PreparedAttention(fn, preparer(q_index, q_window, cu_seqlens, n_k, **hints))
+
+
 def orthros_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -92,10 +139,22 @@ def orthros_attention(
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
     backend: str = "auto",
+    prepared: PreparedAttention | None = None,
 ) -> torch.Tensor:
-    """Attention of both streams over the base keys (see ``ops/reference.py`` for the contract)."""
-    out, _ = resolve_backend(backend, q.device, need_lse=False)(q, k, v, q_index, q_window, cu_seqlens, scale=scale)
+    """Attention of both streams over the base keys (see ``ops/reference.py`` for the contract).
+
+    ``prepared``: this forward's ``prepare_attention`` result (used when it belongs to the
+    backend that runs).
+    """
+    fn = resolve_backend(backend, q.device, need_lse=False)
+    if prepared is not None and prepared.fn is fn:
+        out, _ = fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=prepared.payload)
+    else:
+        out, _ = fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale)
     return out
 
 
-__all__ = ["UNBOUNDED", "orthros_attention", "register_backend", "available_backends"]
+__all__ = [
+    "UNBOUNDED", "PreparedAttention", "orthros_attention", "prepare_attention", "register_backend",
+    "available_backends",
+]

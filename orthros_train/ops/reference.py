@@ -47,8 +47,14 @@ def check_attention_inputs(
     q_index: torch.Tensor,
     q_window: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    values: bool = True,
 ) -> None:
-    """Raise a ValueError that names the offending argument; shared by every backend."""
+    """Raise a ValueError that names the offending argument; shared by every backend.
+
+    Shape checks are free; the value checks (``values``) read device tensors, i.e. cost a
+    host-device sync each, so callers whose layout was validated where it was built (the
+    model, through prepared metadata) skip them in the per-layer hot path.
+    """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError("q, k, v must be [tokens, heads, head_dim]")
     if k.shape != v.shape:
@@ -61,6 +67,8 @@ def check_attention_inputs(
         raise ValueError("q_index and q_window must be [Nq]")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be 1-D with at least two entries")
+    if not values:
+        return
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != k.shape[0]:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at the number of keys ({k.shape[0]}), "

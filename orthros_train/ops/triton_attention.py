@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -57,33 +58,49 @@ LN2 = 0.6931471805599453
 # --------------------------------------------------------------------------------------------
 
 
-def _configs(gpu: list[tuple[int, int, int, int]], interp: tuple[int, int]) -> list[triton.Config]:
+CLASSES = ("band", "full")
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and stream class, chosen from the sm_90
+# ahead-of-time compile report (`python bench/attention.py --compile-sm90`, table in
+# docs/benchmarks.md): every 16-bit config compiles with 0 spill bytes at head_dim 64 and 128 and
+# fits the H100's 227 KB of shared memory. Not timed on a GPU yet. Each kernel is launched once
+# over the windowed queries (the base stream: a band of W keys, where a tile of m queries spans
+# m + W - 1 keys, so smaller tiles waste less; every tile masked, one pipelined loop) and once
+# over the whole-document queries (the output stream: causal-like, large tiles, mask-free
+# interior). In fwd/dq, BLOCK_M counts rows of the dot: queries x the heads packed per program.
+_GPU_CONFIGS = {
+    "fwd": {
+        "band": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 8, 3), (128, 32, 8, 3)],
+        "full": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 8, 3)],
+    },
+    "dq": {
+        "band": [(64, 32, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2)],
+        "full": [(64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)],
+    },
+    "dkdv": {  # BLOCK_N keys per program, BLOCK_M queries per step of its loop
+        "band": [(32, 64, 8, 3), (16, 64, 4, 3), (16, 128, 8, 3)],
+        "full": [(32, 64, 8, 3), (16, 64, 4, 3), (16, 128, 8, 3)],
+    },
+}
+# fp32 inputs (TF32 dots): twice the bytes per tile, so smaller tiles and fewer stages.
+_GPU_CONFIGS_FP32 = {
+    "fwd": {"band": [(64, 32, 4, 2), (32, 32, 4, 2)], "full": [(64, 32, 4, 2), (64, 64, 8, 2)]},
+    "dq": {"band": [(32, 32, 4, 2)], "full": [(32, 32, 4, 2), (64, 32, 8, 2)]},
+    "dkdv": {"band": [(16, 32, 4, 2)], "full": [(16, 32, 4, 2), (32, 64, 8, 2)]},
+}
+# The interpreter cannot benchmark: one config per kernel and class.
+_INTERP_BLOCKS = {"band": (16, 16), "full": (32, 32)}
+
+
+def _config_list(kernel: str, cls: str, fp32: bool) -> list[triton.Config]:
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": interp[0], "BLOCK_N": interp[1]}, num_warps=4, num_stages=1)]
+        bm, bn = _INTERP_BLOCKS[cls]
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+    table = _GPU_CONFIGS_FP32 if fp32 else _GPU_CONFIGS
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in gpu
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in table[kernel][cls]
     ]
 
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); not measured on a GPU yet (see docs/benchmarks.md).
-# Each kernel is launched twice: once over the windowed queries (the base stream: a band of W
-# keys, where a BLOCK_M-query tile spans BLOCK_M + W - 1 keys, so smaller tiles waste less) and
-# once over the whole-document queries (the output stream: causal-like, large tiles).
-_FWD_CONFIGS = {
-    "band": _configs([(64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 3), (32, 64, 4, 4), (128, 64, 8, 3)], (16, 16)),
-    "full": _configs(
-        [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 2)],
-        (32, 32),
-    ),
-}
-_BWD_DQ_CONFIGS = {
-    "band": _configs([(64, 32, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 32, 4, 4)], (16, 16)),
-    "full": _configs([(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4)], (32, 32)),
-}
-_BWD_DKDV_CONFIGS = {
-    "band": _configs([(32, 64, 4, 3), (64, 64, 4, 3), (32, 32, 4, 4), (64, 32, 4, 3)], (16, 16)),
-    "full": _configs([(32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4)], (32, 32)),
-}
 
 # Explicit block sizes for tests: when set, kernels run without autotune at these sizes.
 _FORCED_BLOCKS: tuple[int, int] | None = None
@@ -140,6 +157,58 @@ def _load_rows(base, rows64, stride, offs_d, row_mask, d_mask, EVEN_D: tl.conste
 
 
 @triton.jit
+def _query_tile(
+    PERM, QSTART, QEND, ROWS, pid, hp, GROUP: tl.constexpr, HEAD_PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Rows of one query tile: ``BLOCK_M // HEAD_PACK`` sorted queries x ``HEAD_PACK`` heads.
+
+    The heads of one program share a KV head (HEAD_PACK divides GROUP), so each K/V tile is
+    loaded once for all of them. Tiles run in reverse sorted order: queries are sorted by range
+    end, so the last tiles span the most keys and start first (less tail at the end of a wave).
+    """
+    QM: tl.constexpr = BLOCK_M // HEAD_PACK
+    row_lo = tl.load(ROWS)
+    row_hi = tl.load(ROWS + 1)
+    tile = (row_hi - row_lo + QM - 1) // QM - 1 - pid  # < 0: a spare program of a host-sized grid
+    r = tl.arange(0, BLOCK_M)
+    rows = row_lo + tile * QM + r // HEAD_PACK
+    heads = hp * HEAD_PACK + r % HEAD_PACK
+    row_ok = (rows >= row_lo) & (rows < row_hi)  # a spare program (tile < 0) has no rows
+    qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
+    qs = tl.load(QSTART + rows, mask=row_ok, other=0)
+    qe = tl.load(QEND + rows, mask=row_ok, other=-1)
+    hk = (hp * HEAD_PACK) // GROUP
+    return qi, qs, qe, heads, hk, row_ok
+
+
+@triton.jit
+def _key_bounds(qs, qe, row_ok, BLOCK_N: tl.constexpr, SPLIT_MASK: tl.constexpr):
+    """Key tiles of a query tile: [lo, a) masked, [a, b) mask-free, [b, hi) masked.
+
+    Without SPLIT_MASK (the base stream: its few key tiles all cross the band's edges) every
+    tile is masked and one pipelined loop covers [lo, hi).
+    """
+    big = 1073741824  # > any key index (n_k < 2**30); +1 must not overflow int32
+    lo = tl.min(tl.where(row_ok, qs, big))
+    hi = tl.max(tl.where(row_ok, qe, -1)) + 1
+    lo = (lo // BLOCK_N) * BLOCK_N
+    a = hi
+    b = hi
+    if SPLIT_MASK:
+        max_start = tl.max(tl.where(row_ok, qs, -1))
+        min_end = tl.min(tl.where(row_ok, qe, big))
+        hi_al = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        a = ((max_start + BLOCK_N - 1) // BLOCK_N) * BLOCK_N  # first tile with every key >= max start
+        b = ((min_end + 1) // BLOCK_N) * BLOCK_N  # tiles below b end at or before min end
+        a = tl.maximum(a, lo)
+        b = tl.minimum(b, hi_al)
+        empty = b <= a
+        a = tl.where(empty, hi_al, a)
+        b = tl.where(empty, hi_al, b)
+    return lo, a, b, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, lo, hi, n_k,
     offs_n, offs_d, d_mask, qk_scale,
@@ -180,50 +249,30 @@ def _fwd_inner(
 
 
 @triton.jit
-def _tile_segments(qs, qe, row_ok, BLOCK_N: tl.constexpr):
-    """Key-tile bounds of one query tile: [lo, a) masked, [a, b) mask-free, [b, hi) masked."""
-    big = 1073741824  # > any key index (n_k < 2**30); +1 must not overflow int32
-    lo = tl.min(tl.where(row_ok, qs, big))
-    hi = tl.max(tl.where(row_ok, qe, -1)) + 1
-    max_start = tl.max(tl.where(row_ok, qs, -1))
-    min_end = tl.min(tl.where(row_ok, qe, big))
-    lo = (lo // BLOCK_N) * BLOCK_N
-    hi_al = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    a = ((max_start + BLOCK_N - 1) // BLOCK_N) * BLOCK_N  # first tile with every key >= max start
-    b = ((min_end + 1) // BLOCK_N) * BLOCK_N  # tiles below b end at or before min end
-    a = tl.maximum(a, lo)
-    b = tl.minimum(b, hi_al)
-    empty = b <= a
-    a = tl.where(empty, hi_al, a)
-    b = tl.where(empty, hi_al, b)
-    return lo, a, b, hi
-
-
-@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, LSE, PERM, QSTART, QEND, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om, stride_oh,
     n_q, n_k, qk_scale,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_PACK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
     # this launch covers the sorted rows [ROWS[0], ROWS[1]) (one stream class)
-    rows = tl.load(ROWS) + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(ROWS + 1)
+    qi, qs, qe, heads, hk, row_ok = _query_tile(
+        PERM, QSTART, QEND, ROWS, tl.program_id(0), tl.program_id(1), GROUP, HEAD_PACK, BLOCK_M
+    )
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
+    q_ptrs = Q + qi[:, None] * stride_qm + heads[:, None] * stride_qh + offs_d[None, :]
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
 
-    qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
-    qs = tl.load(QSTART + rows, mask=row_ok, other=0)
-    qe = tl.load(QEND + rows, mask=row_ok, other=-1)
-    q = _load_rows(Q + h * stride_qh, qi, stride_qm, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
-
-    lo, a, b, hi = _tile_segments(qs, qe, row_ok, BLOCK_N)
+    lo, a, b, hi = _key_bounds(qs, qe, row_ok, BLOCK_N, SPLIT_MASK)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked tiles give no NaN
@@ -231,17 +280,18 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, lo, a, n_k,
                                offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, a, b, n_k,
-                               offs_n, offs_d, d_mask, qk_scale, BLOCK_N, False, EVEN_D, UPCAST, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, b, hi, n_k,
-                               offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
+    if SPLIT_MASK:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, a, b, n_k,
+                                   offs_n, offs_d, d_mask, qk_scale, BLOCK_N, False, EVEN_D, UPCAST, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, qs, qe, b, hi, n_k,
+                                   offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-    o_ptrs = Out + h * stride_oh + qi[:, None] * stride_om + offs_d[None, :]
+    o_ptrs = Out + heads[:, None] * stride_oh + qi[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
-    tl.store(LSE + h * n_q + qi, lse, mask=row_ok)
+    tl.store(LSE + heads * n_q + qi, lse, mask=row_ok)
 
 
 @triton.jit
@@ -284,39 +334,41 @@ def _attn_bwd_dq_kernel(
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh,
     n_q, n_k, sm_scale, qk_scale,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_PACK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    # this launch covers the sorted rows [ROWS[0], ROWS[1]) (one stream class)
-    rows = tl.load(ROWS) + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(ROWS + 1)
+    qi, qs, qe, heads, hk, row_ok = _query_tile(
+        PERM, QSTART, QEND, ROWS, tl.program_id(0), tl.program_id(1), GROUP, HEAD_PACK, BLOCK_M
+    )
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
+    if EVEN_D:
+        r_mask = row_ok[:, None]
+    else:
+        r_mask = row_ok[:, None] & d_mask[None, :]
+    q = tl.load(Q + qi[:, None] * stride_qm + heads[:, None] * stride_qh + offs_d[None, :], mask=r_mask, other=0.0)
+    do = tl.load(DO + qi[:, None] * stride_dom + heads[:, None] * stride_doh + offs_d[None, :], mask=r_mask,
+                 other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(LSE + heads * n_q + qi, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + heads * n_q + qi, mask=row_ok, other=0.0)
 
-    qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
-    qs = tl.load(QSTART + rows, mask=row_ok, other=0)
-    qe = tl.load(QEND + rows, mask=row_ok, other=-1)
-    q = _load_rows(Q + h * stride_qh, qi, stride_qm, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
-    do = _load_rows(DO + h * stride_doh, qi, stride_dom, offs_d, row_ok, d_mask, EVEN_D, UPCAST)
-    lse2 = tl.load(LSE + h * n_q + qi, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + h * n_q + qi, mask=row_ok, other=0.0)
-
-    lo, a, b, hi = _tile_segments(qs, qe, row_ok, BLOCK_N)
+    lo, a, b, hi = _key_bounds(qs, qe, row_ok, BLOCK_N, SPLIT_MASK)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, lo, a, n_k,
                        offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, a, b, n_k,
-                       offs_n, offs_d, d_mask, qk_scale, BLOCK_N, False, EVEN_D, UPCAST, PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, b, hi, n_k,
-                       offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
-    dq_ptrs = DQ + h * stride_dqh + qi[:, None] * stride_dqm + offs_d[None, :]
+    if SPLIT_MASK:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, a, b, n_k,
+                           offs_n, offs_d, d_mask, qk_scale, BLOCK_N, False, EVEN_D, UPCAST, PRECISION)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qs, qe, b, hi, n_k,
+                           offs_n, offs_d, d_mask, qk_scale, BLOCK_N, True, EVEN_D, UPCAST, PRECISION)
+    dq_ptrs = DQ + heads[:, None] * stride_dqh + qi[:, None] * stride_dqm + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
 
 
@@ -376,12 +428,17 @@ def _attn_bwd_dkdv_kernel(
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dk/dv of one key tile from the sorted rows [ROWS[0], ROWS[1]); with ACCUMULATE, adds the
-    fp32 partial sums DKA/DVA of an earlier launch (same layout as DK/DV) before storing."""
+    fp32 partial sums DKA/DVA of an earlier launch (same layout as DK/DV) before storing.
+
+    One masked, pipelined loop over the query tiles that see the key tile: a mask-free interior
+    loop (as in the forward) would need its own registers per loop and made every 16-bit config
+    at head_dim 128 spill; the mask is a few integer ops per score next to four dots.
+    """
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     # Last key of the tile, clamped to n_k so the searches stay inside one window class
-    # (a class spans n_k + 1 composite values); a partial last tile gets no mask-free rows.
+    # (a class spans n_k + 1 composite values).
     n1 = tl.minimum(n0 + BLOCK_N - 1, n_k)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_k
@@ -402,35 +459,13 @@ def _attn_bwd_dkdv_kernel(
         base = tl.cast(g, tl.int64) * (n_k + 1)
         q_lo = _lower_bound(COMP_END, n_q, base + n0)  # first row with end >= n0
         q_hi = _upper_bound(COMP_START, n_q, base + n1)  # first row with start > n1
-        f_lo = _lower_bound(COMP_END, n_q, base + n1)  # first row with end >= n1
-        f_hi = _upper_bound(COMP_START, n_q, base + n0)  # first row with start > n0
         q_lo = tl.maximum(q_lo, row_lo)
         q_hi = tl.minimum(q_hi, row_hi)
-        f_lo = tl.maximum(f_lo, q_lo)
-        f_hi = tl.minimum(f_hi, q_hi)
-        n_full = tl.maximum(f_hi - f_lo, 0) // BLOCK_M
-        f_lo = tl.where(n_full > 0, f_lo, q_hi)  # no full block: everything masked below
-        f_end = f_lo + n_full * BLOCK_M
         for j in range(GROUP):
             h = hk * GROUP + j
-            q_base = Q + h * stride_qh
-            do_base = DO + h * stride_doh
-            dq_base = DQ + h * stride_dqh
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, cols, q_base, do_base, dq_base, stride_qm, stride_dom, stride_dqm,
-                LSE + h * n_q, DELTA + h * n_q, PERM, QSTART, QEND, q_lo, f_lo,
-                offs_m, offs_d, d_mask, sm_scale, qk_scale,
-                BLOCK_M, True, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
-            )
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, cols, q_base, do_base, dq_base, stride_qm, stride_dom, stride_dqm,
-                LSE + h * n_q, DELTA + h * n_q, PERM, QSTART, QEND, f_lo, f_end,
-                offs_m, offs_d, d_mask, sm_scale, qk_scale,
-                BLOCK_M, False, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
-            )
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, cols, q_base, do_base, dq_base, stride_qm, stride_dom, stride_dqm,
-                LSE + h * n_q, DELTA + h * n_q, PERM, QSTART, QEND, f_end, q_hi,
+                dk, dv, k, v, cols, Q + h * stride_qh, DO + h * stride_doh, DQ + h * stride_dqh,
+                stride_qm, stride_dom, stride_dqm, LSE + h * n_q, DELTA + h * n_q, PERM, QSTART, QEND, q_lo, q_hi,
                 offs_m, offs_d, d_mask, sm_scale, qk_scale,
                 BLOCK_M, True, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
             )
@@ -446,17 +481,74 @@ def _attn_bwd_dkdv_kernel(
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
-def _autotuned(fn, configs: dict, key: list[str], **kw) -> dict:
-    """One autotuner per stream class, so each class keeps its own best config."""
-    return {cls: triton.autotune(configs=cfgs, key=key, **kw)(fn) for cls, cfgs in configs.items()}
+def _config_key(cfg: triton.Config) -> tuple[int, int, int, int]:
+    return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
 
-_FWD = _autotuned(_attn_fwd_kernel, _FWD_CONFIGS, ["BLOCK_D", "GROUP", "PRECISION"])
-_BWD_DQ = _autotuned(_attn_bwd_dq_kernel, _BWD_DQ_CONFIGS, ["BLOCK_D", "GROUP", "PRECISION"])
+def _autotuned(kernel: str, fn, key: list[str], **kw) -> dict:
+    """One autotuner per stream class (each class keeps its own best config); the prune keeps
+    the configs listed for the input dtype (fp32 tiles need twice the shared memory)."""
+    out = {}
+    for cls in CLASSES:
+        half, fp32 = _config_list(kernel, cls, False), _config_list(kernel, cls, True)
+        union = list({_config_key(c): c for c in half + fp32}.values())
+
+        def prune(configs, named_args, _half=half, _fp32=fp32, **_):
+            if INTERPRET:
+                return configs
+            keep = {_config_key(c) for c in (_fp32 if named_args["Q"].dtype == torch.float32 else _half)}
+            return [c for c in configs if _config_key(c) in keep]
+
+        out[cls] = triton.autotune(configs=union, key=key, prune_configs_by={"early_config_prune": prune}, **kw)(fn)
+    return out
+
+
+_FWD = _autotuned("fwd", _attn_fwd_kernel, ["BLOCK_D", "GROUP", "HEAD_PACK", "PRECISION"])
+_BWD_DQ = _autotuned("dq", _attn_bwd_dq_kernel, ["BLOCK_D", "GROUP", "HEAD_PACK", "PRECISION"])
 _BWD_DKDV = _autotuned(
-    _attn_bwd_dkdv_kernel, _BWD_DKDV_CONFIGS, ["BLOCK_D", "GROUP", "PRECISION", "ATOMIC_DQ", "ACCUMULATE"],
+    "dkdv", _attn_bwd_dkdv_kernel, ["BLOCK_D", "GROUP", "PRECISION", "ATOMIC_DQ", "ACCUMULATE"],
     restore_value=["DQ"],  # the full launch's atomics add onto the band launch's dq
 )
+_KERNELS = {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
+
+# Pointer arguments that are not q/k/v-typed, for ahead-of-time compiles (bench/attention.py).
+KERNEL_ARG_TYPES = {
+    "PERM": "*i32", "QSTART": "*i32", "QEND": "*i32", "ROWS": "*i32", "NGROUPS": "*i32",
+    "COMP_START": "*i64", "COMP_END": "*i64",
+    "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DKA": "*fp32", "DVA": "*fp32",
+}
+
+
+def head_pack(group: int) -> int:
+    """Query heads per program: the largest power of two dividing the GQA group, at most 16
+    (so it divides every BLOCK_M); they share one KV head."""
+    pack = 1
+    while group % (pack * 2) == 0 and pack * 2 <= 16:
+        pack *= 2
+    return pack
+
+
+def kernel_specs(head_dim: int, group: int, dtype: torch.dtype) -> list[dict]:
+    """Every (kernel, constexprs, launch config) the autotuners may compile for these inputs
+    (after their dtype prune), for ahead-of-time compile reports (``bench/attention.py``)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    specs = []
+    for kernel, fn in _KERNELS.items():
+        for cls in CLASSES:
+            for variant in ((False, True) if kernel == "dkdv" else (None,)):
+                for cfg in _config_list(kernel, cls, dtype == torch.float32):
+                    bm, bn, w, s = _config_key(cfg)
+                    consts = {"GROUP": group, "D": head_dim, "BLOCK_D": block_d, "EVEN_D": head_dim == block_d,
+                              "UPCAST": False, "PRECISION": _precision(dtype), "BLOCK_M": bm, "BLOCK_N": bn}
+                    if kernel == "dkdv":
+                        consts.update(ATOMIC_DQ=variant, ACCUMULATE=cls == "full")
+                    else:
+                        consts.update(HEAD_PACK=head_pack(group), SPLIT_MASK=cls == "full")
+                    specs.append({
+                        "kernel": f"{kernel}[{cls}{', atomic dq' if variant else ''}]", "fn": fn, "consts": consts,
+                        "autotune": True, "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s},
+                    })
+    return specs
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,13 +556,63 @@ _BWD_DKDV = _autotuned(
 # --------------------------------------------------------------------------------------------
 
 
-def _plan(q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor, n_k: int, backward: bool):
-    """Sort queries by (window, end); no host-device sync.
+@dataclass
+class TilePlan:
+    """The queries' sort order and ranges, built once per forward and shared by every layer
+    and by the backward (``prepare``). All tensors live on the query device; the counts are
+    host integers, so nothing here ever waits for the device.
 
-    Returns ``perm`` (sorted position -> query), the sorted ranges, ``rows`` (int32
-    ``[0, n_band, n_band, n_q]``: the sorted rows of the windowed queries and of the
-    whole-document queries, one kernel launch each) and, for the backward, the composite keys
-    ``class * (n_k + 1) + start/end`` plus the number of window classes.
+    ``perm`` sorted position -> query; ``start``/``end`` the sorted key ranges (int32);
+    ``bounds`` int32 ``[0, n_band, n_q]`` (sorted rows of the windowed queries, then of the
+    whole-document queries: one launch each); ``comp_start``/``comp_end`` the composite keys
+    ``class * (n_k + 1) + start/end`` of the dk/dv kernel's searches and ``n_groups`` the number
+    of window classes; ``n_band`` the windowed rows when the host knows them (else ``None``: the
+    grids then cover all rows and the spare programs exit at once).
+    """
+
+    perm: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    bounds: torch.Tensor
+    comp_start: torch.Tensor
+    comp_end: torch.Tensor
+    n_groups: torch.Tensor
+    n_q: int
+    n_k: int
+    n_band: int | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.perm, self.start, self.end, self.bounds, self.comp_start, self.comp_end, self.n_groups]
+
+    @classmethod
+    def from_tensors(cls, tensors: list[torch.Tensor], n_k: int, n_band: int) -> "TilePlan":
+        perm = tensors[0]
+        return cls(*tensors, n_q=perm.numel(), n_k=n_k, n_band=None if n_band < 0 else n_band)
+
+    def rows(self, cls: str) -> torch.Tensor:
+        return self.bounds[0:2] if cls == "band" else self.bounds[1:3]
+
+    def launches(self) -> list[tuple[str, int]]:
+        """(class, rows its grid covers) per launch: exact and non-empty when counts are known."""
+        if self.n_band is None:
+            return [(cls, self.n_q) for cls in CLASSES]
+        counts = {"band": self.n_band, "full": self.n_q - self.n_band}
+        return [(cls, counts[cls]) for cls in CLASSES if counts[cls] > 0]
+
+
+def prepare(
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    n_k: int,
+    n_band: int | None = None,
+    count_on_cpu: bool = False,
+) -> TilePlan:
+    """Sort the queries by (window, end); reads no tensor value (no host-device sync).
+
+    ``n_band`` is the number of queries with a window of at most ``n_k`` keys, when the caller
+    knows it (the model does: its base queries). ``count_on_cpu`` counts it when the tensors
+    live on the CPU, where that is free (standalone calls: tests, the interpreter).
     """
     device = q_index.device
     cu = cu_seqlens.to(device)
@@ -479,33 +621,31 @@ def _plan(q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tenso
     win = q_window.long().clamp(max=n_k + 1)
     order = torch.argsort(win * (n_k + 1) + end, stable=True)
     win_sorted = win[order]
-    n_band = (win_sorted <= n_k).sum().to(torch.int32).reshape(1)
-    n_q = torch.full((1,), order.numel(), dtype=torch.int32, device=device)
+    band_rows = (win_sorted <= n_k).sum().to(torch.int32).reshape(1)
+    if n_band is None and count_on_cpu and device.type == "cpu":
+        n_band = int(band_rows)
     zero = torch.zeros(1, dtype=torch.int32, device=device)
-    plan = {
-        "perm": order.to(torch.int32),
-        "start": start[order].to(torch.int32).contiguous(),
-        "end": end[order].to(torch.int32).contiguous(),
-        "rows": {"band": torch.cat([zero, n_band]), "full": torch.cat([n_band, n_q])},
-        # Row counts per class when they are free to read (CPU): exact grids, empty launches
-        # skipped. On a GPU that would cost a sync, so grids are sized for all n_q rows there.
-        "counts": None,
-    }
-    if device.type == "cpu":
-        nb = int(n_band)
-        plan["counts"] = {"band": nb, "full": order.numel() - nb}
-    if backward:
-        gid = torch.zeros_like(win_sorted)
-        gid[1:] = torch.cumsum((win_sorted[1:] != win_sorted[:-1]).long(), 0)
-        plan["comp_start"] = (gid * (n_k + 1) + start[order]).contiguous()
-        plan["comp_end"] = (gid * (n_k + 1) + end[order]).contiguous()
-        plan["n_groups"] = (gid[-1:] + 1).to(torch.int32).contiguous()
-    return plan
+    n_q = torch.full((1,), order.numel(), dtype=torch.int32, device=device)
+    gid = torch.zeros_like(win_sorted)
+    gid[1:] = torch.cumsum((win_sorted[1:] != win_sorted[:-1]).long(), 0)
+    return TilePlan(
+        perm=order.to(torch.int32),
+        start=start[order].to(torch.int32).contiguous(),
+        end=end[order].to(torch.int32).contiguous(),
+        bounds=torch.cat([zero, band_rows, n_q]),
+        comp_start=(gid * (n_k + 1) + start[order]).contiguous(),
+        comp_end=(gid * (n_k + 1) + end[order]).contiguous(),
+        n_groups=(gid[-1:] + 1).to(torch.int32).contiguous() if order.numel() else zero + 1,
+        n_q=order.numel(),
+        n_k=n_k,
+        n_band=n_band,
+    )
 
 
 def _precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not INTERPRET and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
+    """fp32 inputs run their dots in TF32 on a GPU (tensor cores; 10-bit mantissa operands, fp32
+    accumulation), as flash-attention style kernels do; the exact fp32 path is the reference op.
+    ``ieee`` dots would run without tensor cores and spill (see docs/benchmarks.md)."""
     return "tf32"
 
 
@@ -544,17 +684,7 @@ def _contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-_CLASSES = ("band", "full")
-
-
-def _class_rows(plan: dict, n_q: int) -> list[tuple[str, int]]:
-    """(class, rows to cover) per launch: exact and non-empty when known, else all n_q rows."""
-    if plan["counts"] is None:
-        return [(cls, n_q) for cls in _CLASSES]
-    return [(cls, plan["counts"][cls]) for cls in _CLASSES if plan["counts"][cls] > 0]
-
-
-def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float):
+def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float, plan: TilePlan | None = None):
     """Launch the forward kernel (once per stream class); returns ``(out, lse)``."""
     _check_device(q)
     q, k, v = _contig(q), _contig(k), _contig(v)
@@ -564,27 +694,32 @@ def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float):
     lse = torch.empty((h_q, n_q), dtype=torch.float32, device=q.device)
     if n_q == 0:
         return out, lse
-    plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=False)
-    for cls, rows in _class_rows(plan, n_q):
+    plan = plan or prepare(q_index, q_window, cu_seqlens, n_k, count_on_cpu=True)
+    common = _common(q, k)
+    pack = head_pack(common["GROUP"])
+    for cls, rows in plan.launches():
         _launch(
             _FWD[cls],
-            lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), h_q),
+            lambda meta, rows=rows: (triton.cdiv(rows * pack, meta["BLOCK_M"]), h_q // pack),
             (
-                q, k, v, out, lse, plan["perm"], plan["start"], plan["end"], plan["rows"][cls],
+                q, k, v, out, lse, plan.perm, plan.start, plan.end, plan.rows(cls),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1), n_q, n_k, scale * LOG2E,
             ),
-            _common(q, k),
+            {**common, "HEAD_PACK": pack, "SPLIT_MASK": cls == "full"},
         )
     return out, lse
 
 
-def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic):
+def attention_backward(
+    dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic, plan: TilePlan | None = None
+):
     """Launch the backward kernels; returns ``(dq, dk, dv)`` in the input dtypes.
 
     dk/dv: the band launch writes fp32 partial sums, the full launch adds them and stores the
     result (two launches in a fixed order: still deterministic). dq: one program per query tile
-    (``deterministic``) or atomics from the dk/dv kernel.
+    (``deterministic``) or atomics from the dk/dv kernel. Key tiles run in index order, which is
+    longest first for causal rows (early keys are seen by the most queries).
     """
     _check_device(q)
     q, k, v, dout = _contig(q), _contig(k), _contig(v), _contig(dout)
@@ -600,8 +735,9 @@ def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seql
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if n_q == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=True)
+    plan = plan or prepare(q_index, q_window, cu_seqlens, n_k, count_on_cpu=True)
     common = _common(q, k)
+    pack = head_pack(common["GROUP"])
     if deterministic:
         dq = torch.empty_like(q)
         dq_acc = dq  # unused by the dk/dv kernel when ATOMIC_DQ is off
@@ -609,7 +745,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seql
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk_part = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     dv_part = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    launches = [cls for cls, _ in _class_rows(plan, n_q)]
+    launches = [cls for cls, _ in plan.launches()]
     for cls in launches:
         accumulate = len(launches) == 2 and cls == "full"
         dk_out, dv_out = (dk_part, dv_part) if len(launches) == 2 and cls == "band" else (dk, dv)
@@ -618,8 +754,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seql
             lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), h_kv),
             (
                 q, k, v, dout, dk_out, dv_out, dk_part, dv_part, dq_acc, lse, delta,
-                plan["perm"], plan["start"], plan["end"], plan["comp_start"], plan["comp_end"],
-                plan["n_groups"], plan["rows"][cls],
+                plan.perm, plan.start, plan.end, plan.comp_start, plan.comp_end, plan.n_groups, plan.rows(cls),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dk_out.stride(0), dk_out.stride(1),
                 dv_out.stride(0), dv_out.stride(1), dq_acc.stride(0), dq_acc.stride(1),
@@ -629,17 +764,17 @@ def attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seql
         )
     if not deterministic:
         return dq_acc.to(q.dtype), dk, dv
-    for cls, rows in _class_rows(plan, n_q):
+    for cls, rows in plan.launches():
         _launch(
             _BWD_DQ[cls],
-            lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), h_q),
+            lambda meta, rows=rows: (triton.cdiv(rows * pack, meta["BLOCK_M"]), h_q // pack),
             (
-                q, k, v, dout, dq, lse, delta, plan["perm"], plan["start"], plan["end"], plan["rows"][cls],
+                q, k, v, dout, dq, lse, delta, plan.perm, plan.start, plan.end, plan.rows(cls),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
                 n_q, n_k, scale, scale * LOG2E,
             ),
-            common,
+            {**common, "HEAD_PACK": pack, "SPLIT_MASK": cls == "full"},
         )
     return dq, dk, dv
 
@@ -650,22 +785,25 @@ def forward_tile_work(
     cu_seqlens: torch.Tensor,
     n_k: int,
     blocks: dict[str, tuple[int, int]] | None = None,
+    heads_per_program: int = 1,
 ) -> dict[str, int]:
     """Work of the forward kernel at given ``{class: (BLOCK_M, BLOCK_N)}``, mirrored on the host.
 
     ``visited``: query-key pairs in the key tiles the kernel loads (per head); ``unmasked``: the
     pairs the mask allows. ``visited / unmasked`` near 1 means work proportional to the mask.
+    A tile holds ``BLOCK_M // heads_per_program`` queries (``head_pack`` of the GQA group).
     """
     blocks = blocks or {"band": (64, 64), "full": (128, 64)}
-    plan = _plan(q_index, q_window, cu_seqlens, n_k, backward=False)
+    plan = prepare(q_index.cpu(), q_window.cpu(), cu_seqlens.cpu(), n_k, count_on_cpu=True)
     visited = tiles = 0
-    for cls in _CLASSES:
-        bm, bn = blocks[cls]
-        lo_row, hi_row = (int(x) for x in plan["rows"][cls])
+    bounds = plan.bounds.tolist()
+    for cls, (lo_row, hi_row) in zip(CLASSES, (bounds[0:2], bounds[1:3])):
+        rows_m, bn = blocks[cls]
+        bm = max(1, rows_m // heads_per_program)
         if hi_row <= lo_row:
             continue
-        start = plan["start"][lo_row:hi_row].long()
-        end = plan["end"][lo_row:hi_row].long()
+        start = plan.start[lo_row:hi_row].long()
+        end = plan.end[lo_row:hi_row].long()
         pad = (-start.numel()) % bm
         start = torch.nn.functional.pad(start, (0, pad), value=2**62).view(-1, bm)
         end = torch.nn.functional.pad(end, (0, pad), value=-1).view(-1, bm)
@@ -674,13 +812,26 @@ def forward_tile_work(
         n = int(((hi - lo) // bn).sum())
         tiles += n
         visited += n * bm * bn
-    unmasked = int((plan["end"].long() - plan["start"].long() + 1).sum())
+    unmasked = int((plan.end.long() - plan.start.long() + 1).sum())
     return {"visited": visited, "unmasked": unmasked, "key_tiles": tiles}
 
 
 # --------------------------------------------------------------------------------------------
 # torch.library custom ops (visible to torch.compile without graph breaks)
 # --------------------------------------------------------------------------------------------
+# ``orthros::attention_planned`` takes a prepared TilePlan (its tensors and host row count, -1 =
+# unknown), so a model sorts its queries once per forward and every layer and backward reuse it.
+
+
+def _tile_plan(plan, n_band, q_index, q_window, cu_seqlens, n_k) -> TilePlan | None:
+    if not plan:
+        return None  # built by attention_forward / attention_backward
+    return TilePlan.from_tensors(list(plan), n_k, n_band)
+
+
+def _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band):
+    tile_plan = _tile_plan(plan, n_band, q_index, q_window, cu_seqlens, k.shape[0])
+    return attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale, tile_plan)
 
 
 @torch.library.custom_op("orthros::attention", mutates_args=())
@@ -694,12 +845,34 @@ def _attention_op(
     scale: float,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale)
+    out, lse = _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, [], -1)
+    return out, lse
+
+
+@torch.library.custom_op("orthros::attention_planned", mutates_args=())
+def _attention_planned_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    deterministic: bool,
+    plan: list[torch.Tensor],
+    n_band: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band)
     return out, lse
 
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@_attention_planned_op.register_fake
+def _attention_planned_fake(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -717,36 +890,49 @@ def _attention_backward_op(
     cu_seqlens: torch.Tensor,
     scale: float,
     deterministic: bool,
+    plan: list[torch.Tensor],
+    n_band: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tile_plan = _tile_plan(plan, n_band, q_index, q_window, cu_seqlens, k.shape[0])
     return attention_backward(
-        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic
+        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic, tile_plan
     )
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, det):
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, det, plan,
+                             n_band):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, q_index, q_window, cu_seqlens, scale, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_index, q_window, cu_seqlens)
+def _save(ctx, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic, plan=(), n_band=-1):
+    ctx.save_for_backward(q, k, v, out, lse, q_index, q_window, cu_seqlens, *plan)
     ctx.scale = scale
     ctx.deterministic = deterministic
+    ctx.n_band = n_band
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, *inputs[:3], *output, *inputs[3:])
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, q_index, q_window, cu_seqlens = ctx.saved_tensors
+    q, k, v, out, lse, q_index, q_window, cu_seqlens, *plan = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.orthros.attention_backward(
-        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, ctx.scale, ctx.deterministic
+        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, ctx.scale, ctx.deterministic, plan, ctx.n_band
     )
     return dq, dk, dv, None, None, None, None, None
 
 
+def _backward_planned(ctx, dout, dlse):
+    n_plan = len(ctx.saved_tensors) - 8
+    return (*_backward(ctx, dout, dlse), [None] * n_plan, None)
+
+
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
+_attention_planned_op.register_autograd(_backward_planned, setup_context=_setup_context)
 
 
 class OrthrosAttentionFunction(torch.autograd.Function):
@@ -755,14 +941,37 @@ class OrthrosAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_index, q_window, cu_seqlens, scale, deterministic):
         out, lse = torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic)
-        ctx.save_for_backward(q, k, v, out, lse, q_index, q_window, cu_seqlens)
-        ctx.scale = scale
-        ctx.deterministic = deterministic
+        _save(ctx, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         return _backward(ctx, dout, dlse)
+
+
+@dataclass
+class PreparedAttention:
+    """What the ``triton`` backend precomputes once per forward pass (``prepare_attention``):
+    the tile plan and, for decode steps, the longest key range (sizes the decode grid)."""
+
+    plan: TilePlan
+    max_range: int | None = None
+
+
+def prepare_attention(
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    n_k: int,
+    n_band: int | None = None,
+    max_range: int | None = None,
+) -> PreparedAttention:
+    """Build the metadata every layer of one forward reuses (no host-device sync).
+
+    The caller vouches that the query/key layout is valid (it was validated where it was built):
+    calls that pass the result skip the value checks that would each cost a device sync.
+    """
+    return PreparedAttention(prepare(q_index, q_window, cu_seqlens, n_k, n_band), max_range)
 
 
 def attention_triton(
@@ -775,16 +984,24 @@ def attention_triton(
     scale: float | None = None,
     deterministic: bool = True,
     decode: bool | None = None,
+    prepared: PreparedAttention | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``triton`` backend: ``(out, lse)`` with the contract of ``attention_reference``.
 
     ``deterministic`` picks the atomic-free backward (default; also forced when
     ``torch.use_deterministic_algorithms(True)`` is on). ``decode`` routes to the
     flash-decoding kernel (``ops/triton_decode.py``); ``None`` does so when no gradient is needed
-    and there are at most two queries per document (a decode step).
+    and there are at most two queries per document (a decode step). ``prepared`` (from
+    ``prepare_attention`` for these queries and keys) skips the per-call sort and value checks.
     """
-    if not torch.compiler.is_compiling():  # value checks read tensors: not inside a compiled graph
-        check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
+    # value checks read tensors (device syncs): only for a standalone call, never in a graph
+    values = prepared is None and not torch.compiler.is_compiling()
+    check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens, values=values)
+    if prepared is not None and (prepared.plan.n_q != q.shape[0] or prepared.plan.n_k != k.shape[0]):
+        raise ValueError(
+            f"prepared attention metadata is for {prepared.plan.n_q} queries x {prepared.plan.n_k} keys, "
+            f"got {q.shape[0]} x {k.shape[0]}: prepare it for this call's queries and keys"
+        )
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -793,5 +1010,12 @@ def attention_triton(
     if decode:
         from orthros_train.ops.triton_decode import decode_attention_op
 
-        return decode_attention_op(q, k, v, q_index, q_window, cu_seqlens, scale)
-    return torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic)
+        max_range = None if prepared is None else prepared.max_range
+        return decode_attention_op(q, k, v, q_index, q_window, cu_seqlens, scale, max_range, prepared is None)
+    if prepared is None:
+        return torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic)
+    plan = prepared.plan
+    n_band = -1 if plan.n_band is None else plan.n_band
+    return torch.ops.orthros.attention_planned(
+        q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan.tensors(), n_band
+    )

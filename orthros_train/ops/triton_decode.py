@@ -134,6 +134,29 @@ def _decode_combine_kernel(
     tl.store(LSE + h * n_q + i, (m + tl.math.log2(l_sum)) * 0.6931471805599453)
 
 
+# Fixed launch configs (no autotuning: a decode step is too short to amortise it); 0 spills at
+# head_dim 64/128 in the sm_90 compile report (bench/attention.py --compile-sm90).
+SPLIT_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+COMBINE_BLOCK_S = 64
+COMBINE_WARPS = 4
+
+
+def kernel_specs(head_dim: int, group: int, dtype: torch.dtype) -> list[dict]:
+    """The two decode kernels at their launch configs, for ahead-of-time compile reports."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    split = {"GROUP": group, "D": head_dim, "BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_D": block_d,
+             "BLOCK_N": SPLIT_LAUNCH["BLOCK_N"], "EVEN_D": block_d == head_dim, "UPCAST": False, "PRECISION": "tf32"}
+    combine = {"D": head_dim, "BLOCK_S": COMBINE_BLOCK_S, "BLOCK_D": block_d}
+    return [
+        {"kernel": "decode_split", "fn": _decode_split_kernel, "consts": split, "autotune": False, "fixed": True,
+         "config": {"BLOCK_M": split["BLOCK_G"], "BLOCK_N": SPLIT_LAUNCH["BLOCK_N"],
+                    "num_warps": SPLIT_LAUNCH["num_warps"], "num_stages": SPLIT_LAUNCH["num_stages"]}},
+        {"kernel": "decode_combine", "fn": _decode_combine_kernel, "consts": combine, "autotune": False,
+         "fixed": True, "config": {"BLOCK_M": COMBINE_BLOCK_S, "BLOCK_N": block_d, "num_warps": COMBINE_WARPS,
+                                   "num_stages": 3}},
+    ]
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -151,16 +174,18 @@ def decode_attention(
     split: int | None = None,
     max_range: int | None = None,
     block_n: int | None = None,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-decoding forward: ``(out [Nq, Hq, D], lse [Hq, Nq] fp32)``.
 
     ``split`` keys per program (default: enough chunks to fill the GPU twice over);
     ``max_range`` is the longest key range of any query (computed with one device sync when not
-    given; the inference loop knows it from its cache lengths).
+    given; the model passes it from its cache lengths, known on the host). ``check_values=False``
+    skips the value checks of the inputs (device syncs; the model validated its layout once).
     """
     if q.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the triton decode kernel needs CUDA tensors or TRITON_INTERPRET=1")
-    check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
+    check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens, values=check_values)
     n_q, h_q, d = q.shape
     h_kv = k.shape[1]
     group = h_q // h_kv
@@ -175,7 +200,7 @@ def decode_attention(
     start, end = key_ranges(q_index, q_window, cu_seqlens.to(q.device))
     if max_range is None:
         max_range = int((end - start).max()) + 1
-    block_n = block_n or (16 if INTERPRET else 64)
+    block_n = block_n or (16 if INTERPRET else SPLIT_LAUNCH["BLOCK_N"])
     if split is None:
         want = max(1, 2 * _num_sms(q.device) // max(1, n_q * h_kv))
         split = triton.cdiv(max_range, want)
@@ -184,8 +209,7 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(d))
     part_o = torch.empty((n_q, h_q, n_splits, d), dtype=torch.float32, device=q.device)
     part_l = torch.empty((n_q, h_q, n_splits), dtype=torch.float32, device=q.device)
-    exact_fp32 = q.dtype == torch.float32 and not INTERPRET and not torch.backends.cuda.matmul.allow_tf32
-    precision = "ieee" if exact_fp32 else "tf32"
+    precision = "tf32"  # fp32 inputs: TF32 dots on tensor cores, as in the training kernels
     _decode_split_kernel[(n_q, h_kv, n_splits)](
         q, k, v, part_o, part_l, start.to(torch.int32), end.to(torch.int32),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -193,13 +217,14 @@ def decode_attention(
         split, scale * LOG2E,
         GROUP=group, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, EVEN_D=block_d == d, UPCAST=INTERPRET, PRECISION=precision,
-        num_warps=4, num_stages=1 if INTERPRET else 3,
+        num_warps=SPLIT_LAUNCH["num_warps"], num_stages=1 if INTERPRET else SPLIT_LAUNCH["num_stages"],
     )
     _decode_combine_kernel[(n_q, h_q)](
         part_o, part_l, out, lse, n_q, n_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
         out.stride(0), out.stride(1),
-        D=d, BLOCK_S=min(64, triton.next_power_of_2(n_splits)), BLOCK_D=block_d, num_warps=4,
+        D=d, BLOCK_S=min(COMBINE_BLOCK_S, triton.next_power_of_2(n_splits)), BLOCK_D=block_d,
+        num_warps=COMBINE_WARPS,
     )
     return out, lse
 
@@ -213,16 +238,21 @@ def _decode_op(
     q_window: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float,
+    max_range: int = -1,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = decode_attention(q, k, v, q_index, q_window, cu_seqlens, scale)
+    out, lse = decode_attention(q, k, v, q_index, q_window, cu_seqlens, scale,
+                                max_range=None if max_range < 0 else max_range, check_values=check_values)
     return out, lse
 
 
 @_decode_op.register_fake
-def _decode_fake(q, k, v, q_index, q_window, cu_seqlens, scale):
+def _decode_fake(q, k, v, q_index, q_window, cu_seqlens, scale, max_range=-1, check_values=True):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-def decode_attention_op(q, k, v, q_index, q_window, cu_seqlens, scale: float):
+def decode_attention_op(q, k, v, q_index, q_window, cu_seqlens, scale: float, max_range: int | None = None,
+                        check_values: bool = True):
     """``torch.ops.orthros.decode_attention`` (opaque to torch.compile; forward only)."""
-    return torch.ops.orthros.decode_attention(q, k, v, q_index, q_window, cu_seqlens, float(scale))
+    return torch.ops.orthros.decode_attention(q, k, v, q_index, q_window, cu_seqlens, float(scale),
+                                              -1 if max_range is None else int(max_range), bool(check_values))

@@ -30,14 +30,14 @@ whole sequence.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import AttentionPlan
-from orthros_train.ops.attention import UNBOUNDED, resolve_backend
+from orthros_train.ops.attention import UNBOUNDED, prepare_attention, resolve_backend
 from orthros_train.ops.reference import key_ranges
 from orthros_train.phase.layout import OrthrosLayout
 
@@ -85,6 +85,12 @@ class ContextPlan(AttentionPlan):
     output_select: torch.Tensor  # [N_local] which entries of layout.output_index are local
     has_outputs: bool  # whether any rank has output queries (collectives must match)
     gather: GatherFn | None = None  # autograd all-gather over the CP group along dim 0 (rank-major)
+    # Host copies, so attention never reads a device value: the output tokens held in each
+    # local chunk and the document boundaries. ``_meta`` keeps what the first layer derives
+    # from them (per-chunk clips, the attention op's prepared metadata) for the later layers.
+    slot_outputs: tuple[int, int] = (0, 0)
+    host_cu_seqlens: torch.Tensor | None = None
+    _meta: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def chunks(self) -> tuple[int, int]:
@@ -135,55 +141,91 @@ class ContextPlan(AttentionPlan):
         if self.gather is None:
             raise ValueError("a ContextPlan needs its CP all-gather (context_plan(..., gather=...))")
         gather = self.gather
-        op = resolve_backend(backend, q.device)
+        op = self._op(backend, with_base)
         _, q_global, q_window = self.queries(with_base)
-        windowed = q_window < UNBOUNDED
         kv = torch.cat([k, v], dim=1)  # one collective for both
         h_kv = k.shape[1]
         halo = self._gather_halo(kv, gather) if with_base and self.base_window < UNBOUNDED else None
         full = self._gather_full(kv, gather) if self.has_outputs or self.base_window >= UNBOUNDED else None
         out = q.new_zeros(q.shape)
+        # Local queries: base tokens of slot 0 then slot 1 (chunk_len each), then the output
+        # tokens of slot 0 then slot 1: every chunk's rows are ranges known on the host.
+        n_base = self.chunk_len * 2 if with_base else 0
+        dense_base = with_base and self.base_window >= UNBOUNDED
+        out_start = (n_base, n_base + self.slot_outputs[0])
         for slot, chunk in enumerate(self.chunks):
             s, e = chunk * self.chunk_len, (chunk + 1) * self.chunk_len
             local_kv = kv[slot * self.chunk_len : (slot + 1) * self.chunk_len]
-            in_chunk = (q_global >= s) & (q_global < e)
-            rows = torch.nonzero(in_chunk & windowed).flatten()
-            if rows.numel():
+            base_rows = (slot * self.chunk_len, (slot + 1) * self.chunk_len) if with_base else (0, 0)
+            if with_base and not dense_base:
+                rows = torch.arange(*base_rows, device=q.device)
                 keys = torch.cat([halo[chunk], local_kv]) if halo is not None else local_kv
                 lo = e - keys.shape[0]
                 o, _ = op(
-                    q[rows], *keys.split(h_kv, dim=1), q_global[rows] - lo, q_window[rows],
-                    clip_cu_seqlens(self.key_cu_seqlens, lo, e).to(torch.int32),
+                    ("halo", slot), q[rows], *keys.split(h_kv, dim=1), q_global[rows] - lo, q_window[rows],
+                    self._clip(lo, e, q.device), rows.numel() if self.base_window <= keys.shape[0] else 0,
                 )
                 out = out.index_copy(0, rows, o)
-            rows = torch.nonzero(in_chunk & ~windowed).flatten()
-            if rows.numel():
-                out = out.index_copy(0, rows, self._unbounded(op, q, rows, q_global, local_kv, full, s, e, h_kv))
+            spans = [(out_start[slot], out_start[slot] + self.slot_outputs[slot])]
+            if dense_base:
+                spans.insert(0, base_rows)
+            if sum(b - a for a, b in spans):
+                rows = torch.cat([torch.arange(a, b, device=q.device) for a, b in spans])
+                out = out.index_copy(
+                    0, rows, self._unbounded(op, slot, q, rows, q_global, local_kv, full, s, e, h_kv)
+                )
         return out
 
-    def _unbounded(self, op, q, rows, q_global, local_kv, full, s, e, h_kv) -> torch.Tensor:
+    def _clip(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """``clip_cu_seqlens`` of the keys ``[lo, hi)``, from the host copy, once per forward."""
+        if ("clip", lo, hi) not in self._meta:
+            clipped = clip_cu_seqlens(self.host_cu_seqlens, lo, hi)
+            self._meta["clip", lo, hi] = clipped.to(device=device, dtype=torch.int32)
+        return self._meta["clip", lo, hi]
+
+    def _op(self, backend: str, with_base: bool):
+        """The attention op for one call site: ``op(site, q, k, v, q_index, q_window, cu, n_band)``.
+
+        The first layer prepares the backend's metadata of each call site (its queries and keys
+        are the same in every layer) and the later layers reuse it; ``n_band`` is the host count
+        of windowed queries (``None``: mixed, unknown).
+        """
+
+        def run(site, q, k, v, q_index, q_window, cu, n_band):
+            key = ("prepared", site, with_base, backend)
+            if key not in self._meta:
+                self._meta[key] = prepare_attention(
+                    q_index, q_window, cu, k.shape[0], backend, need_lse=True, n_band=n_band
+                )
+            prepared = self._meta[key]
+            fn = resolve_backend(backend, q.device)
+            if prepared is None or prepared.fn is not fn:
+                return fn(q, k, v, q_index, q_window, cu)
+            return fn(q, k, v, q_index, q_window, cu, prepared=prepared.payload)
+
+        return run
+
+    def _unbounded(self, op, slot, q, rows, q_global, local_kv, full, s, e, h_kv) -> torch.Tensor:
         """Queries ``rows`` of chunk ``[s, e)``: local chunk and past, merged by LSE."""
         idx = q_global[rows]
         unbounded = torch.full_like(idx, UNBOUNDED)
-        o, lse = op(
-            q[rows], *local_kv.split(h_kv, dim=1), idx - s, unbounded,
-            clip_cu_seqlens(self.key_cu_seqlens, s, e).to(torch.int32),
-        )
+        o, lse = op(("local", slot), q[rows], *local_kv.split(h_kv, dim=1), idx - s, unbounded,
+                    self._clip(s, e, q.device), 0)
         if s == 0:
             return o
         doc_start, _ = key_ranges(idx, unbounded, self.key_cu_seqlens)  # unbounded: the document start
-        sees_past = torch.nonzero(doc_start < s).flatten()
-        if not sees_past.numel():
-            return o
+        sees_past = doc_start < s
         # q_index = s - 1: the last past key, which lies in the query's document because that
-        # document starts before s and runs up to the query.
+        # document starts before s and runs up to the query. Queries whose document starts in
+        # this chunk get a window of 1 there and their partial is dropped below: every query
+        # runs the same call, so no shape depends on the data.
         past = full[:s]
         o_p, lse_p = op(
-            q[rows[sees_past]], *past.split(h_kv, dim=1), torch.full_like(sees_past, s - 1),
-            unbounded[sees_past], clip_cu_seqlens(self.key_cu_seqlens, 0, s).to(torch.int32),
+            ("past", slot), q[rows], *past.split(h_kv, dim=1), torch.full_like(idx, s - 1),
+            torch.where(sees_past, unbounded, torch.ones_like(unbounded)), self._clip(0, s, q.device), None,
         )
-        merged = merge_partial_attention(o[sees_past], lse[:, sees_past], o_p, lse_p)
-        return o.index_copy(0, sees_past, merged)
+        merged = merge_partial_attention(o, lse, o_p, lse_p)
+        return torch.where(sees_past[:, None, None], merged, o)
 
     def _gather_full(self, kv: torch.Tensor, gather: GatherFn) -> torch.Tensor:
         """Every rank's chunks, in sequence order ``[T_padded, 2 Hkv, D]``."""
@@ -244,6 +286,7 @@ def context_plan(
     select = output_select(layout, rank, cp)
     output_global = layout.output_index.long()[select]
     slot = (output_global // chunk_len == last).long()
+    late = int(slot.sum())  # once per forward: every layer's attention then reads host counts only
     output_base_row = slot * chunk_len + output_global % chunk_len
     return ContextPlan(
         input_ids=ids[token_global],
@@ -260,4 +303,6 @@ def context_plan(
         output_select=select,
         has_outputs=orthros and layout.num_outputs > 0,
         gather=gather,
+        slot_outputs=(slot.numel() - late, late) if orthros else (0, 0),
+        host_cu_seqlens=cu.cpu(),
     )

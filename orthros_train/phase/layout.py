@@ -81,15 +81,14 @@ class OrthrosLayout:
                 raise ValueError(f"layout.output_index must lie in [0, {t})")
 
     def to(self, device: torch.device | str) -> "OrthrosLayout":
-        kwargs = {
-            f.name: (
-                getattr(self, f.name).to(device)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-                else getattr(self, f.name)
-            )
-            for f in fields(self)
-        }
-        return OrthrosLayout(**kwargs)
+        """The same layout on ``device``. Not validated again: this one was validated when it
+        was built (on the host, where the checks are free), and on a GPU every check would
+        wait for the device."""
+        moved = object.__new__(OrthrosLayout)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            setattr(moved, f.name, value.to(device) if isinstance(value, torch.Tensor) else value)
+        return moved
 
     def document_ids(self) -> torch.Tensor:
         """[T] index of the document each base token belongs to."""
