@@ -15,6 +15,7 @@ from orthros_train.train.config import run_config_from_dict
 
 if TYPE_CHECKING:
     from orthros_train.parallel.setup import DistributedEnv
+    from orthros_train.train.config import RunConfig
 
 # Recipes live at the repository root (``recipes/``), next to the package in an editable install.
 RECIPES_DIR = str(Path(__file__).resolve().parents[2] / "recipes")
@@ -73,11 +74,63 @@ def warn_memory_fit(memory: dict) -> None:
         )
 
 
+def _own_multirun_dir(cfg: DictConfig) -> None:
+    """Under ``-m`` every job gets its own run directory (named by its overrides) unless the
+    command line sets ``trainer.run_dir``: jobs sharing one would resume each other's checkpoints."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from orthros_train.train.run_dir import multirun_job_dir
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    job = HydraConfig.get()
+    overrides = list(job.overrides.task)
+    if any(o.lstrip("+~").startswith("trainer.run_dir=") for o in overrides):
+        return
+    swept = _swept_keys(sys.argv[1:])
+    named = [o for o in overrides if o.lstrip("+~").split("=")[0] in swept] if swept else overrides
+    cfg.trainer.run_dir = multirun_job_dir(cfg.trainer.run_dir, named, job.job.num)
+
+
+def _swept_keys(argv: list[str]) -> set[str]:
+    """Keys the command line sweeps (``optim.lr=1e-3,3e-3``): what tells a multirun's jobs apart."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    args = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        return {o.key_or_group for o in OverridesParser.create().parse_overrides(args) if o.is_sweep_override()}
+    except HydraException:
+        return set()
+
+
+def _completed(run_cfg: "RunConfig", resolved: dict) -> dict | None:
+    """A re-launched run that already reached ``trainer.max_steps``: say so instead of training."""
+    from orthros_train.train.run_dir import check_resume, completed_checkpoint
+
+    t = run_cfg.trainer
+    latest = completed_checkpoint(t.run_dir, t.max_steps) if t.resume == "auto" else None
+    if latest is None:
+        return None
+    check_resume(latest, resolved, t.resume_changes)  # another model/data is still refused
+    final = Path(t.run_dir) / "checkpoints" / "final"
+    if launcher_env().rank == 0:
+        print(
+            f"run {t.run_dir} is complete: its checkpoint {latest.name} reached trainer.max_steps={t.max_steps}; "
+            f"final model {final}. To train further raise trainer.max_steps; for a new run pick another "
+            "trainer.run_dir",
+            flush=True,
+        )
+    return {"complete": True, "checkpoint": str(final), "eval_loss": None, "history": []}
+
+
 def run(cfg: DictConfig) -> dict:
     """Resolve the recipe into typed config, then dry-run or train."""
     from orthros_train.parallel.setup import destroy_parallel
     from orthros_train.train.trainer import Trainer, plan_summary
 
+    _own_multirun_dir(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
     run_cfg = run_config_from_dict(resolved)
@@ -93,6 +146,9 @@ def run(cfg: DictConfig) -> dict:
         warn_memory_fit(summary["memory_per_gpu"])
         return summary
     resolved["git_commit"] = git_commit()
+    complete = _completed(run_cfg, resolved)
+    if complete is not None:
+        return complete
     trainer = Trainer(run_cfg, resolved, launcher_env())
     try:
         result = trainer.fit()

@@ -83,6 +83,9 @@ class TrainerConfig:
     keep_last_k: int = 3  # checkpoints kept (older ones deleted after a successful save); 0 keeps all
     checkpoint_hashes: bool = True  # sha256 of every file in the manifest (sizes are always checked)
     resume: str = "auto"  # auto: latest complete checkpoint in run_dir, if any | none | a checkpoint path
+    # refuse | allow: resuming with another optimisation (lr, seed, seq_len, tokens per step) than
+    # the checkpoint's recipe; another model or data is always refused (orthros_train/train/run_dir.py)
+    resume_changes: str = "refuse"
     async_save: bool = False  # periodic saves: snapshot to host memory, write/publish in a background thread
     # faults
     max_nonfinite_steps: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
@@ -102,6 +105,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.precision must be fp32|bf16, got {self.precision!r}")
         if self.save_every < 0 or self.keep_last_k < 0 or self.max_nonfinite_steps < 1:
             raise ValueError("trainer.save_every and trainer.keep_last_k must be >= 0, max_nonfinite_steps >= 1")
+        if self.resume_changes not in ("refuse", "allow"):
+            raise ValueError(f"trainer.resume_changes must be refuse|allow, got {self.resume_changes!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"trainer.device must be auto|cpu|cuda, got {self.device!r}")
         if self.seq_len_schedule is not None:

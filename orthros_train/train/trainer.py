@@ -54,6 +54,7 @@ from orthros_train.train.metrics import (
 )
 from orthros_train.train.optim import build_optimizer, lr_at
 from orthros_train.train.rl import GRPOObjective, response_logprobs
+from orthros_train.train.run_dir import check_resume
 
 
 def seed_everything(seed: int) -> None:
@@ -230,6 +231,9 @@ class Trainer:
             problem = verify_checkpoint(path) if path.is_dir() else "no such directory"
             if problem:
                 raise ValueError(f"trainer.resume={mode}: {problem}")
+        for line in check_resume(path, self.recipe, self.cfg.trainer.resume_changes):  # the same run only
+            if self.is_main:
+                print(line, file=sys.stderr, flush=True)
         counters = self.checkpoints.load(self.checkpoint_state(), path).counters
         self.step, self.skipped_steps, self.wandb_run_id = counters.step, counters.skipped_steps, counters.wandb_run_id
         if self.is_main:

@@ -1,0 +1,126 @@
+"""One directory per run: where a launch writes, and whether a checkpoint may resume into it.
+
+A run directory holds one run. Resuming compares the recipe about to run with the one saved in
+the checkpoint (``meta.json``): a different model or data is another run and is refused; a
+different optimisation (learning rate, seed, sequence length, tokens per step) is refused unless
+``trainer.resume_changes=allow`` says it is intended, and is then logged. Keys that do not change
+what is trained (logging, checkpoint cadence, the parallel layout, which resumes reshard) are
+ignored, and a longer ``trainer.max_steps`` or another precision are logged only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+RESUME_CHANGES = ("refuse", "allow")
+
+# What a run *is*: a checkpoint of another model or data belongs to another run.
+IDENTITY_SECTIONS = ("model.", "data.")
+# Keys that do not change what is trained, or that resuming handles itself (resharding).
+IGNORED = re.compile(
+    r"^(hydra\.|git_commit$|parallel\.|trainer\.wandb\.|data\.cache_dir$|model\.attention_backend$|"
+    r"trainer\.(run_dir|resume|resume_changes|dry_run|progress|log_every|eval_every|eval_batches|save_every|"
+    r"keep_last_k|checkpoint_hashes|async_save|fail_at_step|sample_prompt|sample_tokens|peak_tflops|gpu|"
+    r"gpu_memory_gib|allow_memory_overflow|max_nonfinite_steps|loss_spike_factor|total_tokens|device|"
+    r"micro_batch_size|grad_accum_steps)$)"
+)
+# Changed freely, logged: extending a run, resuming in another precision (the layout reshards).
+NOTED = ("trainer.max_steps", "trainer.precision")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}`` (lists stay values)."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def _tokens_per_step(flat: dict[str, Any]) -> int | None:
+    try:
+        return (
+            int(flat["trainer.seq_len"])
+            * int(flat["trainer.micro_batch_size"])
+            * int(flat["trainer.grad_accum_steps"])
+            * int(flat.get("parallel.data_parallel", 1))
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def recipe_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, list[str]]:
+    """Differences between the checkpoint's recipe and this one, by kind: ``identity`` (model,
+    data, tokenizer: another run), ``training`` (needs ``resume_changes=allow``), ``noted``."""
+    old, new = flatten(saved), flatten(current)
+    kinds: dict[str, list[str]] = {"identity": [], "training": [], "noted": []}
+    for key in sorted(set(old) | set(new)):
+        if IGNORED.match(key) or old.get(key) == new.get(key):
+            continue
+        line = f"{key}: {old.get(key, '<unset>')!r} in the checkpoint, {new.get(key, '<unset>')!r} now"
+        if key.startswith(IDENTITY_SECTIONS):
+            kinds["identity"].append(line)
+        elif key in NOTED:
+            kinds["noted"].append(line)
+        else:
+            kinds["training"].append(line)
+    before, after = _tokens_per_step(old), _tokens_per_step(new)
+    if before != after and before is not None and after is not None:
+        kinds["training"].append(f"tokens per step: {before} in the checkpoint, {after} now")
+    return kinds
+
+
+def saved_recipe(checkpoint: Path) -> dict[str, Any] | None:
+    """The resolved recipe a checkpoint was written with (None for checkpoints without one)."""
+    try:
+        return json.loads((Path(checkpoint) / "meta.json").read_text()).get("recipe") or None
+    except (OSError, ValueError):
+        return None
+
+
+def check_resume(checkpoint: Path, current: dict[str, Any], resume_changes: str) -> list[str]:
+    """Raise ValueError when ``checkpoint`` belongs to another run; returns the lines to log for
+    the changes that are accepted."""
+    saved = saved_recipe(checkpoint)
+    if not saved or not current:
+        return []
+    kinds = recipe_changes(saved, current)
+    if kinds["identity"]:
+        raise ValueError(
+            f"checkpoint {checkpoint} was written for another model config or data ("
+            + "; ".join(kinds["identity"])
+            + "): that is another run. Give it its own trainer.run_dir (or trainer.resume=none), and "
+            f"model.init_from={Path(checkpoint) / 'model'} to start from these weights"
+        )
+    if kinds["training"] and resume_changes != "allow":
+        raise ValueError(
+            f"resuming {checkpoint} with a changed recipe ("
+            + "; ".join(kinds["training"])
+            + "): pass trainer.resume_changes=allow if the change is intended, or use another trainer.run_dir"
+        )
+    return [f"resume: {line}" for line in kinds["training"] + kinds["noted"]]
+
+
+def completed_checkpoint(run_dir: str | Path, max_steps: int) -> Path | None:
+    """The final export of a run whose latest checkpoint reached ``max_steps``, else None."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        latest = root / (root / "latest").read_text().strip()
+        step = int(json.loads((latest / "meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+    final = root / "final"
+    return latest if step >= max_steps and final.is_dir() else None
+
+
+def multirun_job_dir(run_dir: str, overrides: list[str], job_num: int) -> str:
+    """A multirun job's own directory under ``run_dir``, named by its overrides (or number):
+    ``optim.lr=1e-3`` -> ``optim.lr_0.001``; nothing Hydra's override grammar would need quoted
+    (``=``, ``,``) so the directory can be passed back as ``trainer.run_dir``."""
+    parts = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith("trainer.run_dir="))
+    name = "__".join(re.sub(r"[^A-Za-z0-9._\-]", "_", o) for o in parts)[:200] or f"job{job_num}"
+    return str(Path(run_dir) / name)

@@ -1,0 +1,114 @@
+"""One directory per run: multirun jobs get their own, a resume must be the same run, a finished
+run re-launched says it is complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orthros_train.train.run_dir import check_resume, multirun_job_dir, recipe_changes
+
+RECIPE = {
+    "model": {"hidden_size": 64, "sliding_window": 128, "attention_backend": "auto"},
+    "data": {"source": "embedded", "tokenizer": None, "cache_dir": "~/.cache/a"},
+    "optim": {"lr": 3e-3},
+    "trainer": {"max_steps": 10, "seq_len": 64, "micro_batch_size": 2, "grad_accum_steps": 1, "log_every": 5},
+    "parallel": {"data_parallel": 1, "tensor_parallel": 1},
+}
+
+
+def _changed(**changes: object) -> dict:
+    recipe = json.loads(json.dumps(RECIPE))
+    for key, value in changes.items():
+        section, name = key.split("__")
+        recipe[section][name] = value
+    return recipe
+
+
+def _checkpoint(tmp_path: Path, recipe: dict) -> Path:
+    ckpt = tmp_path / "checkpoints" / "step_000000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 10, "recipe": recipe}))
+    return ckpt
+
+
+def test_another_model_data_or_tokenizer_is_refused_naming_each_key(tmp_path):
+    ckpt = _checkpoint(tmp_path, RECIPE)
+    other = _changed(model__sliding_window=32, data__tokenizer="/tok")
+    for mode in ("refuse", "allow"):
+        with pytest.raises(ValueError) as err:
+            check_resume(ckpt, other, mode)
+        message = str(err.value)
+        assert "model.sliding_window: 128 in the checkpoint, 32 now" in message
+        assert "data.tokenizer: None in the checkpoint, '/tok' now" in message
+        assert "trainer.run_dir" in message and "model.init_from" in message
+
+
+def test_a_new_learning_rate_needs_resume_changes_allow_and_is_logged(tmp_path):
+    ckpt = _checkpoint(tmp_path, RECIPE)
+    other = _changed(optim__lr=1e-3)
+    with pytest.raises(ValueError, match=r"optim.lr: 0.003 in the checkpoint, 0.001 now.*resume_changes=allow"):
+        check_resume(ckpt, other, "refuse")
+    assert check_resume(ckpt, other, "allow") == ["resume: optim.lr: 0.003 in the checkpoint, 0.001 now"]
+
+
+def test_layout_logging_and_a_longer_run_resume_freely():
+    same_tokens = _changed(
+        trainer__micro_batch_size=1, trainer__grad_accum_steps=2, trainer__log_every=1, trainer__max_steps=20
+    )
+    same_tokens["parallel"]["tensor_parallel"] = 2
+    same_tokens["data"]["cache_dir"] = "/elsewhere"
+    kinds = recipe_changes(RECIPE, same_tokens)
+    assert kinds["identity"] == [] and kinds["training"] == []
+    assert kinds["noted"] == ["trainer.max_steps: 10 in the checkpoint, 20 now"]
+    # The same micro batch on twice the data-parallel ranks is another batch: tokens per step differ.
+    more = _changed()
+    more["parallel"]["data_parallel"] = 2
+    assert recipe_changes(RECIPE, more)["training"] == ["tokens per step: 128 in the checkpoint, 256 now"]
+
+
+def test_multirun_job_dirs_are_named_by_their_overrides():
+    assert multirun_job_dir("runs/tiny_cpu", ["optim.lr=1e-3", "data.paths=[a/b]"], 0) == (
+        "runs/tiny_cpu/data.paths__a_b___optim.lr_1e-3"
+    )
+    assert multirun_job_dir("runs/tiny_cpu", [], 3) == "runs/tiny_cpu/job3"
+
+
+TINY = [
+    "--config-name", "tiny_cpu", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
+    "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=2", "trainer.max_steps=2",
+    "trainer.micro_batch_size=2", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=1",
+]  # fmt: skip
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "orthros_train.train.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_multirun_jobs_train_in_their_own_dirs_and_a_finished_run_says_it_is_complete(tmp_path):
+    proc = _cli("-m", *TINY, "optim.lr=1e-3,3e-3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = tmp_path / "runs" / "tiny_cpu"
+    assert sorted(p.name for p in runs.iterdir()) == ["optim.lr_0.001", "optim.lr_0.003"]  # the swept key only
+    for job in runs.iterdir():
+        records = (job / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(r)["step"] for r in records] == [1, 2]  # each job trained, none resumed the other
+    one = [*TINY, "optim.lr=1e-3", f"trainer.run_dir={runs / 'optim.lr_0.001'}"]
+    again = _cli(*one, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "is complete" in again.stdout and "resumed from" not in again.stdout
+    assert len((runs / "optim.lr_0.001" / "metrics.jsonl").read_text().splitlines()) == 2  # nothing retrained
+    window = _cli(*one, "model.sliding_window=32", cwd=tmp_path)
+    assert window.returncode != 0 and "model.sliding_window: 64 in the checkpoint, 32 now" in window.stderr
+    longer = _cli(*one, "trainer.max_steps=3", "optim.lr=2e-3", "trainer.resume_changes=allow", cwd=tmp_path)
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "resume: optim.lr: 0.001 in the checkpoint, 0.002 now" in longer.stderr
+    assert "resumed from" in longer.stdout
