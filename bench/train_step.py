@@ -1,4 +1,4 @@
-"""Training-step time of Orthros vs the dense baseline of the same shape.
+"""Training-step time of Orthros vs the dense baselines of the same shape.
 
     python bench/train_step.py                 # table on the current device
     python bench/train_step.py --json          # the same as one JSON document
@@ -7,8 +7,14 @@
 For each sequence length and layout (pretrain: an output token everywhere; sft: output tokens
 on ``--answer-fraction`` of the positions, as one answer span at the end of each row) it times
 forward + backward + AdamW step of an ``orthros`` model and of a ``dense`` model with identical
-weights, and reports the ratio and the model FLOPs each step does (``layout_flops``). The dense
-model has no output stream, so for sft it still pays full causal attention over every token.
+weights, and of the peer a user would pick: transformers' ``LlamaForCausalLM`` of the same shape
+with ``attn_implementation="sdpa"`` (``--no-peer`` skips it), trained on the same tokens with
+labels on the same targets. It reports the ratios and the model FLOPs each step does
+(``layout_flops``); ``flop ratio`` is Orthros' FLOPs over the dense model's, the time ratio a
+FLOP-bound step would show. An Orthros/peer time ratio below it is flagged ``weak baseline`` (the
+peer runs its FLOPs slower than Orthros runs its own). The dense models have no output stream,
+so for sft they still pay full causal attention over every token. On CPU the times are process
+CPU time (``time.process_time``); on a GPU wall clock after a synchronize.
 Targets (issue): pretrain <= 2.0x dense; sft with 10% answer tokens <= 1.15x dense; on a GPU
 also MFU. ``--layouts pretrain sft rl`` adds rl rows (prompt + response rows, output tokens on
 the response only, per-token advantages as weights).
@@ -34,6 +40,7 @@ import torch
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.ops.reference import UNBOUNDED, key_ranges
 from orthros_train.phase import pretrain_layout, rl_layout, sft_layout
+from orthros_train.phase.layout import IGNORE_INDEX
 from orthros_train.train.metrics import layout_flops, peak_tflops
 
 LAYOUTS = ("pretrain", "sft", "rl")
@@ -71,21 +78,46 @@ def attention_pairs(layout, window: int) -> dict[str, int]:
     }
 
 
-def time_steps(model: OrthrosForCausalLM, layout, steps: int, warmup: int) -> float:
+def time_steps(model: torch.nn.Module, loss_fn, steps: int, warmup: int, cuda: bool) -> float:
+    """Median seconds of forward + backward + AdamW step (process CPU time on CPU)."""
+    clock = time.perf_counter if cuda else time.process_time
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     for i in range(warmup + steps):
-        if layout.input_ids.is_cuda:
+        if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.forward_layout(layout).loss.backward()
+        start = clock()
+        loss_fn().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if layout.input_ids.is_cuda:
+        if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times)
+
+
+def transformers_peer(cfg: OrthrosConfig):
+    """transformers' Llama of ``cfg``'s shape with SDPA attention (random weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, attn_implementation="sdpa",
+    ))  # fmt: skip
+
+
+def peer_batch(layout, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` ids and HF-style labels (``labels[t]`` = target of position ``t - 1``) with the
+    layout's targets, so the peer learns exactly what the Orthros model does."""
+    ids = layout.input_ids.view(batch, length)
+    labels = torch.full((batch * length,), IGNORE_INDEX, dtype=torch.long, device=ids.device)
+    target_pos = layout.output_index + 1
+    ok = (target_pos % length != 0) & (layout.labels != IGNORE_INDEX)  # targets inside the row
+    labels[target_pos[ok]] = layout.labels[ok]
+    return ids, labels.view(batch, length)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -104,16 +136,28 @@ def run(args: argparse.Namespace) -> dict:
     orthros = OrthrosForCausalLM(cfg).to(device=device, dtype=dtype)
     dense = OrthrosForCausalLM(OrthrosConfig(**{**cfg.to_dict(), "attention_type": "dense"})).to(device, dtype)
     dense.load_state_dict(orthros.state_dict())
+    peer = None
+    if not args.no_peer:
+        peer = transformers_peer(cfg).to(device=device, dtype=dtype)
     peak = peak_tflops(device)
+    cuda = device.type == "cuda"
+
     def measure(layout, row: dict) -> dict:
         for name, model in (("orthros", orthros), ("dense", dense)):
-            seconds = time_steps(model, layout, args.steps, args.warmup)
+            seconds = time_steps(model, lambda m=model: m.forward_layout(layout).loss, args.steps, args.warmup, cuda)
             flops = layout_flops(model.config, layout)
             row[f"{name}_ms"] = seconds * 1e3
             row[f"{name}_tflops"] = flops / seconds / 1e12
             if peak:
                 row[f"{name}_mfu"] = flops / seconds / 1e12 / peak
         row["ratio"] = row["orthros_ms"] / row["dense_ms"]
+        row["flop_ratio"] = layout_flops(orthros.config, layout) / layout_flops(dense.config, layout)
+        if peer is not None:
+            ids, labels = peer_batch(layout, args.batch, row["seq_len"])
+            seconds = time_steps(peer, lambda: peer(ids, labels=labels).loss, args.steps, args.warmup, cuda)
+            row["peer_ms"] = seconds * 1e3
+            row["peer_ratio"] = row["orthros_ms"] / row["peer_ms"]
+            row["weak_baseline"] = row["peer_ratio"] < row["flop_ratio"]
         return row
 
     rows = []
@@ -139,6 +183,10 @@ def run(args: argparse.Namespace) -> dict:
     params = sum(p.numel() for p in orthros.parameters())
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "time_basis": "wall clock" if cuda else "process CPU time",
+        "peer": None if peer is None else "transformers LlamaForCausalLM (sdpa)",
         "dtype": str(dtype),
         "parameters": params,
         "config": cfg.to_dict(),
@@ -151,14 +199,22 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(result: dict) -> str:
     lines = [
-        f"device {result['device']}, {result['parameters'] / 1e6:.1f}M parameters, batch {result['batch']}, "
-        f"window {result['config']['sliding_window']}, sft answers {result['answer_fraction']:.0%}",
-        f"{'layout':<9}{'T':>7}{'outputs':>9}{'orthros ms':>12}{'dense ms':>10}{'ratio':>8}{'orthros TF/s':>14}",
+        f"device {result['device']}, {result['threads']} threads, {result['date']}, {result['time_basis']}; "
+        f"{result['parameters'] / 1e6:.1f}M parameters, batch {result['batch']}, "
+        f"window {result['config']['sliding_window']}, sft answers {result['answer_fraction']:.0%}; "
+        f"peer: {result['peer'] or 'not run'}",
+        f"{'layout':<9}{'T':>7}{'outputs':>9}{'orthros ms':>12}{'dense ms':>10}{'peer ms':>10}{'ratio':>8}"
+        f"{'/peer':>8}{'flop ratio':>12}{'orthros TF/s':>14}",
     ]
+
+    def opt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     for r in result["rows"]:
         lines.append(
             f"{r['layout']:<9}{r['seq_len']:>7}{r['outputs']:>9}{r['orthros_ms']:>12.1f}{r['dense_ms']:>10.1f}"
-            f"{r['ratio']:>8.2f}{r['orthros_tflops']:>14.4f}"
+            f"{opt(r.get('peer_ms'), '10.1f')}{r['ratio']:>8.2f}{opt(r.get('peer_ratio'), '8.2f')}"
+            f"{r['flop_ratio']:>12.2f}{r['orthros_tflops']:>14.4f}{'  weak baseline' if r.get('weak_baseline') else ''}"
         )
     if result.get("sweep"):
         lines += [
@@ -195,8 +251,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers' Llama (SDPA)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else table(result))
 

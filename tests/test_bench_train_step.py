@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "train_step.py"
 
 
@@ -44,3 +46,20 @@ def test_train_step_bench_json_smoke():
     assert rows["pretrain"]["outputs"] == 64 and rows["sft"]["outputs"] == 6
     for r in rows.values():
         assert r["orthros_ms"] > 0 and r["dense_ms"] > 0 and r["ratio"] > 0
+        assert r["peer_ms"] > 0 and r["peer_ratio"] > 0 and isinstance(r["weak_baseline"], bool)
+    assert rows["pretrain"]["flop_ratio"] > 1 > rows["sft"]["flop_ratio"]  # two streams vs 6 outputs
+    assert result["peer"].startswith("transformers") and result["time_basis"] == "process CPU time"
+
+
+def test_peer_labels_are_the_layout_targets():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from train_step import make_layout, peer_batch
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    layout = make_layout("sft", 2, 10, 50, 0.3)
+    ids, labels = peer_batch(layout, 2, 10)
+    # HF shifts labels by one: labels[t] is the target of position t - 1.
+    got = sorted((int(b), int(t - 1), int(labels[b, t])) for b, t in (labels != -100).nonzero())
+    want = sorted((int(i) // 10, int(i) % 10, int(y)) for i, y in zip(layout.output_index, layout.labels))
+    assert got == want and torch.equal(ids.flatten(), layout.input_ids)
