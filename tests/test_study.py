@@ -1,4 +1,5 @@
-"""The replication study (issue #11): the synthetic recall data, and the reduced pipeline end to end."""
+"""The replication study: the synthetic recall data, the passkey probe, the sweep/seed bookkeeping,
+and the reduced pipeline end to end."""
 
 from __future__ import annotations
 
@@ -11,27 +12,54 @@ import pytest
 
 from orthros_train.data.synthetic_recall import (
     RecallMix,
+    make_passkey_document,
     make_recall_document,
     prepare_recall_dataset,
     token_ranges,
 )
 
 
-def test_recall_document_is_answerable_only_by_recall() -> None:
+def test_recall_document_queries_are_fixed_by_an_earlier_pair() -> None:
     ranges = token_ranges(256, 16, reserved=(0,))
-    doc = make_recall_document(random.Random(3), 200, 12, ranges, min_distance=2)
-    assert len(doc.input_ids) == 200 and 0 not in doc.input_ids
-    assert len(doc.distances) == len(doc.targets) == len(doc.output_positions) == 12
-    keys = [doc.input_ids[p] for p in doc.output_positions]
-    assert len(set(keys)) == len(keys) and all(k in ranges.keys for k in keys)
+    doc = make_recall_document(random.Random(3), 201, 6, ranges)
+    ids = doc.input_ids
+    assert len(ids) == 201 and 0 not in ids
+    assert all(ids[i] in ranges.keys for i in range(0, 201, 2))  # k v k v ... ending on a lone key
+    assert all(ids[i] in ranges.values for i in range(1, 200, 2))
+    assert len(set(ids[0::2])) == 6  # the document's six keys
+    assert len(doc.distances) == len(doc.targets) == len(doc.output_positions) > 50
     for p, v, d in zip(doc.output_positions, doc.targets, doc.distances):
-        assert 2 <= d < 200
-        assert doc.input_ids[p + 1] == v and v in ranges.values  # the query's value follows its key
-        assert doc.input_ids[p - d] == doc.input_ids[p] and doc.input_ids[p - d + 1] == v  # the pair, d earlier
-        # the key occurs exactly twice: the value is determined by the pair alone
-        assert doc.input_ids.count(doc.input_ids[p]) == 2
-    filler = [t for i, t in enumerate(doc.input_ids) if t not in ranges.keys and t not in ranges.values]
-    assert len(filler) == 200 - 4 * 12
+        assert ids[p + 1] == v
+        assert ids[p - d] == ids[p] and ids[p - d + 1] == v  # the key's previous occurrence, d back
+        assert ids[p] not in ids[p - d + 1:p]  # ... and its latest one
+    firsts = {ids[i] for i in range(0, 201, 2)}
+    assert len(doc.output_positions) == 100 - len(firsts)  # every repeated key is a query, no first one
+
+
+def test_values_per_key_binds_each_key_to_its_own_candidates() -> None:
+    ranges = token_ranges(512, 8, reserved=(0,), values_per_key=4)
+    assert len(ranges.values) == 32 and ranges.keys.stop == ranges.values.start
+    doc = make_recall_document(random.Random(0), 64, 8, ranges)
+    for p, v in zip(doc.output_positions, doc.targets):
+        assert v in ranges.candidates(doc.input_ids[p])
+    assert RecallMix(keys=8, pairs=8, values_per_key=4).chance == 0.25
+    with pytest.raises(ValueError, match="too small"):
+        token_ranges(64, 8, values_per_key=8)
+
+
+def test_passkey_needle_sits_at_the_asked_distance() -> None:
+    ranges = token_ranges(300, 8, reserved=(0,), values_per_key=4)
+    haystack = [1 + i % 200 for i in range(120)]
+    for d in (2, 17, 64, 120):
+        doc = make_passkey_document(random.Random(d), haystack, d, ranges)
+        (q,), (v,) = doc.output_positions, doc.targets
+        assert q == len(doc.input_ids) - 1 and doc.distances == [d]
+        assert doc.input_ids[q - d] == doc.input_ids[q] and doc.input_ids[q - d + 1] == v  # needle [k v]
+        assert v in ranges.candidates(doc.input_ids[q]) and doc.input_ids.count(doc.input_ids[q]) == 2
+    with pytest.raises(ValueError, match="distance"):
+        make_passkey_document(random.Random(0), haystack, 121, ranges)
+    with pytest.raises(ValueError, match="every key"):
+        make_passkey_document(random.Random(0), list(ranges.keys) * 4, 10, ranges)
 
 
 def test_recall_mix_rejects_bad_settings() -> None:
@@ -41,12 +69,18 @@ def test_recall_mix_rejects_bad_settings() -> None:
         RecallMix(fraction=1.0)
     with pytest.raises(ValueError, match="pairs <= keys"):
         RecallMix(pairs=10, keys=5)
+    with pytest.raises(ValueError, match="min_pairs"):
+        RecallMix(pairs=4, keys=8, min_pairs=5)
+    with pytest.raises(ValueError, match="values_per_key"):
+        RecallMix(values_per_key=1)
+    mix = RecallMix(pairs=6, keys=8, min_pairs=2)
+    assert {mix.pairs_of_document(random.Random(i)) for i in range(50)} == set(range(2, 7))
 
 
 def test_recall_dataset_documents_fill_one_sample_each(tmp_path) -> None:
     from orthros_train.data.indexed import open_indexed
 
-    mix = RecallMix(documents=5, pairs=4, keys=8)
+    mix = RecallMix(documents=5, pairs=4, keys=8, values_per_key=2)
     prefix = prepare_recall_dataset(mix, vocab_size=100, eod_token_id=0, seq_len=64, cache_dir=str(tmp_path))
     assert prepare_recall_dataset(mix, 100, 0, 64, str(tmp_path)) == prefix  # cached: same settings, same file
     ds = open_indexed(prefix)
@@ -56,44 +90,64 @@ def test_recall_dataset_documents_fill_one_sample_each(tmp_path) -> None:
         assert doc.size == 64 and doc[-1] == 0 and (doc[:-1] != 0).all()  # seq_len tokens, EOD last
 
 
-@pytest.mark.slow
+def test_sweep_keeps_the_lowest_finite_loss_and_seeds_aggregate() -> None:
+    from orthros_train.study.pipeline import pick_lr, spread
+
+    assert pick_lr({1e-3: 2.0, 3e-3: 1.5, 1e-2: float("nan")}) == 3e-3
+    assert pick_lr({1e-3: None, 3e-3: 2.5}) == 3e-3
+    with pytest.raises(ValueError, match="finite"):
+        pick_lr({1e-3: None, 1e-2: float("inf")})
+    s = spread([0.5, 1.0, None, 0.75])
+    assert s["n"] == 3 and s["mean"] == 0.75 and s["min"] == 0.5 and s["max"] == 1.0
+    assert math.isclose(s["std"], 0.25)
+    assert spread([None])["mean"] is None and spread([0.3])["std"] == 0.0
+
+
 def test_study_pipeline_end_to_end(tmp_path) -> None:
-    """Three tiny runs through the real CLI, evaluated and reported (~2 min on a quiet 2-core CPU)."""
+    """Sweep (two rates) and two seeds of the three models through the real CLI, evaluated and reported."""
     from orthros_train.study import ARCHS, StudyOptions, run_study
 
-    steps = 12
+    steps = 4
     report = tmp_path / "study.md"
     results = run_study(StudyOptions(
-        out=tmp_path / "runs", report=report, quick=True, steps=steps, recall_documents=4,
-        valid_tokens=2048, prefill_lengths=[128, 256], command="pytest",
+        out=tmp_path / "runs", report=report, quick=True, steps=steps, seeds=(7, 8), lrs=(1e-3, 1e-2), jobs=2,
+        recall_documents=2, passkey_documents=2, valid_tokens=512, prefill_lengths=[64], command="pytest",
     ), log=lambda msg: None)
 
     saved = json.loads((tmp_path / "runs" / "study.json").read_text())
-    assert set(saved["runs"]) == set(ARCHS)
-    tokens = {r["tokens"] for r in saved["runs"].values()}
-    assert len(tokens) == 1  # equal token budgets
-    params = {r["parameters"] for r in saved["runs"].values()}
-    assert len(params) == 1  # one shape
-    for arch, r in saved["runs"].items():
-        assert r["attention_type"] == arch
-        assert r["steps"] == steps and len(r["curve"]) == steps
-        assert r["tokens"] == steps * 2 * r["seq_len"]  # quick: micro batch 2
-        assert math.isfinite(r["final_train_loss"]) and math.isfinite(r["essay_valid"]["loss"])
-        # far from trained: near the uniform loss over the vocabulary, not below a sane floor
-        assert 2.0 < r["essay_valid"]["loss"] < math.log(r["config"]["vocab_size"]) + 1.5
-        ev = r["essay_valid"]
-        assert sum(b["tokens"] for b in ev["buckets"]) == ev["tokens"]
-        rec = r["recall"]
-        assert sum(b["queries"] for b in rec["buckets"]) == rec["queries"] > 0
-        assert 0.0 <= rec["accuracy"] <= 1.0
-        assert r["train_seconds"] > 0
-        assert f"{ev['loss']:.3f}" in report.read_text()  # the table shows the JSON's numbers
-    rows = saved["prefill"]["rows"]
-    assert [r["length"] for r in rows] == [128, 256]
-    assert all(r["orthros_ttft_s"] > 0 and r["dense_ttft_s"] > 0 for r in rows)
+    assert set(saved["runs"]) == set(saved["summary"]) == set(saved["sweep"]) == set(ARCHS)
+    assert len({r["tokens"] for runs in saved["runs"].values() for r in runs}) == 1  # equal token budgets
+    assert len({r["parameters"] for runs in saved["runs"].values() for r in runs}) == 1  # one shape
+    text = report.read_text()
+    for arch, runs in saved["runs"].items():
+        sweep = saved["sweep"][arch]
+        assert set(sweep["runs"]) == {"0.001", "0.01"} and sweep["best_lr"] in (1e-3, 1e-2)
+        losses = sweep["blend_valid_loss"]
+        assert losses[f"{sweep['best_lr']:g}"] == min(losses.values())
+        assert [r["seed"] for r in runs] == [7, 8] and {r["lr"] for r in runs} == {sweep["best_lr"]}
+        for r in runs:
+            assert r["attention_type"] == arch
+            assert r["steps"] == steps and len(r["curve"]) == steps
+            assert r["tokens"] == steps * 2 * r["seq_len"]  # quick: micro batch 2
+            assert 2.0 < r["essay_valid"]["loss"] < math.log(r["config"]["vocab_size"]) + 1.5  # untrained
+            ev, rec = r["essay_valid"], r["recall"]
+            assert sum(b["tokens"] for b in ev["buckets"]) == ev["tokens"]
+            assert sum(b["queries"] for b in rec["buckets"]) == rec["queries"] > 0
+            assert 0.0 <= rec["accuracy"] <= 1.0 and r["train_seconds"] > 0
+            window = r["config"]["sliding_window"]
+            far = r["passkey"]["4-8x_window"]
+            assert (far["low"], far["high"]) == (4 * window, min(8 * window, r["seq_len"] - 2))
+            assert 0.0 <= far["accuracy"] <= 1.0
+        s = saved["summary"][arch]
+        losses = [r["essay_valid"]["loss"] for r in runs]
+        assert s["essay_loss"]["n"] == 2 and math.isclose(s["essay_loss"]["mean"], sum(losses) / 2)
+        assert f"{s['essay_loss']['mean']:.3f} ± {s['essay_loss']['std']:.3f}" in text  # table shows the JSON
+    (row,) = saved["prefill"]["rows"]
+    assert row["length"] == 64 and row["orthros_ttft_s"] > 0 and row["dense_ttft_s"] > 0
+    assert f"{row['flop_limit']:.2f}x" in text  # the limit stands beside the measured ratio
     for name in ("loss_curves", "recall_vs_distance", "loss_by_position", "prefill"):
         png = tmp_path / "study" / f"{name}.png"
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
-    assert results["runs"]["orthros"]["essay_valid"]["loss"] == saved["runs"]["orthros"]["essay_valid"]["loss"]
+    assert results["summary"] == saved["summary"]
     beside = json.loads((tmp_path / "study" / "study.json").read_text())  # the copy committed with the report
-    assert beside["runs"]["dense"]["recall"] == saved["runs"]["dense"]["recall"]
+    assert beside["runs"]["dense"][1]["recall"] == saved["runs"]["dense"][1]["recall"]

@@ -1,24 +1,26 @@
-"""Synthetic multi-query associative recall (MQAR) documents, blended into pretraining data.
+"""Synthetic associative-recall documents, blended into pretraining data.
 
-At the 10M-parameter / few-hundred-thousand-token scale a CPU can train, recall over long
+At the few-million-parameter / sub-million-token scale a CPU can train, recall over long
 distances is never learned from prose alone: the text has too few exact repeats. Blending in
-documents where recall is the only way to predict some tokens makes the ability learnable, so a
+documents where recall is the only way to predict many tokens makes the ability learnable, so a
 study can compare architectures on it (``orthros-study``, docs/study.md).
 
-A document of ``length`` token ids holds ``num_pairs`` key-value pairs ``[k, v]`` and, for each,
-a query ``[k, v]`` placed ``d`` tokens later, ``d`` log-uniform in ``[min_distance, length)``:
-about as many queries at every scale of distance, inside the sliding window and far beyond it.
-All other positions are filler. Keys and values come from two disjoint id ranges at the top of
-the vocabulary (the rarest BPE merges, so prose rarely uses them); filler is any other id but
-the end-of-document token. Keys are distinct within a document, so the value after a query key
-is determined by the pair and by nothing else: predicting it needs attention reaching back ``d``.
+A document is a stream of key-value bigrams ``k v k v ...`` (H3's associative recall, Zoology's
+MQAR without the separate query block). Each document draws its own ``pairs`` distinct keys and
+binds each to a random value; every bigram then picks one of those keys uniformly. A key's first
+occurrence introduces its value; every later occurrence is a query whose value is fixed by the
+earlier one. The distance from a query to the key's previous occurrence is geometric with mean
+``2 * pairs`` tokens, so one setting yields queries inside a small sliding window and several
+windows beyond it. Nearly every other token is a supervised recall target (there is no filler),
+which is what lets a 2-layer model form the copy circuit in a few hundred steps.
 
-A ``RecallDocument`` has the fields of ``orthros_train.eval.recall.RecallSample``, so the study
-scores held-out documents with that module's ``score_sample``/``summarize`` like its own MQAR
-probes (data/ sits below eval/ and does not import it).
+Keys and values come from two disjoint id ranges at the top of the vocabulary (the rarest BPE
+merges, so prose rarely uses them). A ``RecallDocument`` has the fields of
+``orthros_train.eval.recall.RecallSample``, so the study scores held-out documents with that
+module's ``score_sample``/``summarize`` (data/ sits below eval/ and does not import it).
 
 Recipes enable it with ``data.recall_mix`` (embedded source), e.g.
-``{fraction: 0.5, documents: 4000, pairs: 48, keys: 128}``; the documents are written once as
+``{fraction: 0.75, documents: 4000, pairs: 16, keys: 64}``; the documents are written once as
 a megatron indexed dataset under ``cache_dir`` and blended by weight with the corpus.
 """
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 from dataclasses import asdict, dataclass, field, fields
@@ -41,9 +42,11 @@ class RecallMix:
 
     fraction: float = 0.5  # share of training samples drawn from the synthetic documents
     documents: int = 4000  # documents written (megatron repeats them if the run needs more)
-    pairs: int = 48  # key-value pairs (and queries) per document
-    keys: int = 128  # size of the key id range (the value range has the same size)
-    min_distance: int = 2  # shortest pair-to-query distance
+    pairs: int = 16  # distinct keys per document (mean query-to-pair distance: 2 * pairs tokens)
+    min_pairs: int | None = None  # if set, each document draws its key count uniformly in [min_pairs, pairs]
+    keys: int = 64  # size of the key id range
+    values_per_key: int | None = None  # None: one value range of ``keys`` ids shared by all keys;
+    # m: each key has its own m candidate values (``keys * m`` value ids), see ``token_ranges``
     length: int | None = None  # document length in tokens incl. EOD (None: seq_len, one per sample)
     seed: int = 0  # the generator's seed (the trainer's seed shuffles, this one generates)
 
@@ -52,8 +55,26 @@ class RecallMix:
             raise ValueError(f"data.recall_mix.fraction must be in (0, 1), got {self.fraction}")
         if self.pairs < 1 or self.keys < self.pairs:
             raise ValueError(f"data.recall_mix needs 1 <= pairs <= keys, got pairs={self.pairs} keys={self.keys}")
-        if self.documents < 1 or self.min_distance < 2:
-            raise ValueError("data.recall_mix needs documents >= 1 and min_distance >= 2")
+        if self.values_per_key is not None and self.values_per_key < 2:
+            raise ValueError(f"data.recall_mix.values_per_key must be >= 2 (or null), got {self.values_per_key}")
+        if self.min_pairs is not None and not 1 <= self.min_pairs <= self.pairs:
+            raise ValueError(f"data.recall_mix needs 1 <= min_pairs <= pairs, got min_pairs={self.min_pairs}")
+        if self.documents < 1:
+            raise ValueError(f"data.recall_mix.documents must be >= 1, got {self.documents}")
+        if self.length is not None and self.length < 4:
+            raise ValueError(f"data.recall_mix.length must be >= 4 tokens (or null: seq_len), got {self.length}")
+
+    def pairs_of_document(self, rng: random.Random) -> int:
+        """Distinct keys of the next document (few keys: short distances, an easy start for learning)."""
+        return self.pairs if self.min_pairs is None else rng.randint(self.min_pairs, self.pairs)
+
+    @property
+    def chance(self) -> float:
+        """Accuracy of a guess that knows the key but not the document: one value of its candidates."""
+        return 1.0 / (self.values_per_key or self.keys)
+
+    def ranges(self, vocab_size: int, reserved: tuple[int, ...] = ()) -> "TokenRanges":
+        return token_ranges(vocab_size, self.keys, reserved, self.values_per_key)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "RecallMix":
@@ -70,60 +91,93 @@ class RecallDocument:
     output_positions: list[int] = field(default_factory=list)  # query key positions: each predicts a value
     targets: list[int] = field(default_factory=list)  # the value each of them must predict
     query_of_output: list[int] = field(default_factory=list)  # one output per query here
-    distances: list[int] = field(default_factory=list)  # per query: tokens from the pair's value to the query's
+    distances: list[int] = field(default_factory=list)  # per query: tokens back to the key's previous value
 
 
 @dataclass
 class TokenRanges:
-    """Which ids play keys, values and filler."""
+    """Which ids play keys, values and everything else."""
 
     keys: range
     values: range
     filler: list[int]
+    values_per_key: int | None = None  # None: any value can bind to any key
+
+    def candidates(self, key: int) -> range:
+        """The values ``key`` can be bound to."""
+        if self.values_per_key is None:
+            return self.values
+        start = self.values.start + (key - self.keys.start) * self.values_per_key
+        return range(start, start + self.values_per_key)
 
 
-def token_ranges(vocab_size: int, num_keys: int, reserved: tuple[int, ...] = ()) -> TokenRanges:
-    """Keys and values: the top ``2 * num_keys`` ids; filler: every other id not ``reserved``."""
-    if vocab_size < 2 * num_keys + 2:
-        raise ValueError(f"vocab {vocab_size} too small for {num_keys} keys and {num_keys} values plus filler")
-    keys = range(vocab_size - 2 * num_keys, vocab_size - num_keys)
-    values = range(vocab_size - num_keys, vocab_size)
-    filler = [i for i in range(vocab_size - 2 * num_keys) if i not in reserved]
-    return TokenRanges(keys, values, filler)
+def token_ranges(
+    vocab_size: int, num_keys: int, reserved: tuple[int, ...] = (), values_per_key: int | None = None
+) -> TokenRanges:
+    """Keys, then values, at the top of the vocabulary; filler: every other id not ``reserved``.
 
-
-def make_recall_document(
-    rng: random.Random, length: int, num_pairs: int, ranges: TokenRanges, min_distance: int = 2
-) -> RecallDocument:
-    """One document of ``length`` ids: pairs and their queries at log-uniform distances, filler between.
-
-    A pair that finds no free slots after a few tries is dropped (only when ``num_pairs`` nearly
-    fills the document), so the result may hold fewer queries than asked.
+    Without ``values_per_key`` there are ``num_keys`` values shared by all keys: answering a query
+    needs the two-step copy (an induction circuit: mark each value with the key before it, then
+    find the mark). With ``values_per_key = m`` key ``i`` owns values ``i*m .. i*m+m-1`` and a
+    document binds it to one of them: the query can find its answer by content in one attention
+    step, which small models learn within a few hundred steps, and which still fails whenever
+    the binding lies outside the keys an attention layer can see.
     """
-    if length < 4 * num_pairs:
-        raise ValueError(f"length {length} is too short for {num_pairs} pairs and their queries")
-    ids: list[int | None] = [None] * length
+    num_values = num_keys * (values_per_key or 1)
+    if vocab_size < num_keys + num_values + 2:
+        raise ValueError(f"vocab {vocab_size} too small for {num_keys} keys and {num_values} values plus filler")
+    values = range(vocab_size - num_values, vocab_size)
+    keys = range(values.start - num_keys, values.start)
+    filler = [i for i in range(keys.start) if i not in reserved]
+    return TokenRanges(keys, values, filler, values_per_key)
+
+
+def make_recall_document(rng: random.Random, length: int, num_pairs: int, ranges: TokenRanges) -> RecallDocument:
+    """``length`` ids of key-value bigrams over ``num_pairs`` keys; every repeated key is a query.
+
+    An odd ``length`` ends on a lone key (no value follows it, so it is no query).
+    """
+    if length < 4:
+        raise ValueError(f"length {length} is too short for a pair and its query")
     keys = rng.sample(ranges.keys, num_pairs)
-    placed: list[tuple[int, int, int]] = []  # (query key position, value, distance)
-    for k in keys:
-        v = rng.choice(ranges.values)
-        for _ in range(50):
-            d = int(round(math.exp(rng.uniform(math.log(min_distance), math.log(length - 2)))))
-            s = rng.randrange(0, length - d - 1)
-            slots = (s, s + 1, s + d, s + d + 1)
-            if all(ids[i] is None for i in slots):
-                ids[s], ids[s + 1], ids[s + d], ids[s + d + 1] = k, v, k, v
-                placed.append((s + d, v, d))
-                break
-    out = [t if t is not None else rng.choice(ranges.filler) for t in ids]
-    placed.sort()
-    return RecallDocument(
-        input_ids=out,
-        output_positions=[p for p, _, _ in placed],
-        targets=[v for _, v, _ in placed],
-        query_of_output=list(range(len(placed))),
-        distances=[d for _, _, d in placed],
-    )
+    value_of = {k: rng.choice(ranges.candidates(k)) for k in keys}
+    ids: list[int] = []
+    last: dict[int, int] = {}  # key -> position of its latest value
+    doc = RecallDocument(input_ids=ids)
+    while len(ids) < length:
+        k = rng.choice(keys)
+        ids.append(k)
+        if len(ids) == length:
+            break
+        if k in last:
+            doc.output_positions.append(len(ids) - 1)
+            doc.targets.append(value_of[k])
+            doc.query_of_output.append(len(doc.distances))
+            doc.distances.append(len(ids) - last[k])
+        last[k] = len(ids)
+        ids.append(value_of[k])
+    return doc
+
+
+def make_passkey_document(
+    rng: random.Random, haystack: list[int], distance: int, ranges: TokenRanges
+) -> RecallDocument:
+    """A needle ``[k v]`` hidden ``distance`` tokens before the end of ``haystack``, then the query ``k``.
+
+    ``k`` is a key the haystack (e.g. held-out prose) does not contain; the one output
+    position is the query key at the end, which must predict ``v``.
+    """
+    if not 2 <= distance <= len(haystack):
+        raise ValueError(f"needle distance {distance} must be in [2, {len(haystack)}] (the haystack's length)")
+    absent = sorted(set(ranges.keys) - set(haystack))
+    if not absent:
+        raise ValueError("the haystack contains every key id; use text outside the key range")
+    k = rng.choice(absent)
+    v = rng.choice(ranges.candidates(k))
+    cut = len(haystack) - distance + 2  # the needle's value lands ``distance`` before the query's
+    ids = [*haystack[:cut], k, v, *haystack[cut:], k]
+    return RecallDocument(input_ids=ids, output_positions=[len(ids) - 1], targets=[v], query_of_output=[0],
+                          distances=[distance])
 
 
 def write_recall_dataset(
@@ -132,12 +186,12 @@ def write_recall_dataset(
     """Write ``mix.documents`` documents of ``doc_length`` tokens (the last one EOD) as ``prefix``."""
     from orthros_train.data.indexed import ShardWriter
 
-    ranges = token_ranges(vocab_size, mix.keys, reserved=(eod_token_id,))
+    ranges = mix.ranges(vocab_size, reserved=(eod_token_id,))
     rng = random.Random(mix.seed)
     writer = ShardWriter(prefix, vocab_size)
     try:
         for _ in range(mix.documents):
-            doc = make_recall_document(rng, doc_length - 1, mix.pairs, ranges, mix.min_distance)
+            doc = make_recall_document(rng, doc_length - 1, mix.pairs_of_document(rng), ranges)
             writer.add_document(np.asarray(doc.input_ids + [eod_token_id], dtype=np.int64))
         writer.finish()
     except BaseException:
@@ -158,7 +212,7 @@ def prepare_recall_dataset(
     from orthros_train.data.indexed import file_lock
 
     doc_length = mix.length or seq_len
-    key = json.dumps({**asdict(mix), "length": doc_length, "vocab": vocab_size, "eod": eod_token_id, "v": 1})
+    key = json.dumps({**asdict(mix), "length": doc_length, "vocab": vocab_size, "eod": eod_token_id, "v": 2})
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     prefix = os.path.join(os.path.expanduser(cache_dir), f"recall-{digest}")
     with file_lock(prefix + ".lock"):
@@ -190,6 +244,7 @@ __all__ = [
     "RecallMix",
     "TokenRanges",
     "blend_with_recall",
+    "make_passkey_document",
     "make_recall_document",
     "prepare_recall_dataset",
     "token_ranges",

