@@ -394,17 +394,24 @@ def test_toy_task_reward_rises(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_log_the_same_losses_and_rewards_as_one(tmp_path):
-    """DP = 2 (torchrun, gloo): each rank samples half of the prompts; with a KL term, so the
-    sharded reference model and the policy's log-probs take part."""
-    common = ["trainer.max_steps=4", "rl.kl_coef=0.05"]
+    """torchrun, gloo: DP = 2 under ZeRO-3 (each rank samples half of the prompts) and TP = 2 (the
+    policy and the frozen reference sharded); with a KL term, so the reference model and the
+    policy's log-probs take part."""
+    common = ["trainer.max_steps=3", "rl.kl_coef=0.05"]
     finished(rl_cli(*common, f"trainer.run_dir={tmp_path / 'one'}", cwd=tmp_path))
-    finished(rl_cli(*common, "parallel.data_parallel=2", "trainer.micro_batch_size=32",
-                    f"trainer.run_dir={tmp_path / 'two'}", nproc=2, cwd=tmp_path))
-    for key in ("loss", "reward_mean", "kl"):
-        one, two = by_step(tmp_path / "one", key), by_step(tmp_path / "two", key)
-        assert sorted(one) == sorted(two) == [1, 2, 3, 4]
-        for step in one:
-            assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-7), (key, step, one, two)
+    layouts = {
+        "dp2_zero3": ["parallel.data_parallel=2", "parallel.zero_stage=3", "trainer.micro_batch_size=32"],
+        "tp2": ["parallel.tensor_parallel=2"],
+    }
+    for name, layout in layouts.items():
+        finished(rl_cli(*common, *layout, f"trainer.run_dir={tmp_path / name}", nproc=2, cwd=tmp_path))
+        # The KL diagnostic is a small difference of log-probs: the fp32 rounding of ZeRO-3's
+        # reduce-scatter moves it by ~1e-5 of itself after a few steps, hence its own bound.
+        for key, rel in (("loss", 1e-5), ("reward_mean", 1e-5), ("kl", 1e-4)):
+            one, two = by_step(tmp_path / "one", key), by_step(tmp_path / name, key)
+            assert sorted(one) == sorted(two) == [1, 2, 3]
+            for step in one:
+                assert two[step] == pytest.approx(one[step], rel=rel, abs=1e-7), (name, key, step, one, two)
 
 
 @pytest.mark.slow
