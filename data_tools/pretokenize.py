@@ -19,6 +19,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -230,8 +231,25 @@ def run(opts: TokenizeOptions) -> dict:
     Holds ``OUTPUT.lock`` while it runs: a second build of the same output waits, then finds it
     complete (or resumes it).
     """
+    check_output_writable(opts.output)
     with file_lock(opts.output + ".lock"):
         return _run(opts)
+
+
+def check_output_writable(output: str) -> None:
+    """Fail before any tokenizing (and before any file is written) when ``--output`` cannot be
+    written: a missing parent that cannot be made, a file where a directory should be, no write
+    permission, a read-only file system."""
+    directory = os.path.dirname(os.path.abspath(output))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".orthros-data-write-check-"):
+            pass
+    except OSError as e:
+        raise DataError(
+            f"--output {output}: cannot write in {directory} ({e.strerror or e}); pick a writable --output "
+            "(nothing was written)"
+        ) from e
 
 
 def _run(opts: TokenizeOptions) -> dict:

@@ -456,3 +456,16 @@ def test_cli_from_hf_to_hf_verify(hf_dirs, tmp_path, capsys):
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (1, 2)
     assert convert_main(["from-hf", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_truncated_or_corrupt_safetensors_is_named_by_the_cli(hf_dirs, tmp_path, capsys):
+    src = _edit_config(hf_dirs["llama"], tmp_path / "truncated")
+    weights = src / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # an interrupted download
+    assert convert_main(["from-hf", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{weights}" in err and "truncated or corrupt" in err and "Traceback" not in err
+    weights.write_bytes(b"<html>rate limited</html>" * 4)  # not safetensors at all
+    assert convert_main(["from-hf", str(src), str(tmp_path / "out2")]) == 2
+    assert f"{weights}" in capsys.readouterr().err

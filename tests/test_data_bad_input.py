@@ -174,3 +174,33 @@ def test_cli_exit_code_and_message(tok_dir, tmp_path, capsys):
                      "--on-error", "skip"])
     assert code == 0 and "skipped {'malformed': 1}" in capsys.readouterr().out
     assert json.loads((tmp_path / "o2.json").read_text())["skipped"] == {"malformed": 1}
+
+
+def test_unwritable_output_is_a_message_and_nothing_is_written(tok_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}])
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    rc = cli_main(["tokenize", str(src), "--tokenizer", tok_dir, "--output", str(blocker / "sub" / "out")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"--output {blocker / 'sub' / 'out'}: cannot write in {blocker / 'sub'}" in err
+    assert "nothing was written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and blocker.read_text() == "not a directory"
+
+
+def test_token_ids_past_the_vocabulary_are_caught_when_the_data_is_opened(tmp_path):
+    import numpy as np
+
+    from orthros_train.data.blend import build_blend
+
+    prefix = str(tmp_path / "foreign")
+    writer = ShardWriter(prefix, 50000)  # written with a bigger vocabulary than the model's
+    writer.add_document(np.array([5, 6, 7, 8] * 40, dtype=np.int64))
+    writer.add_document(np.array([5, 6, 7, 1030, 9] * 40, dtype=np.int64))
+    writer.finish()
+    with pytest.raises(DataError) as err:
+        build_blend([prefix], None, 16, 0, 1024, 0, str(tmp_path / "cache"))
+    message = str(err.value)
+    assert f"{prefix}.bin: token id 1030 at token position 163" in message and "document 1" in message
+    assert "vocabulary of 1024" in message and "data.tokenizer" in message

@@ -390,3 +390,37 @@ def test_generate_text_cuts_at_stop_strings(model, tokenizer):
     stop = texts[0][2:4] if len(texts[0]) >= 4 else texts[0]
     cut, _ = generate_text(model, tokenizer, prompts[:1], max_new_tokens=6, stop_strings=[stop])
     assert stop not in cut[0] and texts[0].startswith(cut[0])
+
+
+def test_truncated_checkpoint_weights_are_named(ckpt, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["ppl", str(broken), "embedded:paul_graham", "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{weights}" in err and "truncated or corrupt" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_cuda_is_a_message(ckpt, tmp_path, capsys):
+    assert main(["recall", str(ckpt), "--device", "cuda", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: no CUDA device is visible" in err and "--device cpu" in err
+
+
+def test_lm_eval_task_that_needs_the_hub_offline_is_a_message(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    (task_dir / "hub_task.yaml").write_text(
+        "task: hub_task\ndataset_path: orthros-nonexistent/hub-only-dataset\noutput_type: loglikelihood\n"
+        "test_split: test\ndoc_to_text: '{{text}}'\ndoc_to_target: '{{target}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    args = ["lm-eval", str(ckpt), "--tasks", "hub_task", "--include-path", str(task_dir), "--limit", "2"]
+    assert main([*args, "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "orthros-nonexistent/hub-only-dataset" in err and "offline" in err.lower() and "dataset_path: json" in err

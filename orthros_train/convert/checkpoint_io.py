@@ -13,6 +13,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,6 +95,28 @@ class TensorInfo:
     dtype: torch.dtype
 
 
+def open_safetensors(path: Path, fix: str = "") -> Any:
+    """``safe_open`` with the file named when it is truncated or not safetensors at all (the
+    library's own message names neither the file nor the fix)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as err:
+        size = path.stat().st_size if path.is_file() else 0
+        raise ConversionError(
+            f"{path} ({size:,} bytes) is not a readable safetensors file ({err}): it is truncated or corrupt, "
+            f"e.g. an interrupted download or copy; fetch or copy it again. {fix}".rstrip()
+        ) from err
+
+
+def check_safetensors_files(directory: str | Path, fix: str = "") -> None:
+    """Open the header of every ``*.safetensors`` in ``directory`` (cheap: no tensor is read), so a
+    truncated or corrupt file is named before a model is built."""
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        open_safetensors(path, fix)
+
+
 class SafetensorsReader:
     """Lazy, read-only view of the tensors of a checkpoint directory.
 
@@ -103,8 +126,6 @@ class SafetensorsReader:
     """
 
     def __init__(self, directory: str | Path, fix: str) -> None:
-        from safetensors import safe_open
-
         self.directory = Path(directory)
         self._handles: dict[Path, object] = {}
         self._info: dict[str, TensorInfo] = {}
@@ -140,7 +161,7 @@ class SafetensorsReader:
                 )
             files = candidates
         for path in files:
-            handle = safe_open(str(path), framework="pt")
+            handle = open_safetensors(path, fix)
             self._handles[path] = handle
             for name in handle.keys():
                 if weight_map is not None and self.directory / weight_map.get(name, "") != path:

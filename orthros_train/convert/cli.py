@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError
+from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, check_safetensors_files
 from orthros_train.convert.from_hf import DEFAULT_WINDOW, convert_from_hf
 from orthros_train.convert.to_hf import convert_to_hf
 
@@ -64,6 +64,8 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
 
     from orthros_train.model import OrthrosForCausalLM
 
+    check_safetensors_files(orthros_dir)
+    check_safetensors_files(hf_dir)
     orthros = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
     window = orthros.config.sliding_window
     hf_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from orthros_train.data.indexed import DataError, file_lock, read_index_header
+from orthros_train.data.indexed import DataError, check_token_ids, file_lock, read_index_header
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
@@ -199,6 +199,8 @@ def build_blend(
     if weights is not None and any(w <= 0 for w in weights):
         raise DataError(f"blend weights must be positive, got {weights}")
     headers = [read_index_header(p) for p in prefixes]  # clear errors for missing/truncated files
+    for prefix, header in zip(prefixes, headers):  # ids past the vocabulary: caught here, not in the embedding
+        check_token_ids(prefix, vocab_size, header)
     for p, h in zip(prefixes, headers):
         if h.multimodal:
             raise DataError(f"{p}: holds SFT/RL conversations; use the sft data kind for it")

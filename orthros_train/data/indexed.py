@@ -111,6 +111,42 @@ def read_index_header(prefix: str) -> IndexHeader:
     return IndexHeader(dtype, seq_count, doc_count, multimodal, lengths, doc_idx)
 
 
+TOKEN_SCAN_CHUNK = 1 << 26  # token ids per scanned block (128 MiB of uint16)
+
+
+def check_token_ids(prefix: str, vocab_size: int, header: IndexHeader | None = None) -> None:
+    """DataError naming the file, the token position and the document when ``prefix.bin`` holds
+    a token id outside ``[0, vocab_size)``: one would index past the embedding (an IndexError on
+    CPU, a device-side assert on a GPU, both mid-run). Shards orthros-data wrote with a vocabulary
+    no larger are trusted from their summary; others are scanned once per open, block by block."""
+    header = header or read_index_header(prefix)
+    summary = load_summary(prefix) or {}
+    recorded = summary.get("tokenizer", {}).get("vocab_size")
+    if recorded is not None and recorded <= vocab_size:
+        return
+    dtype = np.dtype(header.dtype)
+    if dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
+        return  # the dtype cannot hold an id that large
+    tokens = np.memmap(prefix + ".bin", mode="r", dtype=dtype)
+    for start in range(0, len(tokens), TOKEN_SCAN_CHUNK):
+        block = tokens[start : start + TOKEN_SCAN_CHUNK]
+        outside = block >= vocab_size
+        if dtype.kind != "u":
+            outside |= block < 0
+        bad = np.flatnonzero(outside)
+        if len(bad):
+            position = start + int(bad[0])
+            sequence = int(np.searchsorted(np.cumsum(header.sequence_lengths, dtype=np.int64), position, "right"))
+            document = int(np.searchsorted(header.document_indices, sequence, "right")) - 1
+            raise DataError(
+                f"{prefix}.bin: token id {int(block[bad[0]])} at token position {position} (byte offset "
+                f"{position * dtype.itemsize}, document {document}) is outside the vocabulary of {vocab_size} "
+                f"tokens ({len(bad)} such ids in that block): the data was tokenized with another tokenizer; "
+                "set data.tokenizer to the one that made it, or tokenize again with this one (orthros-data "
+                "tokenize --tokenizer ...)"
+            )
+
+
 def megatron_indexed():
     """megatron-core's indexed_dataset module, imported without its apex/TE fallback warnings."""
     with warnings.catch_warnings():

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from orthros_train.data.indexed import MODE_ANSWER, MODE_REFERENCE, DataError, open_indexed, read_index_header
+from orthros_train.data.indexed import (
+    MODE_ANSWER,
+    MODE_REFERENCE,
+    DataError,
+    check_token_ids,
+    open_indexed,
+    read_index_header,
+)
 from orthros_train.data.sampler import ResumableSampler
 from orthros_train.phase.builders import sft_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
@@ -217,6 +224,8 @@ class SFTData:
             raise DataError(f"{', '.join(store.prefixes)}: no conversation fits seq_len={seq_len} with an answer")
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        for prefix in store.prefixes:  # ids past the vocabulary: caught here, not in the embedding
+            check_token_ids(prefix, len(tokenizer))
         self.eod_token_id = int(eod_token_id)
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.sampler = ResumableSampler(len(self.train), micro_batch_size, seed, dp_rank, dp_size)

@@ -12,6 +12,7 @@ Every command writes JSON under ``--output-dir`` (default ``eval_results/``) and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_device(name: str | None) -> None:
+    """``--device cuda`` on a machine torch sees no GPU on: say so before anything loads."""
+    import torch
+
+    if name and name.startswith("cuda") and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
+        raise ValueError(
+            f"--device {name}: no CUDA device is visible ({build}; CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device cpu, or run where a GPU is visible"
+        )
+
+
 def _load(args: argparse.Namespace, tokenizer_required: bool = True):
+    from orthros_train.convert.checkpoint_io import check_safetensors_files
     from orthros_train.infer.loading import is_checkpoint, load_model, load_tokenizer
 
     if not is_checkpoint(args.checkpoint):
         raise ValueError(f"{args.checkpoint} is not an Orthros checkpoint directory (no config.json)")
+    check_safetensors_files(args.checkpoint)
     overrides = parse_overrides(args.override)
     if args.attention_backend:
         overrides["attention_backend"] = args.attention_backend
@@ -192,10 +207,18 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     model, tokenizer = _load(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    result = run_lm_eval(
-        model, tokenizer, tasks, limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-        max_length=args.max_length, include_paths=args.include_path, tasks_dir=args.tasks_dir, seed=args.seed,
-    )  # fmt: skip
+    try:
+        result = run_lm_eval(
+            model, tokenizer, tasks, limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+            max_length=args.max_length, include_paths=args.include_path, tasks_dir=args.tasks_dir, seed=args.seed,
+        )  # fmt: skip
+    except ConnectionError as exc:  # datasets: "Couldn't reach 'X' on the Hub (OfflineModeIsEnabled)"
+        raise ValueError(
+            f"task(s) {', '.join(tasks)}: {exc}. The task reads its dataset from the Hugging Face Hub, which is "
+            "unreachable or switched off (offline mode: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE). Run it once with "
+            "network access (the dataset is cached afterwards), or use a task whose YAML reads local files "
+            "(dataset_path: json with dataset_kwargs.data_files, as the example tasks do; docs/eval.md)"
+        ) from exc
     result["checkpoint"] = str(args.checkpoint)
     path = write_json(result, Path(args.output_dir) / "lm_eval.json")
     for task, metrics in result["results"].items():
@@ -250,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
+        check_device(args.device)
         COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"orthros-eval {args.command}: {exc}", file=sys.stderr)
