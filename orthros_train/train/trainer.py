@@ -519,8 +519,13 @@ class Trainer:
         return target
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
-        """Greedy continuation of ``prompt`` through prefill + decode (single-device model)."""
-        model = self.reference_model().eval()
+        """Greedy continuation of ``prompt`` through prefill + decode (single-device model).
+        Collective: every rank joins the gather, only the main rank builds the model and
+        generates (the others return "")."""
+        state = self.full_state_dict()
+        if not self.is_main:
+            return ""
+        model = self.reference_model(state).eval()
         ids = self.data.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         new = model.generate_greedy(ids, max_new_tokens, self.data.eod_token_id)
         return self.data.tokenizer.decode(new[0].tolist())
