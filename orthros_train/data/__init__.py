@@ -100,8 +100,11 @@ def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
 
 def _embedded(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
     from orthros_train.data.blend import build_blend
-    from orthros_train.data.indexed import load_summary, resolve_prefixes
+    from orthros_train.data.indexed import DataError, load_summary, resolve_prefixes
     from orthros_train.data.pretrain import IndexedPretrainData
+
+    if cfg.loss_average != "token":  # the trainer would divide by documents of unweighted tokens
+        raise DataError("data.loss_average=sequence applies to SFT conversations; pretraining averages per token")
 
     output, tokenizer = prepare_embedded(cfg)
     summary = load_summary(output)
