@@ -93,8 +93,8 @@ def run_name(lr: float, seed: int) -> str:
 
 
 def run_overrides(lr: float, seed: int) -> list[str]:
-    """What one run of the sweep or of the seeds sets on top of the recipe."""
-    return [f"optim.lr={lr:g}", f"optim.min_lr={lr / 10:g}", f"trainer.seed={seed}"]
+    """What one run of the sweep or of the seeds sets on top of the recipe (constant rate after warm-up)."""
+    return [f"optim.lr={lr:g}", f"optim.min_lr={lr:g}", f"trainer.seed={seed}"]
 
 
 def train_command(arch: str, run_dir: Path, overrides: list[str]) -> list[str]:
