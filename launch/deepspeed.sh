@@ -16,5 +16,7 @@ if [[ ! -f $HOSTFILE ]]; then
   echo "$0: hostfile $HOSTFILE not found (one 'hostname slots=N' line per node)" >&2
   exit 2
 fi
-exec deepspeed --hostfile "$HOSTFILE" --master_port "${MASTER_PORT:-29500}" \
+source "$(dirname "${BASH_SOURCE[0]}")/find_python.sh"  # sets PYTHON
+# DeepSpeed's launcher as a module of that interpreter (the `deepspeed` script on PATH may be another's).
+exec "$PYTHON" -m deepspeed.launcher.runner --hostfile "$HOSTFILE" --master_port "${MASTER_PORT:-29500}" \
   --module orthros_train.train.cli --config-name "$RECIPE" "$@"

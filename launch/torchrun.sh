@@ -12,7 +12,7 @@ fi
 NPROC=$1
 RECIPE=$2
 shift 2
-PYTHON=${PYTHON:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/find_python.sh"  # sets PYTHON
 # --standalone: torchrun picks a free port for its rendezvous itself (no race with other jobs);
 # set MASTER_PORT to pin one.
 if [[ -n ${MASTER_PORT:-} ]]; then

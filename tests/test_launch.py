@@ -59,3 +59,46 @@ def test_slurm_script_forwards_preemption_and_requeues(tmp_path):
     assert proc.returncode == 0, err
     lines = log.read_text().splitlines()
     assert "trainer-got-usr1" in lines and "requeue 4242" in lines
+
+
+def _fake_python(folder: Path, name: str = "python") -> Path:
+    """An interpreter stand-in that records it was chosen, then runs the real one."""
+    import sys
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fake = folder / name
+    fake.write_text(f'#!/bin/bash\necho "chosen {fake}" >&2\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_torchrun_launcher_finds_the_project_python_without_an_active_venv(tmp_path):
+    """No venv active and no python on PATH: the launcher takes the .venv next to the repository
+    and gets as far as the trainer's own usage error."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON")}
+    env["PATH"] = "/usr/bin:/bin"  # a bare shell: no venv's python first on PATH
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "torchrun.sh"), "1", "no_such_recipe"], env=env, capture_output=True, text=True,
+        timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert "No module named" not in proc.stderr, proc.stderr[-2000:]
+    assert "no_such_recipe" in proc.stderr  # hydra ran: torch and orthros_train imported
+
+
+def test_launchers_honour_python_and_refuse_one_without_the_project(tmp_path):
+    fake = _fake_python(tmp_path / "bin")
+    env = {**os.environ, "PYTHON": str(fake)}
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "torchrun.sh"), "1", "no_such_recipe"], env=env, capture_output=True, text=True,
+        timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert f"chosen {fake}" in proc.stderr
+    bare = tmp_path / "bare"
+    bare.write_text("#!/bin/bash\nexit 1\n")  # an interpreter without torch
+    bare.chmod(0o755)
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "torchrun.sh"), "1", "tiny_cpu"], env={**os.environ, "PYTHON": str(bare)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "no Python with torch and orthros_train" in proc.stderr
+    assert "make install" in proc.stderr
