@@ -23,9 +23,9 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"phase"},
     "infer": {"model", "ops", "phase"},
     "convert": {"model", "ops", "phase"},
-    "eval": {"model", "ops", "phase", "infer", "data"},
+    "eval": {"model", "ops", "phase", "infer", "data", "convert"},
     "train": {"model", "ops", "phase", "parallel", "data", "infer"},
-    "study": {"model", "ops", "phase", "parallel", "data", "infer", "eval", "train"},
+    "study": {"model", "ops", "phase", "parallel", "data", "infer", "convert", "eval", "train"},
     "data_tools": {"data", "phase", "infer"},
 }
 

@@ -172,3 +172,40 @@ def test_parallel_config_rejects_bad_values():
         ParallelConfig(zero_stage=4)
     with pytest.raises(ValueError, match="offload_optimizer"):
         ParallelConfig(zero_stage=0, offload_optimizer=True)
+
+
+def test_parallel_model_is_the_model_built_from_shards(tmp_path):
+    """In one process (TP = 1): the parallel build is an ``OrthrosForCausalLM`` with the reference
+    parameter names, its seeded init is the reference rule drawn in reference order, it computes
+    the same logits/loss, and loading reference weights names the missing or foreign tensor."""
+    import torch
+
+    from orthros_train.model import OrthrosForCausalLM
+    from orthros_train.parallel.model import build_parallel_model
+    from orthros_train.parallel.setup import DistributedEnv, destroy_parallel, init_parallel
+    from orthros_train.parallel.state_dict import load_reference_shards, reference_shapes
+    from orthros_train.phase import sft_layout
+
+    cfg = OrthrosConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=64, sliding_window=4, qk_norm=True)
+    init_parallel(ParallelConfig(backend="gloo"), cfg, DistributedEnv())
+    try:
+        model = build_parallel_model(cfg, ParallelConfig(), seed=7)
+        assert isinstance(model, OrthrosForCausalLM)
+        assert [n for n, _ in model.named_parameters()] == list(reference_shapes(cfg))
+        ref = OrthrosForCausalLM(cfg)
+        ref.reset_parameters(torch.Generator().manual_seed(7))
+        for name, p in model.named_parameters():
+            assert torch.equal(p, dict(ref.named_parameters())[name]), name
+        ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+        layout = sft_layout(ids, [[(2, 6)], [(5, 11)]])
+        out, want = model.forward_layout(layout), ref.forward_layout(layout)
+        assert (out.logits - want.logits).abs().max() <= 1e-6
+        assert abs(float(out.loss) - float(want.loss)) <= 1e-6
+        state = ref.state_dict()
+        with pytest.raises(ValueError, match="lack 'norm.weight'"):
+            load_reference_shards(model, {k: v for k, v in state.items() if k != "norm.weight"}, cfg)
+        with pytest.raises(ValueError, match="layers.9.mlp.up_proj.weight"):
+            load_reference_shards(model, {**state, "layers.9.mlp.up_proj.weight": state["norm.weight"]}, cfg)
+    finally:
+        destroy_parallel()

@@ -24,6 +24,7 @@ megatron-core's parallel linears under the same names, and a specialised ``Atten
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,7 +147,9 @@ def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache
     )
 
 
-def initial_value(config: OrthrosConfig, name: str, shape: torch.Size, generator: torch.Generator | None = None):
+def initial_value(
+    config: OrthrosConfig, name: str, shape: torch.Size, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """The random initialisation of parameter ``name`` (its whole, unsplit tensor)."""
     std = config.initializer_range
     if name.endswith("gamma") or "norm" in name:
@@ -481,7 +484,7 @@ def weighted_cross_entropy(
     labels: torch.Tensor,
     weights: torch.Tensor,
     normalizer: float | None = None,
-    token_losses=None,
+    token_losses: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``sum(w * CE) / normalizer`` in fp32. The default normalizer is the number of labelled
     tokens (a plain mean when all weights are 1); a trainer passes the count of a whole step's

@@ -296,8 +296,9 @@ class TensorParallelFactory(ModuleFactory):
     """Builds the model's parts as this rank's tensor-parallel shards (megatron-core) under the
     reference names; picks the context-parallel plan when the CP group has several ranks."""
 
-    def __init__(self, config: OrthrosConfig, pcfg: ParallelConfig, dtype: torch.dtype = torch.float32,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, config: OrthrosConfig, pcfg: ParallelConfig, dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> None:
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         if self.tp != pcfg.tensor_parallel:
             raise ValueError(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.model.orthros import OrthrosForCausalLM
 
 SPLIT_ROWS, SPLIT_COLS, REPLICATE = "rows", "cols", "replicate"
 
@@ -93,8 +94,6 @@ def unshard_tensor(name: str, parts: list[torch.Tensor], cfg: OrthrosConfig) -> 
 def reference_shapes(cfg: OrthrosConfig) -> dict[str, torch.Size]:
     """Every parameter of the reference model and its whole shape, in parameter order (a tied
     LM head is the embedding and not listed). Built on the meta device: no memory."""
-    from orthros_train.model.orthros import OrthrosForCausalLM
-
     with torch.device("meta"):
         model = OrthrosForCausalLM(cfg)
     return {name: p.shape for name, p in model.named_parameters()}
