@@ -193,3 +193,28 @@ def test_checkpoint_of_another_model_config_is_refused_by_name(make_trainer, tmp
     with pytest.raises(ValueError, match=r"written for another model config"):
         other = ["parallel.zero_stage=1", "model.intermediate_size=96"]
         make_trainer("trainer.max_steps=3", *other, f"trainer.resume={ckpt}")
+
+
+def test_checkpoint_of_the_earlier_format_resumes(make_trainer, tmp_path):  # noqa: F811
+    """Format 1 kept DeepSpeed's files in engine/ and, for bf16 runs, the fp32 masters as
+    ``<name>.master`` in optimizer/ (model/ held the bf16 weights): it resumes exactly too."""
+    from safetensors.torch import save_file
+
+    straight, _ = run_in_process(make_trainer, 1, "trainer.precision=bf16")
+    (tmp_path / "run").rename(tmp_path / "straight")
+    ckpt = tmp_path / "straight" / "checkpoints" / "step_000000003"
+    model = {k: v for f in sorted((ckpt / "model").glob("*.safetensors")) for k, v in load_file(f).items()}
+    save_file({f"{k}.master": v for k, v in model.items()}, ckpt / "optimizer" / "optimizer-masters.safetensors")
+    save_file({k: v.bfloat16().float() for k, v in model.items()}, ckpt / "model" / "model.safetensors")
+    index = json.loads((ckpt / "optimizer" / "index.json").read_text())
+    index.update(format=1, keys=[*index["keys"], "master"])
+    index["weight_map"].update({f"{k}.master": "optimizer-masters.safetensors" for k in model})
+    (ckpt / "optimizer" / "index.json").write_text(json.dumps(index))
+    (ckpt / "engine" / "state").mkdir(parents=True)  # DeepSpeed's files were here: ignored
+    (ckpt / "engine" / "state" / "mp_rank_00_model_states.pt").write_bytes(b"not read")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = build_manifest(ckpt, with_hashes=True)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    resumed, _ = run_in_process(make_trainer, 1, "trainer.precision=bf16", f"trainer.resume={ckpt}")
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == straight[s] for s in resumed), (straight, resumed)  # same layout: bitwise

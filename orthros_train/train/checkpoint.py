@@ -62,14 +62,24 @@ from orthros_train.train.checkpoint_store import (
 )
 from orthros_train.train.deepspeed_state import ADAM_KEYS, MASTER_KEY, DeepSpeedState, check_deepspeed_version
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointState", "TrainingCounters", "verify_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointState",
+    "IncompatibleCheckpointError",
+    "TrainingCounters",
+    "layout_signature",
+    "load_reference_optimizer",
+    "load_reference_weights",
+    "verify_checkpoint",
+]
 
 log = logging.getLogger("orthros_train.checkpoint")
 
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
 OPTIMIZER_FORMAT = 2  # 1: fp32 masters of bf16 runs as ``<param>.master`` here; 2: masters in model/
-HOST_BUFFER_BYTES = 4 << 30  # per rank; files of half of it (~2 GiB: an 8B model's moments are ~32 files)
+HOST_BUFFER_BYTES = 4 << 30  # per rank; files of half of it (~2 GiB: an 8B model's moments are ~30 files)
 
 
 class CheckpointError(RuntimeError):
@@ -191,6 +201,11 @@ def stream_optimizer(ds: DeepSpeedState, cfg: OrthrosConfig, writer: ShardedTens
                 for ref, tensor in gather_reference_tensor(name, ds.get(p, key), cfg).items():
                     writer.add(f"{ref}.{key}", tensor)
     return {"format": OPTIMIZER_FORMAT, "step": step, "keys": list(ADAM_KEYS)}
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 # -- load: reshard reference-layout tensors -----------------------------------------------------------
@@ -375,10 +390,10 @@ class CheckpointManager:
                 "skipped_steps": state.counters.skipped_steps,
                 "recipe": state.recipe,
             }
-            config, tokenizer = cfg.to_dict(), state.tokenizer
-            sink.put(lambda: (tmp / MODEL_DIR / "config.json").write_text(json.dumps(config, indent=2) + "\n"))
+            config, tokenizer = json.dumps(cfg.to_dict(), indent=2) + "\n", state.tokenizer
+            sink.put(lambda: _write_text(tmp / MODEL_DIR / "config.json", config))
             sink.put(lambda: tokenizer.save_pretrained(tmp / MODEL_DIR))
-            sink.put(lambda: (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str)))
+            sink.put(lambda: _write_text(tmp / "meta.json", json.dumps(meta, indent=2, default=str)))
         if not asynchronous:
             self._publish(tmp, step, error or sink.close(), group=None)
             return self.root / self.store.name(step)
