@@ -5,14 +5,17 @@ backward at T = 4K..128K for the pretrain, sft (10% answer tokens) and prefill l
 torch SDPA (flash backend, full causal over the same T tokens) and FlexAttention with the same
 mask, plus the issue's targets:
 
-* output stream (full causal) >= 70% of SDPA-flash TFLOP/s on the same causal problem;
+* output stream (full causal) >= 80% of SDPA-flash TFLOP/s on the same causal problem;
 * base stream (window 128) time <= 1.3x its unmasked FLOPs at the output stream's throughput;
 * prefill layout at 128K >= 10x faster than full causal SDPA over the same tokens.
 
 CPU (no CUDA): a small correctness smoke on the Triton interpreter instead (kernel vs reference
 op, the FlexAttention mask vs the reference, decode kernel), plus the host-side count of the key
 tiles the forward kernel visits at the real sizes (work proportional to the mask).
-``--compile-sm90`` compiles every kernel for an H100/H200 (sm_90) without a GPU.
+``--compile-sm90`` compiles every kernel config for an H100/H200 (sm_90) without a GPU, specialised
+as the JIT does for aligned tensors, and reports registers, spill bytes and shared memory (``--json``:
+one list, one object per compile; ``--head-dim``/``--dtype`` narrow it, default 64 and 128 in
+bf16, fp16 and fp32).
 
     python bench/attention.py [--json] [--seqlens 4096,16384] [--layouts pretrain,sft,prefill]
 """
@@ -32,7 +35,8 @@ from datetime import date
 
 import torch
 
-if not torch.cuda.is_available() and "--compile-sm90" not in sys.argv:
+AOT_FLAGS = ("--compile-sm90", "--probe-hopper")  # the real compiler, not the interpreter
+if not torch.cuda.is_available() and not any(flag in sys.argv for flag in AOT_FLAGS):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 from orthros_train.ops import triton_attention as ta  # noqa: E402
@@ -244,7 +248,7 @@ def targets(rows: list[dict]) -> list[dict]:
             for ph in ("fwd", "bwd"):
                 ratio = o[f"{ph}_tflops"] / sd[f"{ph}_tflops"]
                 out.append({"T": t, "target": f"output stream {ph} TFLOP/s vs SDPA flash", "value": ratio,
-                            "goal": ">= 0.70", "met": ratio >= 0.70})
+                            "goal": ">= 0.80", "met": ratio >= 0.80})
         if o and b:
             for ph in ("fwd", "bwd"):
                 ideal_ms = flops(b["pairs"], 1, 1)[ph == "bwd"] / flops(o["pairs"], 1, 1)[ph == "bwd"] * o[f"{ph}_ms"]
@@ -334,7 +338,8 @@ def cpu_smoke(args) -> dict:
         for layout in LAYOUTS:
             for streams in ("base", "output"):
                 qi, qw, cu = make_queries(layout, t, args.window, streams)
-                wk = ta.forward_tile_work(qi, qw, cu, t, blocks=args.blocks)
+                wk = ta.forward_tile_work(qi, qw, cu, t, blocks=args.blocks,
+                                          heads_per_program=ta.head_pack(args.heads // args.kv_heads))
                 work.append({"layout": layout, "T": t, "stream": streams, "unmasked_pairs": wk["unmasked"],
                              "visited_pairs": wk["visited"], "visited_over_unmasked": wk["visited"] / wk["unmasked"],
                              "visited_over_causal": wk["visited"] / (t * (t + 1) / 2)})
@@ -483,6 +488,79 @@ def _fmt_compile(r: dict) -> str:
             f"{r['shared_bytes'] / 1024:.0f} | {tag} |")
 
 
+def hopper_probe(head_dim: int = 128) -> list[dict]:
+    """What triton 3.9 does with Hopper features for the base stream's loop (sm_90, bf16).
+
+    A cut-down band forward (one masked loop, as in ``_attn_fwd_kernel``) whose K/V tiles come
+    through TMA tensor descriptors, compiled with and without ``warp_specialize`` on the loop.
+    Reports registers/spills/shared and whether the PTX holds TMA copies (``cp.async.bulk.tensor``),
+    wgmma and ``setmaxnreg`` (the register split warp specialization relies on).
+    """
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def band_fwd_tma(Q, K_desc, V_desc, Out, PERM, QSTART, QEND, stride_qm, stride_qh, stride_om, stride_oh,
+                     n_rows, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     WARP_SPECIALIZE: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        hk = tl.program_id(1)
+        row_ok = rows < n_rows
+        qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
+        qs = tl.load(QSTART + rows, mask=row_ok, other=0)
+        qe = tl.load(QEND + rows, mask=row_ok, other=-1)
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + qi[:, None] * stride_qm + hk * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lo = (tl.min(tl.where(row_ok, qs, 1 << 30)) // BLOCK_N) * BLOCK_N
+        hi = tl.max(tl.where(row_ok, qe, -1)) + 1
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            k = K_desc.load([n0, hk * D])
+            v = V_desc.load([n0, hk * D])
+            sc = tl.dot(q, tl.trans(k)) * qk_scale
+            cols = n0 + offs_n
+            sc = tl.where((cols[None, :] >= qs[:, None]) & (cols[None, :] <= qe[:, None]), sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            p = tl.math.exp2(sc - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + qi[:, None] * stride_om + hk * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+    rows = []
+    for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 64, 8, 3)):
+        for ws in (False, True):
+            consts = {"D": head_dim, "BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws}
+            desc = f"tensordesc<bf16[{bn}, {head_dim}]>"
+            sig = {"Q": "*bf16", "K_desc": desc, "V_desc": desc, "Out": "*bf16", "PERM": "*i32", "QSTART": "*i32",
+                   "QEND": "*i32", "n_rows": "i32", "qk_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
+            sig.update({n: "i32" for n in band_fwd_tma.arg_names if n.startswith("stride")})
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(band_fwd_tma.arg_names)
+                     if sig[n].startswith("*") or n.startswith("stride")}
+            row = {"kernel": "band fwd, TMA K/V", "warp_specialize": ws, "head_dim": head_dim, "dtype": "bf16",
+                   "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}}
+            try:
+                kern = triton.compile(ASTSource(band_fwd_tma, {n: sig[n] for n in band_fwd_tma.arg_names},
+                                                constexprs=consts, attrs=attrs),
+                                      target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": warps, "num_stages": stages})
+                ptx = kern.asm["ptx"]
+                row.update(_ptxas_stats(ptx), shared_bytes=int(kern.metadata.shared),
+                           tma="cp.async.bulk.tensor" in ptx, wgmma="wgmma" in ptx, setmaxnreg="setmaxnreg" in ptx)
+            except Exception as exc:  # noqa: BLE001 - the compiler refusing is the finding
+                row["error"] = f"{type(exc).__name__}: {exc}"[-300:]
+            rows.append(row)
+    return rows
+
+
 def compile_sm90(args) -> list[dict]:
     head_dims = [args.head_dim] if args.head_dim_given else [64, 128]
     dtypes = [args.dtype] if args.dtype_given else ["bfloat16", "float16", "float32"]
@@ -510,6 +588,8 @@ def main(argv=None) -> int:
     p.add_argument("--band-blocks", default="64x64", help="BLOCK_MxBLOCK_N of the windowed queries (CPU work count)")
     p.add_argument("--full-blocks", default="128x64", help="BLOCK_MxBLOCK_N of the whole-document queries")
     p.add_argument("--compile-sm90", action="store_true", help="compile the kernels for sm_90 (no GPU needed)")
+    p.add_argument("--probe-hopper", action="store_true",
+                   help="sm_90 compile of a TMA + warp_specialize variant of the base-stream loop")
     args = p.parse_args(argv)
     args.head_dim_given, args.dtype_given = args.head_dim is not None, args.dtype is not None
     args.head_dim = args.head_dim or 128
@@ -521,6 +601,9 @@ def main(argv=None) -> int:
         for cls, spec in (("band", args.band_blocks), ("full", args.full_blocks))
     }
 
+    if args.probe_hopper:
+        print(json.dumps(hopper_probe(args.head_dim), indent=1))
+        return 0
     if args.compile_sm90:
         rows = compile_sm90(args)
         if args.json:

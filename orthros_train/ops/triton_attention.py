@@ -78,15 +78,15 @@ _GPU_CONFIGS = {
         "full": [(64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)],
     },
     "dkdv": {  # BLOCK_N keys per program, BLOCK_M queries per step of its loop
-        "band": [(32, 64, 8, 3), (16, 64, 4, 3), (16, 128, 8, 3)],
-        "full": [(32, 64, 8, 3), (16, 64, 4, 3), (16, 128, 8, 3)],
+        "band": [(32, 64, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2)],
+        "full": [(32, 64, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2)],
     },
 }
 # fp32 inputs (TF32 dots): twice the bytes per tile, so smaller tiles and fewer stages.
 _GPU_CONFIGS_FP32 = {
-    "fwd": {"band": [(64, 32, 4, 2), (32, 32, 4, 2)], "full": [(64, 32, 4, 2), (64, 64, 8, 2)]},
+    "fwd": {"band": [(64, 32, 4, 2), (32, 32, 4, 2)], "full": [(32, 32, 4, 2), (64, 32, 8, 2)]},
     "dq": {"band": [(32, 32, 4, 2)], "full": [(32, 32, 4, 2), (64, 32, 8, 2)]},
-    "dkdv": {"band": [(16, 32, 4, 2)], "full": [(16, 32, 4, 2), (32, 64, 8, 2)]},
+    "dkdv": {"band": [(16, 32, 8, 2), (32, 32, 8, 2)], "full": [(16, 32, 8, 2), (32, 32, 8, 2)]},
 }
 # The interpreter cannot benchmark: one config per kernel and class.
 _INTERP_BLOCKS = {"band": (16, 16), "full": (32, 32)}
