@@ -424,3 +424,35 @@ def test_lm_eval_task_that_needs_the_hub_offline_is_a_message(ckpt, tmp_path, ca
     assert main([*args, "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "orthros-nonexistent/hub-only-dataset" in err and "offline" in err.lower() and "dataset_path: json" in err
+
+
+def test_lm_eval_finds_orthros_through_its_entry_point():
+    """The ``lm_eval.models`` entry point lm-eval's plugin discovery reads names the adapter."""
+    import importlib.metadata as md
+
+    from lm_eval.api.registry import get_model
+
+    points = {e.name: e for e in md.entry_points(group="lm_eval.models")}
+    assert points["orthros"].value == "orthros_train.eval.lm_eval_adapter:OrthrosLM"
+    adapter = points["orthros"].load()  # what lm-eval does when it resolves --model orthros
+    assert get_model("orthros") is adapter
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_with_model_orthros(ckpt, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from orthros_train.eval.tasks import write_example_tasks
+
+    tasks = write_example_tasks(tmp_path / "tasks")
+    cmd = [
+        sys.executable, "-m", "orthros_train.eval.lm_eval_cli", "--model", "orthros",
+        "--model_args", f"pretrained={ckpt}", "--device", "cpu", "--tasks", "pg_lambada", "--include_path",
+        str(tasks), "--limit", "2", "--batch_size", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pg_lambada" in proc.stdout and "acc" in proc.stdout

@@ -6,8 +6,11 @@ continuation: the base stream reads the context with its window, the output stre
 ``generate_until`` runs ``orthros_train.infer.generate`` (prefill + decode with the KV cache)
 and cuts at the stop strings.
 
-Registered with lm-eval as model ``orthros`` (``lm_eval --model orthros --model_args
-pretrained=CKPT``) once this module is imported; ``orthros-eval lm-eval`` does that for you.
+Registered with lm-eval as model ``orthros``: through the ``lm_eval.models`` entry point (lm-eval
+versions that discover plugins: ``lm_eval --model orthros --model_args pretrained=CKPT``), by
+importing this module, or by running it: ``python -m orthros_train.eval.lm_eval_cli`` is
+lm-eval's own command line with the model registered (for releases that do not read entry
+points). ``orthros-eval lm-eval`` does the same for you.
 """
 
 from __future__ import annotations
