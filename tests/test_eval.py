@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -456,3 +457,18 @@ def test_lm_eval_command_line_with_model_orthros(ckpt, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pg_lambada" in proc.stdout and "acc" in proc.stdout
+
+
+def test_ppl_takes_the_prefix_orthros_data_printed(ckpt, tmp_path, capsys):
+    from data_tools.cli import main as data_main
+
+    src = tmp_path / "docs.jsonl"
+    row = json.dumps({"text": "Startups are companies designed to grow fast. " * 8})
+    src.write_text("\n".join([row] * 3))
+    prefix = tmp_path / "tok" / "essays"
+    assert data_main(["tokenize", str(src), "--tokenizer", str(ckpt), "--output", str(prefix)]) == 0
+    printed = capsys.readouterr().out.split(":")[0]
+    for data in (str(prefix), printed):
+        out = tmp_path / f"ppl_{Path(data).name}"
+        assert main(["ppl", str(ckpt), data, "--seq-len", "64", "--output-dir", str(out)]) == 0, data
+        assert json.loads((out / "ppl.json").read_text())["tokens"] > 0

@@ -14,6 +14,7 @@ summary JSON; each stored sequence is a document, already tokenized).
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -40,12 +41,13 @@ def _is_indexed(path: str) -> bool:
     p = Path(path)
     if p.suffix in (".bin", ".idx"):
         return True
-    if p.suffix == ".json" and p.is_file():
+    summary = next((c for c in (p, Path(str(p) + ".json")) if c.suffix == ".json" and c.is_file()), None)
+    if summary is not None:  # PREFIX.json, or PREFIX as orthros-data prints it
         try:
-            return "shards" in json.loads(p.read_text())
+            return "shards" in json.loads(summary.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return False
-    if Path(str(p) + ".idx").is_file():
+    if Path(str(p) + ".idx").is_file() or any(p.parent.glob(f"{glob.escape(p.name)}_[0-9]*.idx")):
         return True
     return p.is_dir() and any(p.glob("*.idx"))
 
