@@ -7,6 +7,7 @@ export reproduces the Orthros model everywhere and generates through prefill + d
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -469,3 +470,31 @@ def test_truncated_or_corrupt_safetensors_is_named_by_the_cli(hf_dirs, tmp_path,
     weights.write_bytes(b"<html>rate limited</html>" * 4)  # not safetensors at all
     assert convert_main(["from-hf", str(src), str(tmp_path / "out2")]) == 2
     assert f"{weights}" in capsys.readouterr().err
+
+
+def test_exported_tokenizer_loads_without_custom_code_or_a_prompt(orthros_dir, tmp_path):
+    """A fresh process with no stdin: the documented AutoTokenizer call neither asks nor runs the
+    export's code, and encodes as the checkpoint's own tokenizer does."""
+    from data_helpers import make_tokenizer
+
+    tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=VOCAB, chat_template=False)
+    exported = tmp_path / "hf"
+    convert_to_hf(orthros_dir, exported, tokenizer=tok_dir)
+    tokenizer_config = json.loads((exported / "tokenizer_config.json").read_text())
+    assert "auto_map" not in tokenizer_config
+    code = (
+        "import json, sys; from transformers import AutoTokenizer; "
+        "t = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=False); "
+        "print(json.dumps(t('The most important thing about startups')['input_ids']))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(exported)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
+    from orthros_train.infer.loading import load_tokenizer
+
+    source = load_tokenizer(tok_dir)
+    expected = source("The most important thing about startups")["input_ids"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected

@@ -100,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "to-hf":
             report = convert_to_hf(args.src, args.dst, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite)
             print(f"{args.src} -> {args.dst}: {report.summary()}")
-            print(f"load with AutoModelForCausalLM.from_pretrained({str(args.dst)!r}, trust_remote_code=True)")
+            print(
+                f"load with AutoModelForCausalLM.from_pretrained({str(args.dst)!r}, trust_remote_code=True) and "
+                f"AutoTokenizer.from_pretrained({str(args.dst)!r}, trust_remote_code=False)"
+            )
         elif args.command == "gguf-to-hf":
             from orthros_train.convert.gguf import gguf_to_hf
 

@@ -6,6 +6,7 @@ HF names (``model.layers.0.self_attn.gamma``, ``lm_head.weight``, ...), the remo
 tokenizer files. It loads without orthros_train installed::
 
     AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True)
+    AutoTokenizer.from_pretrained(dst, trust_remote_code=False)  # the tokenizer runs no custom code
 
 and its ``generate`` runs Orthros' prefill (one output token at the last prompt position) and
 decode (one base + output pair per step).
