@@ -82,6 +82,8 @@ def main() -> None:
         model = build_parallel_model(cfg, ParallelConfig(tensor_parallel=world, sequence_parallel=sp))
         # Same parameter names at every TP size: the reference model's.
         assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        # ... and each rank holds its shards only, never the whole model.
+        assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in ref.parameters())
         load_reference_shards(model, LazyCheckpoint(ckpt), cfg)
         worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
         for layout in layouts.values():
