@@ -221,8 +221,11 @@ class ParallelAttention(OrthrosAttention):
     def forward(
         self, h: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, with_base_queries: bool
     ) -> torch.Tensor:
+        h = _gather_tokens(h, self.sequence_parallel)
+        if self.shards == 1:  # TP alone: every rank already holds [x; y] in order
+            return self.o_proj(self.head_outputs(h, plan, cache, with_base_queries))
         shards = StreamShards(plan, self.shards)
-        x, y = shards.split(_gather_tokens(h, self.sequence_parallel))
+        x, y = shards.split(h)
         o = self.head_outputs(torch.cat([x, y]), plan, cache, with_base_queries)
         if with_base_queries:
             return self.o_proj(shards.join(o[: shards.n_base], o[shards.n_base :]))
