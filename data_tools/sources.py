@@ -78,7 +78,9 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     out: list[str] = []
     for item in inputs:
         path = os.path.expanduser(item)
-        if os.path.isdir(path):
+        if _saved_dataset(path):  # `Dataset.save_to_disk` / `DatasetDict.save_to_disk` output
+            out.append("disk:" + path)
+        elif os.path.isdir(path):
             files = sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and _kind_of(str(p)))
             if not files:
                 raise DataError(f"{path}: no readable files (json/jsonl/txt/parquet/csv/arrow) in the directory")
@@ -97,6 +99,13 @@ def expand_inputs(inputs: list[str]) -> list[str]:
         else:
             raise DataError(f"{item}: no such file or directory")
     return out
+
+
+def _saved_dataset(path: str) -> bool:
+    """A folder written by ``datasets``' ``save_to_disk``: its JSON files are metadata, not records."""
+    return os.path.isfile(os.path.join(path, "dataset_dict.json")) or (
+        os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json"))
+    )
 
 
 def _kind_of(path: str) -> str | None:
@@ -119,6 +128,11 @@ def source_fingerprint(files: list[str]) -> str:
     for f in files:
         h.update(f.encode())
         if f.startswith("hub:"):
+            continue
+        if f.startswith("disk:"):  # names and sizes of the saved dataset's files
+            for p in sorted(Path(f[5:]).rglob("*")):
+                if p.is_file():
+                    h.update(f"{p.relative_to(f[5:])}:{p.stat().st_size}".encode())
             continue
         size = os.path.getsize(f)
         h.update(str(size).encode())
@@ -222,6 +236,21 @@ def _hub_records(name: str, split: str, config: str | None) -> Iterator[Record]:
         yield Record(f"hub:{name} row {i}", value=dict(row))
 
 
+def _disk_records(path: str, split: str) -> Iterator[Record]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # a partial or foreign folder: say which input it was
+        raise DataError(f"{path}: cannot open as a saved dataset ({type(e).__name__}: {e})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path}: saved DatasetDict has splits {sorted(ds)}, not {split!r} (--hub-split)")
+        ds = ds[split]
+    for i, row in enumerate(ds):
+        yield Record(f"{path} row {i}", value=dict(row))
+
+
 def iter_records(
     files: list[str], txt_sample_by: str = "document", hub_split: str = "train", hub_config: str | None = None
 ) -> Iterator[Record]:
@@ -234,13 +263,17 @@ def iter_records(
             yield from _hub_records(f[4:], hub_split, hub_config)
             i += 1
             continue
+        if f.startswith("disk:"):
+            yield from _disk_records(f[5:], hub_split)
+            i += 1
+            continue
         kind = _kind_of(f)
         if kind == "json":
             yield from _json_records(f)
             i += 1
             continue
         j = i
-        while j < len(files) and not files[j].startswith("hub:") and _kind_of(files[j]) == kind:
+        while j < len(files) and not files[j].startswith(("hub:", "disk:")) and _kind_of(files[j]) == kind:
             j += 1
         yield from _datasets_records(kind, files[i:j], txt_sample_by)
         i = j

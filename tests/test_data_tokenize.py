@@ -163,3 +163,23 @@ def test_cli_tokenize_and_inspect(tok_dir, tmp_path, capsys):
     assert cli_main(["inspect", out, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["documents"] == 30 and sum(c for _, _, c in data["histogram"]) == 30
+
+
+def test_save_to_disk_folders_are_read_as_datasets(tmp_path):
+    import datasets
+    from data_helpers import make_tokenizer
+
+    from data_tools.pretokenize import TokenizeOptions, run
+
+    tok = str(make_tokenizer(tmp_path / "tok", chat_template=False))
+    texts = [f"document number {i} about startups and essays" for i in range(5)]
+    single = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(single))
+    both = tmp_path / "saved_dict"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": texts[:3]}), "test": datasets.Dataset.from_dict({"text": texts})}
+    ).save_to_disk(str(both))
+    summary = run(TokenizeOptions([str(single)], tok, str(tmp_path / "out" / "a"), progress=False))
+    assert summary["documents"] == 5 and not summary.get("skipped")
+    summary = run(TokenizeOptions([str(both)], tok, str(tmp_path / "out" / "b"), progress=False))
+    assert summary["documents"] == 3  # the train split (--hub-split) of a DatasetDict

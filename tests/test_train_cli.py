@@ -83,3 +83,27 @@ def test_tiny_recipe_trains_and_loss_decreases(tmp_path):
     model = OrthrosForCausalLM.from_pretrained(run_dir / "checkpoints" / "final")
     assert model.config.hidden_size == 128
     assert (run_dir / "wandb").is_dir()
+
+
+def test_indexed_blend_example_override_trains_with_one_path(tmp_path):
+    """`data=indexed_blend data.paths=[x]` as the recipe's comment says: default weights fit any
+    number of paths (null: blend by size)."""
+    from data_helpers import make_tokenizer
+
+    from data_tools.cli import main as data_main
+
+    tok = make_tokenizer(tmp_path / "tok", vocab_size=512, chat_template=False)
+    src = tmp_path / "docs.jsonl"
+    row = json.dumps({"text": "Startups are companies designed to grow fast. " * 30})
+    src.write_text("\n".join([row] * 20))
+    prefix = tmp_path / "data" / "essays"
+    assert data_main(["tokenize", str(src), "--tokenizer", str(tok), "--output", str(prefix)]) == 0
+    proc = run_cli(
+        "--config-name", "tiny_cpu", "data=indexed_blend", f"data.paths=[{prefix}]", "data.tokenizer_vocab_size=512",
+        "data.split='90,10,0'", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.progress=false",
+        "trainer.sample_prompt=null", "trainer.wandb.enabled=false", "model.hidden_size=64",
+        "model.num_hidden_layers=1", "trainer.seq_len=64", "trainer.micro_batch_size=2",
+        f"trainer.run_dir={tmp_path / 'run'}", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
