@@ -10,10 +10,14 @@ Every query sees one contiguous key range ``[start, end]`` (``reference.key_rang
 sorts the queries by ``(window, end)``; inside one window class ``start`` is then non-decreasing
 as well (``start = max(doc_start(end), end - w + 1)``), so
 
-* a tile of ``BLOCK_M`` consecutive sorted queries spans the keys ``[min start, max end]`` and
-  only those key tiles are visited (a base tile: ``BLOCK_M + W`` keys; an output tile: from its
-  document start to its largest position); key tiles inside ``[max start, min end]`` need no
-  mask at all and run a mask-free inner loop;
+* a tile of consecutive sorted queries spans the keys ``[min start, max end]`` and only those
+  key tiles are visited (a base tile of m queries: ``m + W - 1`` keys; an output tile: from its
+  document start to its largest position). Whole-document tiles run the key tiles inside
+  ``[max start, min end]`` in a mask-free loop; windowed tiles (three or four key tiles, all on
+  the band's edges) run one masked, pipelined loop;
+* a forward/dq program packs the query heads that share a KV head (``head_pack``): its tile is
+  ``BLOCK_M / pack`` queries x ``pack`` heads, so each K/V tile is loaded once per group.
+  Tiles run longest first (reverse sorted order);
 * the queries that see a key tile form one contiguous run of the sorted order per window class,
   found by binary search in the kernel. The dk/dv kernel visits only those runs, so the
   backward is deterministic (each dk/dv row is written by one program, dq by one program of a
@@ -24,11 +28,15 @@ as well (``start = max(doc_start(end), end - w + 1)``), so
 Sparse output positions (SFT/RL) therefore cost ``O(N * T)``, the base stream ``O(T * W)``.
 Queries are gathered through the sort permutation; nothing is copied or padded.
 
+Host side: ``prepare`` sorts the queries into a ``TilePlan`` without reading any tensor value;
+a model builds it once per forward (``prepare_attention``) and every layer and the backward
+reuse it, with launch grids sized from host-known row counts.
+
 Numerics: inputs fp32/bf16/fp16, fp32 accumulation, softmax in base 2 with the scale folded in.
 Under ``TRITON_INTERPRET=1`` (CPU tests) tiles are upcast to fp32 right after loading (the
 interpreter's bf16 arithmetic is wrong) and autotuning has a single config; on a GPU the dots
-take bf16/fp16 operands and fp32 operands use TF32 only when torch allows it
-(``torch.backends.cuda.matmul.allow_tf32``).
+take bf16/fp16 operands, and fp32 operands run as TF32 (tensor cores, fp32 accumulation; the
+exact fp32 path is the reference op).
 
 Entry points: ``attention_triton`` (the ``triton`` backend of ``ops/attention.py``),
 ``torch.ops.orthros.attention`` (custom op with fake + autograd registration, no graph break
