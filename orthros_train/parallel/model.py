@@ -338,10 +338,12 @@ class TensorParallelFactory(ModuleFactory):
         return VocabEmbedding(num_embeddings, dim, init_method=self.mcfg.init_method, config=self._inner)
 
     def lm_head(self, hidden_size: int, vocab_size: int) -> VocabParallelLMHead:
-        # Reads the full (gathered) output stream; its copy-to-TP sums the input gradient.
+        # Reads the full (gathered) output stream; its copy-to-TP sums the input gradient. A tied
+        # head gets the embedding's weight from the model, so it allocates none of its own.
         return VocabParallelLMHead(
             hidden_size, vocab_size, config=self._inner, init_method=self.mcfg.init_method,
             bias=False, gather_output=False, skip_bias_add=False,
+            skip_weight_param_allocation=self.config.tie_word_embeddings,
         )
 
     def norm(self, name: str, dim: int, eps: float) -> RMSNorm:
