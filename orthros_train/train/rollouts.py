@@ -48,8 +48,9 @@ class RolloutSource(Protocol):
 
 class GeneratedRollouts:
     """Prompts sampled with the current policy: each step's ``prompts_per_step`` prompts (global
-    slots ``step * prompts_per_step + i``) are split over the DP ranks, a whole group per prompt,
-    so the group baselines are computed where the group was sampled."""
+    slots ``step * prompts_per_step + i``) are dealt round-robin over the DP ranks, as
+    ``ResumableSampler`` deals samples, a whole group per prompt, so the group baselines are
+    computed where the group was sampled."""
 
     def __init__(
         self,
@@ -72,13 +73,13 @@ class GeneratedRollouts:
         self.policy = policy
         self.cfg = cfg
         self.per_rank = cfg.prompts_per_step // dp_size
-        self.dp_rank = dp_rank
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self._state = state
         self._load_state = load_state
 
     def step_rollouts(self, step: int) -> tuple[list[Rollout], list[torch.Tensor]]:
-        first = step * self.cfg.prompts_per_step + self.dp_rank * self.per_rank
-        slots = list(range(first, first + self.per_rank))
+        first = step * self.cfg.prompts_per_step + self.dp_rank
+        slots = [first + j * self.dp_size for j in range(self.per_rank)]
         prompts, references = self.prompts(slots)
         policy = self.policy()  # every rank joins: gathering sharded weights is collective
         rollouts = self.generator(policy, prompts, slots, references)
@@ -254,6 +255,8 @@ def _prompt_set_source(cfg: RunConfig, task: TaskConfig, policy: PolicyFn, dp_ra
     stops = task.stop_token_ids if task.stop_token_ids is not None else ([eos] if eos is not None else [])
 
     def prompts(slots: list[int]):
+        if prompt_set.sampler.positions() != slots:  # the sampler's state and the step count disagree
+            raise RuntimeError(f"RL prompt sampler at positions {prompt_set.sampler.positions()}, expected {slots}")
         batch = prompt_set.next_prompts()
         return [p.input_ids.tolist() for p in batch], [p.reference_ids for p in batch]
 
