@@ -23,6 +23,7 @@ from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import OrthrosForCausalLM, plan_for_layout
 from orthros_train.ops import triton_attention as ta
+from orthros_train.ops.reference import UNBOUNDED
 from orthros_train.parallel.context import context_plan
 from orthros_train.phase.builders import decode_layout, prefill_layout, pretrain_layout
 
@@ -203,3 +204,43 @@ def test_layer_is_sync_free_on_cuda():
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_tile_plan_is_built_once_per_forward_and_reused_by_the_backward(monkeypatch):
+    """One sort per distinct query set of a forward (Orthros: [base; output] in the first layers,
+    output only in the last), none in any later layer or in the backward."""
+    model = _model()
+    calls = []
+    original = ta.prepare
+
+    def counted(q_index, q_window, cu_seqlens, n_k, n_band=None, **kw):
+        calls.append(n_band)
+        return original(q_index, q_window, cu_seqlens, n_k, n_band, **kw)
+
+    monkeypatch.setattr(ta, "prepare", counted)
+    layout = pretrain_layout(torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1)))
+    hidden = model.hidden_states(layout)
+    assert calls == [layout.num_tokens, 0]  # host count of windowed queries given, never read
+    hidden.float().sum().backward()
+    assert len(calls) == 2
+
+
+def test_launch_grids_come_from_host_counts():
+    q_index = torch.cat([torch.arange(40), torch.arange(40)])
+    q_window = torch.cat([torch.full((40,), 8), torch.full((40,), UNBOUNDED)])
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    known = ta.prepare(q_index, q_window, cu, 40, n_band=40)
+    assert known.launches() == [("band", 40), ("full", 40)]
+    assert ta.prepare(q_index, q_window, cu, 40, n_band=80).launches() == [("band", 80)]
+    unknown = ta.prepare(q_index, q_window, cu, 40)  # nothing counted: both launches cover all rows
+    assert unknown.n_band is None and unknown.launches() == [("band", 80), ("full", 80)]
+    assert ta.prepare(q_index, q_window, cu, 40, count_on_cpu=True).launches() == [("band", 40), ("full", 40)]
+
+
+def test_prepared_metadata_for_other_queries_is_refused():
+    q_index, q_window = torch.arange(10), torch.full((10,), 4)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    prepared = ta.prepare_attention(q_index, q_window, cu, 10, n_band=10)
+    q, k = torch.zeros(8, 2, 16), torch.zeros(10, 1, 16)
+    with pytest.raises(ValueError, match="prepare it for this call"):
+        ta.attention_triton(q, k, k, q_index[:8], q_window[:8], cu, prepared=prepared)
