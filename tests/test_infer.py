@@ -296,3 +296,15 @@ def test_chunked_prefill_puts_the_output_query_on_the_last_chunk_only(monkeypatc
     with torch.no_grad():
         for r, prompt in enumerate(rows):
             assert (real(prefill_layout(prompt[None])).logits[0] - logits[r]).abs().max() <= 1e-4
+
+
+def test_auto_prefill_chunks_orthros_and_sliding_but_not_dense():
+    from orthros_train.infer.generate import PREFILL_CHUNK, resolve_chunk_size
+
+    assert resolve_chunk_size(make_model(), "auto") == PREFILL_CHUNK
+    assert resolve_chunk_size(make_model(attention_type="sliding"), "auto") == PREFILL_CHUNK
+    assert resolve_chunk_size(make_model(attention_type="dense"), "auto") is None
+    assert resolve_chunk_size(make_model(), None) is None and resolve_chunk_size(make_model(), 7) == 7
+    assert SamplingParams().prefill_chunk_size == "auto"
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        SamplingParams(prefill_chunk_size="big")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from orthros_train.eval.common import environment
-from orthros_train.infer.generate import decode, prefill
+from orthros_train.infer.generate import ChunkSize, decode, prefill
 from orthros_train.infer.loading import dense_twin, load_model
 from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
@@ -150,7 +150,7 @@ def measure_prefill(
     model: torch.nn.Module,
     ids: torch.Tensor,
     repeats: int = 1,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = "auto",
     reserve: int = 0,
 ) -> tuple[dict[str, float], KVCache, torch.Tensor]:
     """Best-of-``repeats`` time to first token on prompts ``ids [B, T]`` (wall and process CPU
@@ -213,7 +213,7 @@ def bench_prefill(
     baseline: str = "dense",
     decode_tokens: int = 16,
     repeats: int = 1,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = "auto",
     batch_size: int = 1,
     max_baseline_length: int | None = None,
     decode_rounds: int = 3,
@@ -226,6 +226,8 @@ def bench_prefill(
 
     Per length: TTFT of Orthros, of the dense baseline and of the transformers peer (both
     baselines skipped above ``max_baseline_length``), then decode tokens/s of all three.
+    ``chunk_size`` is the prefill chunking of this repository's models (``"auto"``: each model's
+    default, see ``infer.generate``; None: one forward).
     """
     overrides = dict(overrides or {})
     overrides.setdefault("attention_type", "orthros")

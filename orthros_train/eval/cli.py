@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-rounds", type=int, default=3, help="rounds the two models take turns (median)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--prefill-chunk-size", type=parse_size, default=None)
+    p.add_argument("--prefill-chunk-size", type=parse_size, default=None,
+                   help="prompt tokens per prefill forward (default: each model's own, 0: one forward)")
     p.add_argument("--baseline", choices=["dense", "sliding"], default="dense")
     p.add_argument("--max-baseline-length", type=parse_size, default=None, help="skip the baselines above this")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer (Llama/Qwen3, SDPA)")
@@ -237,7 +238,8 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     print(TABLE_HEADER.splitlines()[0])
     result = bench_prefill(
         args.model, parse_lengths(args.lengths), device=args.device, dtype=args.dtype, baseline=args.baseline,
-        decode_tokens=args.decode_tokens, repeats=args.repeats, chunk_size=args.prefill_chunk_size,
+        decode_tokens=args.decode_tokens, repeats=args.repeats,
+        chunk_size="auto" if args.prefill_chunk_size is None else (args.prefill_chunk_size or None),
         batch_size=args.batch_size, max_baseline_length=args.max_baseline_length, seed=args.seed,
         decode_rounds=args.decode_rounds, peer=not args.no_peer,
         overrides=overrides,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -13,8 +14,9 @@ class SamplingParams:
 
     max_new_tokens     hard cap on generated tokens per row
     stop_token_ids     a row stops after emitting one of these (the stop token is kept in the output)
-    prefill_chunk_size prompt tokens per prefill forward (None: the whole prompt at once); chunks
-                       continue the KV cache, so no forward ever sees more than this many queries
+    prefill_chunk_size prompt tokens per prefill forward (None: the whole prompt at once; "auto":
+                       ``PREFILL_CHUNK`` for Orthros and sliding models, the whole prompt for dense);
+                       chunks continue the KV cache, so no forward ever sees more than this many queries
     seed               seeds the sampling generator (reproducible sampling)
     """
 
@@ -23,7 +25,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    prefill_chunk_size: int | None = None
+    prefill_chunk_size: int | Literal["auto"] | None = "auto"
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -39,8 +41,9 @@ class SamplingParams:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1 or None, got {self.prefill_chunk_size}")
+        chunk = self.prefill_chunk_size
+        if chunk is not None and chunk != "auto" and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk_size must be an int >= 1, 'auto' or None, got {chunk!r}")
 
     @property
     def greedy(self) -> bool:
