@@ -415,3 +415,29 @@ def test_unsupported_deepspeed_is_refused_naming_the_versions():
         expected = rf"deepspeed {version} is installed.*deepspeed>=0\.19\.8,<0\.20"
         with pytest.raises(UnsupportedDeepSpeedError, match=expected):
             check_deepspeed_version(version)
+
+
+def test_writers_hash_their_own_files(make_trainer, monkeypatch):
+    """The manifest takes each large file's sha256 from the rank that wrote it (hashed by its writer
+    thread right after the write), so rank 0 does not read the whole checkpoint back."""
+    import threading
+
+    import orthros_train.train.checkpoint_store as store
+
+    real, hashed = store.sha256_file, []
+
+    def recording(path, *args, **kwargs):
+        hashed.append((path.name, threading.current_thread().name))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "sha256_file", recording)
+    trainer = make_trainer("trainer.max_steps=1")
+    trainer.train_step()
+    path = trainer.save_checkpoint()
+    monkeypatch.setattr(store, "sha256_file", real)
+    assert verify_checkpoint(path) is None
+    by_writer = {name for name, thread in hashed if thread == "checkpoint-writer"}
+    # model-00001 is renamed model.safetensors after its hash is taken (a single file)
+    assert {"model-00001.safetensors", "optimizer-00001.safetensors", "rank_00000.pt"} <= by_writer
+    by_rank_0 = [name for name, thread in hashed if thread != "checkpoint-writer"]
+    assert not [name for name in by_rank_0 if name.endswith((".safetensors", ".pt"))], by_rank_0

@@ -348,7 +348,7 @@ class CheckpointManager:
         ds, cfg = DeepSpeedState(state.engine), state.model_config
         budget = HostBudget(host_bound(cfg, self.host_buffer_bytes))
         self.last_budget = budget
-        sink = FileSink(budget, rank)
+        sink = FileSink(budget, rank, hash_files=self.store.verify_hashes)
         error: str | None = None
         try:
             if rank == 0:
@@ -358,7 +358,8 @@ class CheckpointManager:
         dist.barrier()
         # copies: the background write must see the state of this step, not a later one
         rank_state = {"rng": rng_state(), "data": copy.deepcopy(state.data.state_dict())}
-        sink.put(lambda: torch.save(rank_state, tmp / f"rank_{rank:05d}.pt"))
+        rank_file = tmp / f"rank_{rank:05d}.pt"
+        sink.put(lambda: torch.save(rank_state, rank_file), hash_path=rank_file)
         shard_bytes = budget.limit // 2
         try:
             weights = ShardedTensorWriter(
@@ -395,7 +396,8 @@ class CheckpointManager:
             sink.put(lambda: tokenizer.save_pretrained(tmp / MODEL_DIR))
             sink.put(lambda: _write_text(tmp / "meta.json", json.dumps(meta, indent=2, default=str)))
         if not asynchronous:
-            self._publish(tmp, step, error or sink.close(), group=None)
+            error = error or sink.close()
+            self._publish(tmp, step, error, sink.hashes, group=None)
             return self.root / self.store.name(step)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")  # collective: every rank is here
@@ -410,7 +412,7 @@ class CheckpointManager:
         start = time.perf_counter()
         error = error or sink.close()
         try:
-            self._publish(tmp, step, error, group=self._group)
+            self._publish(tmp, step, error, sink.hashes, group=self._group)
         except CheckpointError as exc:
             self._async_error = str(exc)
             log.error("async %s", exc)
@@ -429,16 +431,18 @@ class CheckpointManager:
             self._thread = None
         return self._async_error
 
-    def _publish(self, tmp: Path, step: int, error: str | None, group: Any) -> None:
+    def _publish(self, tmp: Path, step: int, error: str | None, hashes: dict[str, str], group: Any) -> None:
         """Collective over ``group``: agree that every rank's files are written, then rank 0
-        writes the manifest, renames, points ``latest`` at it and prunes."""
+        writes the manifest (with the hashes each rank took of its files), renames, points
+        ``latest`` at it and prunes."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        errors: list[str | None] = [None] * world
-        dist.all_gather_object(errors, error, group=group)
-        failures = [e for e in errors if e]
+        reports: list[tuple[str | None, dict[str, str]] | None] = [None] * world
+        dist.all_gather_object(reports, (error, hashes), group=group)
+        failures = [report[0] for report in reports if report is not None and report[0]]
         if not failures and rank == 0:
+            known = {path: digest for report in reports if report is not None for path, digest in report[1].items()}
             try:
-                self.store.publish(tmp, step)
+                self.store.publish(tmp, step, known)
             except OSError as exc:
                 failures = [f"rank 0 publishing: {exc}"]
         outcome: list[list[str]] = [failures]

@@ -17,7 +17,7 @@ import os
 import queue
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +61,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def build_manifest(root: Path, with_hashes: bool) -> dict[str, dict[str, Any]]:
-    """``relative path -> {size[, sha256]}`` of every file under ``root`` but the manifest."""
+def build_manifest(root: Path, with_hashes: bool, known: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """``relative path -> {size[, sha256]}`` of every file under ``root`` but the manifest;
+    ``known`` (absolute path -> sha256) are hashes taken by the ranks that wrote the files."""
     files = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST):
         entry: dict[str, Any] = {"size": path.stat().st_size}
         if with_hashes:
-            entry["sha256"] = sha256_file(path)
+            entry["sha256"] = (known or {}).get(str(path)) or sha256_file(path)
         files[str(path.relative_to(root))] = entry
     return files
 
@@ -130,11 +131,12 @@ class CheckpointStore:
             log.warning("skipping checkpoint %s: %s", path, problem)
         return None
 
-    def publish(self, tmp: Path, step: int) -> Path:
+    def publish(self, tmp: Path, step: int, known_hashes: Mapping[str, str] | None = None) -> Path:
         """Write the manifest into ``tmp``, rename it to ``step_N`` and point ``latest`` at it.
-        Raises OSError with nothing published when any part fails."""
+        Raises OSError with nothing published when any part fails. ``known_hashes``: see
+        ``build_manifest``."""
         final = self.root / self.name(step)
-        manifest = {"step": step, "files": build_manifest(tmp, self.verify_hashes)}
+        manifest = {"step": step, "files": build_manifest(tmp, self.verify_hashes, known_hashes)}
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
         if final.exists():  # a re-save of the same step: replace it whole
             shutil.rmtree(final)
@@ -254,7 +256,7 @@ class ShardedTensorWriter:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 save_file(shard, str(path), metadata=metadata)
 
-            self.sink.put(write, release=nbytes)
+            self.sink.put(write, release=nbytes, hash_path=path)
         self._current, self._current_bytes = {}, 0
         self._file += 1
         self._file_bytes = 0
@@ -276,7 +278,7 @@ class ShardedTensorWriter:
         single = files == 1 and self.single_name is not None
         if single and self._owned(1):
             first, target = self._path(1), self.directory / str(self.single_name)
-            self.sink.put(lambda: os.replace(first, target))  # after file 1's write: the sink runs in order
+            self.sink.put(lambda: self.sink.rename(first, target))  # after file 1's write: the sink runs in order
         if single or self.rank != 0:
             return
         names = {i: self._path(i).name for i in range(1, files + 1)}
@@ -295,27 +297,41 @@ class FileSink:
     """Runs file writes in order in a thread of its own, so that writing overlaps the gathers.
     The first failure is kept, later writes are skipped (their bytes still released) and
     ``close`` returns it as a message: the producer never sees an exception mid-gather, since the
-    gathers around it are collective and must go on on every rank."""
+    gathers around it are collective and must go on on every rank.
 
-    def __init__(self, budget: HostBudget, rank: int) -> None:
-        self.budget, self.rank = budget, rank
+    With ``hash_files`` the sha256 of each large file is taken right after it is written, by the
+    rank that wrote it (``hashes``), so the manifest does not have rank 0 read every file back.
+    """
+
+    def __init__(self, budget: HostBudget, rank: int, hash_files: bool = False) -> None:
+        self.budget, self.rank, self.hash_files = budget, rank, hash_files
         self.error: str | None = None
-        self._queue: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
+        self.hashes: dict[str, str] = {}  # absolute path -> sha256
+        self._queue: queue.Queue[tuple[Callable[[], None], int, Path | None] | None] = queue.Queue()
         self._thread: threading.Thread | None = threading.Thread(
             target=self._drain, name="checkpoint-writer", daemon=True
         )
         self._thread.start()
 
-    def put(self, write: Callable[[], None], release: int = 0) -> None:
-        """Queue ``write``; ``release`` bytes go back to the budget once it has run."""
-        self._queue.put((write, release))
+    def put(self, write: Callable[[], None], release: int = 0, hash_path: Path | None = None) -> None:
+        """Queue ``write``; ``release`` bytes go back to the budget once it has run; ``hash_path``
+        is the file it writes, to hash."""
+        self._queue.put((write, release, hash_path))
+
+    def rename(self, source: Path, target: Path) -> None:
+        """Rename a file this sink wrote (its hash follows it)."""
+        os.replace(source, target)
+        if str(source) in self.hashes:
+            self.hashes[str(target)] = self.hashes.pop(str(source))
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:
-            write, release = item
+            write, release, hash_path = item
             try:
                 if self.error is None:
                     write()
+                    if hash_path is not None and self.hash_files:
+                        self.hashes[str(hash_path)] = sha256_file(hash_path)
             except Exception as exc:  # noqa: BLE001 - any failure must reach the publish vote, not kill it
                 self.error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             finally:
