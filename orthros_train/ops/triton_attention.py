@@ -385,16 +385,13 @@ def _bwd_dkdv_inner(
     dk, dv, k, v, cols, q_base, do_base, dq_base, stride_qm, stride_dom, stride_dqm,
     LSE_H, DELTA_H, PERM, QSTART, QEND, seg_lo, seg_hi,
     offs_m, offs_d, d_mask, sm_scale, qk_scale,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
-    """Accumulate dk/dv of one key tile over the sorted query rows [seg_lo, seg_hi)."""
+    """Accumulate dk/dv of one key tile over the sorted query rows [seg_lo, seg_hi) (masked)."""
     for m0 in range(seg_lo, seg_hi, BLOCK_M):
         rows = m0 + offs_m
-        if MASKED:
-            row_ok = rows < seg_hi
-        else:
-            row_ok = rows >= 0
+        row_ok = rows < seg_hi
         qi = tl.load(PERM + rows, mask=row_ok, other=0).to(tl.int64)
         if EVEN_D:
             r_mask = row_ok[:, None]
@@ -408,11 +405,10 @@ def _bwd_dkdv_inner(
         lse2 = tl.load(LSE_H + qi, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA_H + qi, mask=row_ok, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-        if MASKED:
-            qs = tl.load(QSTART + rows, mask=row_ok, other=0)
-            qe = tl.load(QEND + rows, mask=row_ok, other=-1)
-            allowed = (cols[:, None] >= qs[None, :]) & (cols[:, None] <= qe[None, :]) & row_ok[None, :]
-            st = tl.where(allowed, st, float("-inf"))
+        qs = tl.load(QSTART + rows, mask=row_ok, other=0)
+        qe = tl.load(QEND + rows, mask=row_ok, other=-1)
+        allowed = (cols[:, None] >= qs[None, :]) & (cols[:, None] <= qe[None, :]) & row_ok[None, :]
+        st = tl.where(allowed, st, float("-inf"))
         pt = tl.math.exp2(st - lse2[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -475,7 +471,7 @@ def _attn_bwd_dkdv_kernel(
                 dk, dv, k, v, cols, Q + h * stride_qh, DO + h * stride_doh, DQ + h * stride_dqh,
                 stride_qm, stride_dom, stride_dqm, LSE + h * n_q, DELTA + h * n_q, PERM, QSTART, QEND, q_lo, q_hi,
                 offs_m, offs_d, d_mask, sm_scale, qk_scale,
-                BLOCK_M, True, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
+                BLOCK_M, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
             )
     out_mask = col_ok[:, None] & d_mask[None, :]
     dk = dk * sm_scale
