@@ -1,9 +1,9 @@
-"""Benchmark of the Orthros attention kernels (issue #3).
+"""Benchmark of the Orthros attention kernels.
 
 GPU: a table of ms and TFLOP/s (counting only the pairs the mask allows) for forward and
 backward at T = 4K..128K for the pretrain, sft (10% answer tokens) and prefill layouts, next to
 torch SDPA (flash backend, full causal over the same T tokens) and FlexAttention with the same
-mask, plus the issue's targets:
+mask, plus the targets:
 
 * output stream (full causal) >= 80% of SDPA-flash TFLOP/s on the same causal problem;
 * base stream (window 128) time <= 1.3x its unmasked FLOPs at the output stream's throughput;
@@ -236,7 +236,7 @@ def gpu_bench(args) -> dict:
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """The issue's three targets, per T where the rows exist."""
+    """The three kernel targets, per T where the rows exist."""
     out = []
     by = {(r["layout"], r["T"], r["impl"]): r for r in rows}
     for t in sorted({r["T"] for r in rows}):
