@@ -36,7 +36,15 @@ from data_tools.chat import (
     render_conversation,
     render_prompt,
 )
-from data_tools.sources import BadInputPolicy, Record, expand_inputs, iter_records, record_text, source_fingerprint
+from data_tools.sources import (
+    BadInputPolicy,
+    Record,
+    count_records,
+    expand_inputs,
+    iter_records,
+    record_text,
+    source_fingerprint,
+)
 from orthros_train.data.indexed import (
     DataError,
     ShardWriter,
@@ -316,7 +324,8 @@ def _run(opts: TokenizeOptions) -> dict:
     else:
         results = map(_Encoder(opts, tok), items)
 
-    progress = _Progress(opts.progress)
+    total = count_records(files, opts.txt_sample_by, opts.hub_split) if opts.progress else None
+    progress = _Progress(opts.progress, total)
     writer: ShardWriter | None = None
     late = BadInputPolicy(opts.on_error)  # bad records found while encoding (chat rendering)
     shard_late: Counter = Counter()
@@ -396,16 +405,17 @@ def _ordered_map(pool, items: Iterator[tuple], window: int) -> Iterator[tuple]:
 
 
 class _Progress:
-    """tqdm bar (stderr) with documents/s and tokens/s."""
+    """tqdm bar (stderr) with documents/s and tokens/s; with ``total`` (records, when cheap to
+    count) it shows the share done and the time left."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, total: int | None = None) -> None:
         self.docs = self.tokens = 0
         self.t0 = time.time()
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(unit=" docs", desc="tokenize", dynamic_ncols=True)
+            self.bar = tqdm(total=total, unit=" docs", desc="tokenize", dynamic_ncols=True)
 
     def update(self, docs: int, tokens: int) -> None:
         self.docs += docs

@@ -13,6 +13,8 @@ NPROC=$1
 RECIPE=$2
 shift 2
 source "$(dirname "${BASH_SOURCE[0]}")/find_python.sh"  # sets PYTHON
+# torchrun sets 1 thread per rank anyway, with a banner saying so when it is unset.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # --standalone: torchrun picks a free port for its rendezvous itself (no race with other jobs);
 # set MASTER_PORT to pin one.
 if [[ -n ${MASTER_PORT:-} ]]; then

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from orthros_train.data.indexed import DataError, check_token_ids, file_lock, read_index_header
-
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 
 class TokenizerInfo:

@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import struct
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,10 +147,9 @@ def check_token_ids(prefix: str, vocab_size: int, header: IndexHeader | None = N
 
 
 def megatron_indexed():
-    """megatron-core's indexed_dataset module, imported without its apex/TE fallback warnings."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
-        from megatron.core.datasets import indexed_dataset
+    """megatron-core's indexed_dataset module (imported on first use: megatron is heavy)."""
+    from megatron.core.datasets import indexed_dataset
+
     return indexed_dataset
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -166,18 +167,83 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
+# Recipe folders that hold groups (pieces of a recipe) rather than runs.
+GROUP_DIRS = ("model", "data", "optim", "trainer", "parallel", "rl")
+
+
+def recipe_list() -> list[tuple[str, str]]:
+    """(name, first comment line) of every recipe ``--config-name`` takes."""
+    root = Path(RECIPES_DIR)
+    out = []
+    for path in sorted(root.rglob("*.yaml")):
+        name = path.relative_to(root).with_suffix("").as_posix()
+        if name.split("/")[0] in GROUP_DIRS or name.endswith("/common"):
+            continue
+        lines = [ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#") and "@package" not in ln]
+        out.append((name, lines[0] if lines else ""))
+    return out
+
+
+def usage() -> str:
+    width = max(len(n) for n, _ in recipe_list())
+    rows = "\n".join(f"  {n:<{width}}  {d[:100]}" for n, d in recipe_list())
+    return (
+        "usage: orthros-train --config-name RECIPE [key=value ...]   (orthros-train -m ... sweeps)\n\n"
+        f"recipes (recipes/):\n{rows}\n\n"
+        "examples:\n  orthros-train --config-name tiny_cpu\n"
+        "  orthros-train --config-name pretrain_1p3b trainer.dry_run=true\n\n"
+        "`orthros-train --config-name RECIPE --cfg job` prints a recipe resolved; --hydra-help: Hydra's own options"
+    )
+
+
+def report_error(message: str, rank: int, marker_dir: str | None = None) -> None:
+    """Print a run-stopping error once: rank 0 prints it; another rank prints its own only when
+    rank 0 did not report the same (every rank usually fails alike, on the same config)."""
+    import hashlib
+    import tempfile
+    import time
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "local"
+    folder = Path(marker_dir or tempfile.gettempdir()) / f"orthros-errors-{run_id}"
+    marker = folder / hashlib.sha256(message.encode()).hexdigest()[:16]
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        return
+    time.sleep(2.0)  # rank 0 fails on the same line at about the same time
+    if not marker.exists():
+        print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+
+
 @hydra.main(config_path=RECIPES_DIR, config_name=None, version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     if not cfg:
-        raise SystemExit("orthros-train: pick a recipe, e.g. `orthros-train --config-name tiny_cpu`")
+        raise SystemExit(f"orthros-train: pick a recipe with --config-name\n\n{usage()}")
+    import logging
+
     from orthros_train.train.checkpoint import CheckpointError
     from orthros_train.train.trainer import NonFiniteTrainingError
 
+    rank = launcher_env().rank
+    if rank != 0:  # logs from rank 0 only; warnings and errors still come from every rank
+        logging.getLogger("orthros_train").setLevel(logging.WARNING)
     try:
         run(cfg)  # a preempted run (SIGTERM/SIGUSR1) saved and returns normally: exit 0, requeue
     except (ValueError, CheckpointError, NonFiniteTrainingError) as exc:
         # configuration errors and run-stopping faults: one clear line, not a traceback
-        raise SystemExit(f"orthros-train: {exc}") from exc
+        report_error(f"orthros-train: {exc}", rank)
+        raise SystemExit(1) from exc
+
+
+def main() -> None:
+    """``orthros-train``: ``--help`` without a recipe lists the recipes; the rest is Hydra's."""
+    args = sys.argv[1:]
+    if any(a in ("-h", "--help") for a in args) and not any(a.startswith(("--config-name", "-cn")) for a in args):
+        print(usage())
+        return
+    hydra_main()
 
 
 if __name__ == "__main__":

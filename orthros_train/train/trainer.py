@@ -152,7 +152,7 @@ class Trainer:
         if cfg.rl is not None:  # RL: rollouts sampled with the current weights, or read from a file
             from orthros_train.train.rollouts import build_rollout_data
 
-            self.data = build_rollout_data(cfg, self._sampling_policy, dp_rank, dp_size)
+            self.data = build_rollout_data(cfg, self._sampling_policy, dp_rank, dp_size, self._policy_logprobs)
         else:
             self.data = build_scheduled_data(  # build_data itself unless trainer.seq_len_schedule is set
                 cfg.data,
@@ -272,10 +272,14 @@ class Trainer:
         return GRPOObjective(
             self.cfg.rl,
             self.cfg.data.loss_average,
-            lambda layout: self._response_logprobs(self.engine.module, layout),
+            self._policy_logprobs,
             reference,
             parallel_state.get_data_parallel_group(),
         )
+
+    def _policy_logprobs(self, layout: Any) -> torch.Tensor:
+        """The current policy's log-probs of the layout's labels (no grad; collective)."""
+        return self._response_logprobs(self.engine.module, layout.to(self.device))
 
     @torch.no_grad()
     def _response_logprobs(self, model: torch.nn.Module, layout: Any) -> torch.Tensor:
@@ -546,6 +550,7 @@ class Trainer:
             id=self.wandb_run_id,  # a resumed run continues its wandb run
             resume="allow" if self.wandb_run_id else None,
             reinit="finish_previous",
+            settings=wandb.Settings(quiet=True),  # no banner or end-of-run summary on the console
         )
         self.wandb_run_id = run.id
         return run

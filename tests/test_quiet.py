@@ -1,0 +1,85 @@
+"""Quiet by default: known third-party warnings filtered once, rank 0 speaks, errors reach the
+user once, the tokenize bar has a total, --help lists the recipes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+SMALL = [
+    "trainer.eval_every=0", "trainer.sample_prompt=null", "model.hidden_size=64", "model.num_hidden_layers=2",
+    "trainer.seq_len=64", "trainer.micro_batch_size=2",
+]  # fmt: skip
+
+
+def test_known_third_party_warnings_are_filtered_and_others_are_not():
+    import orthros_train  # noqa: F401  (installs the filters)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        from orthros_train.third_party_warnings import filter_third_party_warnings
+
+        filter_third_party_warnings()
+        for message, category in [
+            ("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning),
+            ("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.", UserWarning),
+            ("`rope_scaling` is deprecated and will be removed in a future version.", FutureWarning),
+            ("something else entirely", UserWarning),
+        ]:
+            warnings.warn(message, category, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else entirely"]
+
+
+def test_help_lists_the_recipes():
+    cmd = [sys.executable, "-m", "orthros_train.train.cli", "--help"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0
+    for name in ("tiny_cpu", "pretrain_1p3b", "scaling/orthros_6p8b", "convert_llama31_8b", "longctx_128k"):
+        assert f"  {name} " in proc.stdout
+    assert "model/" not in proc.stdout and "trainer/gpu" not in proc.stdout  # groups are not recipes
+
+
+def test_tokenize_progress_bar_has_a_total(tmp_path, capsys):
+    import json
+
+    from data_helpers import make_tokenizer
+
+    from data_tools.cli import main as data_main
+
+    tok = make_tokenizer(tmp_path / "tok", chat_template=False)
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"essay {i} on startups"}) + "\n" for i in range(7)))
+    assert data_main(["tokenize", str(src), "--tokenizer", str(tok), "--output", str(tmp_path / "out")]) == 0
+    bar = capsys.readouterr().err
+    assert "7/7" in bar and "<" in bar  # n/total and elapsed<remaining
+
+
+def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), "2", "tiny_cpu", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900, cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_two_rank_tp2_run_prints_a_handful_of_lines(tmp_path):
+    proc = _torchrun(
+        tmp_path, "parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "trainer.max_steps=3",
+        *SMALL, f"trainer.run_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and "train:" not in ln]
+    assert len(lines) <= 8, "\n".join(lines)
+    assert not any("Warning" in ln for ln in lines), "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_an_error_on_every_rank_is_printed_once(tmp_path):
+    proc = _torchrun(tmp_path, "trainer.max_steps=five", f"trainer.run_dir={tmp_path / 'run'}")
+    assert proc.returncode != 0
+    assert proc.stderr.count("trainer.max_steps='five': expected int") == 1, proc.stderr[-3000:]
