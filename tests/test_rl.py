@@ -362,6 +362,26 @@ def test_trainer_runs_grpo_on_a_prompt_set_with_reference_rewards(tmp_path):
     assert all(0 < r["response_len_mean"] <= 4 and math.isfinite(r["loss"]) for r in records)
 
 
+def test_ppo_epochs_and_minibatches_reuse_a_rollout_batch_and_resume_inside_it(tmp_path):
+    """2 minibatches x 2 epochs: one rollout batch serves 4 steps; the first update is on-policy
+    (ratio 1), the later ones see the ratio to the sampling policy; a run stopped after step 1
+    (inside the batch) and resumed logs the same losses, bitwise."""
+    task = {"name": "pattern", "prompt_len": 4, "response_len": 3, "token_rewards": True}
+    rl = {"group_size": 4, "prompts_per_step": 2, "minibatches": 2, "ppo_epochs": 2}
+    straight = _recipe(tmp_path / "a", task, rl, steps=4, micro=8)
+    _train(straight)
+    records = _metrics(tmp_path / "a" / "run")
+    assert [r["consumed_samples"] for r in records] == [16] * 4  # one draw of 2 minibatches x 8 rollouts
+    assert records[0]["ratio_mean"] == 1.0 and records[0]["grad_norm"] > 0
+    assert all(r["ratio_mean"] != 1.0 for r in records[1:])  # the policy moved since it sampled
+    stopped = _recipe(tmp_path / "b", task, rl, steps=1, micro=8)
+    _train(stopped)
+    resumed = _recipe(tmp_path / "b", task, rl, steps=4, micro=8)
+    _train(resumed)
+    again = {r["step"]: r["loss"] for r in _metrics(tmp_path / "b" / "run")}
+    assert again == {r["step"]: r["loss"] for r in records}
+
+
 # -- the recipe, end to end (orthros-train --config-name rl_tiny_cpu) -------------------------------
 RL_TINY = ["--config-name", "rl_tiny_cpu", "trainer.progress=false", "trainer.wandb.enabled=false",
            "trainer.log_every=0"]  # fmt: skip

@@ -140,11 +140,17 @@ class RLConfig:
     clip_eps_high: float = 0.2
     kl_coef: float = 0.0  # beta of KL(policy || reference); > 0 keeps a frozen copy of the initial policy
     scale_advantages: bool = True  # divide group-centred rewards by the group std (GRPO) or not (Dr. GRPO)
-    recompute_old_logprobs: bool = False  # ignore rollouts' logprobs: every update is on-policy
+    # A rollout batch holds minibatches x prompts_per_step prompts; each optimizer step trains on
+    # one minibatch, and ppo_epochs passes run over the batch (minibatches x ppo_epochs steps).
+    # More than one update per batch makes it off-policy: the sampling policy's log-probs are
+    # taken before its first update.
+    minibatches: int = 1
+    ppo_epochs: int = 1
+    recompute_old_logprobs: bool = False  # ignore rollouts' logprobs: use the policy's before the batch's updates
     seed: int = 0  # sampling seed
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "prompts_per_step", "max_new_tokens"):
+        for name in ("group_size", "prompts_per_step", "max_new_tokens", "minibatches", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
         if self.clip_eps_low < 0 or self.clip_eps_high < 0 or self.clip_eps_low >= 1:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from orthros_train.phase.layout import OrthrosLayout
 from orthros_train.train.config import RLConfig, RunConfig, TaskConfig
 from orthros_train.train.rl import (
     PatternTask,
@@ -98,16 +99,17 @@ class FileRollouts:
     are computed over a step's whole batch (its groups may span ranks), then each rank takes its
     share."""
 
-    def __init__(self, path: str, cfg: RLConfig, max_steps: int, dp_rank: int, dp_size: int) -> None:
+    def __init__(self, path: str, cfg: RLConfig, draws: int, dp_rank: int, dp_size: int) -> None:
         self.rollouts = load_rollouts(path)
         self.rows = cfg.prompts_per_step * cfg.group_size
         self.cfg = cfg
         self.dp_rank, self.dp_size = dp_rank, dp_size
         steps = len(self.rollouts) // self.rows
-        if steps < max_steps:
+        if steps < draws:
+            updates = steps // cfg.minibatches * cfg.minibatches * cfg.ppo_epochs
             raise ValueError(
                 f"{path} holds {len(self.rollouts)} rollouts: {steps} steps of rl.prompts_per_step x rl.group_size = "
-                f"{self.rows}, fewer than trainer.max_steps={max_steps}; set trainer.max_steps={steps}"
+                f"{self.rows}, fewer than the run needs ({draws}); set trainer.max_steps={updates}"
             )
 
     def step_rollouts(self, step: int) -> tuple[list[Rollout], list[torch.Tensor]]:
@@ -125,7 +127,14 @@ class FileRollouts:
 
 
 class RolloutData:
-    """The trainer's data for an RL run (see the module docstring)."""
+    """The trainer's data for an RL run (see the module docstring).
+
+    With ``rl.minibatches x rl.ppo_epochs > 1`` a rollout batch serves several optimizer steps:
+    ``minibatches`` draws of one step's rollouts each, passed over ``ppo_epochs`` times in order.
+    The sampling policy's log-probs (``logprobs``: the current policy's, before the batch's first
+    update) become the old log-probs of the ratio, and the batch goes into the data state until
+    its last update, so a run resumed in the middle of one continues it exactly.
+    """
 
     def __init__(
         self,
@@ -136,6 +145,8 @@ class RolloutData:
         dp_size: int,
         tokenizer: Any,
         eod_token_id: int | None,
+        logprobs: Callable[[OrthrosLayout], torch.Tensor] | None = None,
+        dp_rank: int = 0,
     ) -> None:
         rows = cfg.prompts_per_step * cfg.group_size
         if rows != micro_batch_size * grad_accum_steps * dp_size:
@@ -147,6 +158,9 @@ class RolloutData:
                 else f"rl.prompts_per_step x rl.group_size = {rows} rollouts per step do not split into "
                 f"trainer.grad_accum_steps={grad_accum_steps} micro-batches on {dp_size} data-parallel ranks"
             )
+        self.updates_per_batch = cfg.minibatches * cfg.ppo_epochs
+        if self.updates_per_batch > 1 and logprobs is None:
+            raise ValueError("several updates per rollout batch need the policy's log-probs (logprobs=...)")
         self.source = source
         self.cfg = cfg
         self.micro_batch_size = micro_batch_size
@@ -154,18 +168,38 @@ class RolloutData:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.eod_token_id = eod_token_id
-        self.steps = 0  # rollout batches drawn (= optimizer steps at a step boundary)
+        self.logprobs = logprobs
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.steps = 0  # optimizer steps served
+        self._batch: list[list[RolloutBatch]] | None = None  # per minibatch, this rank's micro-batches
         self._pending: list[RolloutBatch] = []
+
+    def _draw(self, index: int) -> list[list[RolloutBatch]]:
+        """Rollout batch ``index``: ``minibatches`` step-sized draws from the source."""
+        m, out = self.micro_batch_size, []
+        for k in range(self.cfg.minibatches):
+            rollouts, advantages = self.source.step_rollouts(index * self.cfg.minibatches + k)
+            recompute = self.cfg.recompute_old_logprobs
+            out.append([RolloutBatch.of(rollouts[i : i + m], advantages[i : i + m], recompute)
+                        for i in range(0, len(rollouts), m)])
+        if self.updates_per_batch > 1:  # later updates are off-policy: keep the sampling policy's log-probs
+            for minibatch in out:
+                for b in minibatch:
+                    if b.old_logp is None:
+                        b.old_logp = self.logprobs(b.layout).float().cpu()
+        return out
 
     def next_batch(self) -> RolloutBatch:
         if not self._pending:
-            rollouts, advantages = self.source.step_rollouts(self.steps)
+            index, update = divmod(self.steps, self.updates_per_batch)
+            if update == 0:
+                self._batch = self._draw(index)
+            elif self._batch is None:
+                raise RuntimeError(f"step {self.steps} is inside rollout batch {index}, whose rollouts are gone")
+            self._pending = list(self._batch[update % self.cfg.minibatches])
             self.steps += 1
-            m = self.micro_batch_size
-            self._pending = [
-                RolloutBatch.of(rollouts[i : i + m], advantages[i : i + m], self.cfg.recompute_old_logprobs)
-                for i in range(0, len(rollouts), m)
-            ]
+            if self.steps % self.updates_per_batch == 0:
+                self._batch = None  # its last update: the next step draws anew
         return self._pending.pop(0)
 
     def valid_batches(self, n: int) -> list:
@@ -173,17 +207,29 @@ class RolloutData:
 
     @property
     def consumed_samples(self) -> int:
-        return self.steps * self.rows_per_step
+        """Rollouts drawn so far, over all ranks."""
+        draws = -(-self.steps // self.updates_per_batch) * self.cfg.minibatches
+        return draws * self.rows_per_step
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending:
             raise RuntimeError("RL data state asked for in the middle of a step")
-        return {"steps": self.steps, "source": self.source.state_dict()}
+        state = {"steps": self.steps, "source": self.source.state_dict()}
+        if self._batch is not None:  # in the middle of a rollout batch: its rollouts travel along
+            state.update(batch=self._batch, dp=[self.dp_rank, self.dp_size])
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
         self.source.load_state_dict(dict(state.get("source") or {}))
         self._pending = []
+        self._batch = state.get("batch")
+        if self._batch is not None and list(state["dp"]) != [self.dp_rank, self.dp_size]:
+            raise ValueError(
+                f"this checkpoint is in the middle of a rollout batch sampled on data-parallel rank {state['dp']}; "
+                f"resume it with parallel.data_parallel={state['dp'][1]} (or from a checkpoint at a multiple of "
+                f"rl.minibatches x rl.ppo_epochs = {self.updates_per_batch} steps)"
+            )
 
 
 def load_reward(spec: str):
@@ -209,8 +255,15 @@ def numbered_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def build_rollout_data(cfg: RunConfig, policy: PolicyFn, dp_rank: int, dp_size: int) -> RolloutData:
-    """The RL recipe's ``task`` as trainer data; ``policy`` gives the current weights to sample with."""
+def build_rollout_data(
+    cfg: RunConfig,
+    policy: PolicyFn,
+    dp_rank: int,
+    dp_size: int,
+    logprobs: Callable[[OrthrosLayout], torch.Tensor] | None = None,
+) -> RolloutData:
+    """The RL recipe's ``task`` as trainer data; ``policy`` gives the current weights to sample
+    with, ``logprobs`` the current policy's log-probs of a layout's labels (both collective)."""
     rl, task, t = cfg.rl, cfg.task, cfg.trainer
     assert rl is not None and task is not None
     tokenizer = _tokenizer(cfg)
@@ -226,8 +279,9 @@ def build_rollout_data(cfg: RunConfig, policy: PolicyFn, dp_rank: int, dp_size: 
     elif task.name == "prompts":
         source = _prompt_set_source(cfg, task, policy, dp_rank, dp_size, eos)
     else:
-        source = FileRollouts(task.rollouts, rl, t.max_steps, dp_rank, dp_size)
-    return RolloutData(source, rl, t.micro_batch_size, t.grad_accum_steps, dp_size, tokenizer, eos)
+        draws = -(-t.max_steps // (rl.minibatches * rl.ppo_epochs)) * rl.minibatches
+        source = FileRollouts(task.rollouts, rl, draws, dp_rank, dp_size)
+    return RolloutData(source, rl, t.micro_batch_size, t.grad_accum_steps, dp_size, tokenizer, eos, logprobs, dp_rank)
 
 
 def _tokenizer(cfg: RunConfig):
