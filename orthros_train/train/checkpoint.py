@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -97,6 +97,23 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class ProcessRNG:
+    """The random streams of this process (python, numpy, torch, CUDA) as a ``Stateful``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
 @dataclass
 class TrainingCounters:
     step: int = 0
@@ -109,9 +126,9 @@ class CheckpointState:
     """Everything a checkpoint saves and restores, handed over by the trainer.
 
     ``data`` is the position of the run's inputs (sampler, rollout source): saved per rank, and
-    restored per rank with the same layout, from rank 0 otherwise (it is global). The process RNG
-    states are saved and restored alongside it. ``layout`` decides whether a resume is the same
-    layout (see ``layout_signature``).
+    restored per rank with the same layout, from rank 0 otherwise (it is global). ``rng``, the
+    random streams, is saved per rank and restored only with the same layout (the streams belong
+    to the ranks). ``layout`` decides whether a resume is the same layout (``layout_signature``).
     """
 
     engine: Any  # the DeepSpeed engine: weights and optimizer
@@ -121,6 +138,7 @@ class CheckpointState:
     layout: dict[str, Any]
     counters: TrainingCounters
     recipe: dict[str, Any]
+    rng: Stateful = field(default_factory=ProcessRNG)
 
 
 @dataclass
@@ -140,21 +158,6 @@ def layout_signature(parallel: Any, precision: str) -> dict[str, Any]:
         "zero": parallel.zero_stage,
         "precision": precision,
     }
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # -- save: stream reference-layout tensors ------------------------------------------------------------
@@ -357,7 +360,7 @@ class CheckpointManager:
             error = f"rank {rank}: {exc}"
         dist.barrier()
         # copies: the background write must see the state of this step, not a later one
-        rank_state = {"rng": rng_state(), "data": copy.deepcopy(state.data.state_dict())}
+        rank_state = {"rng": state.rng.state_dict(), "data": copy.deepcopy(state.data.state_dict())}
         rank_file = tmp / f"rank_{rank:05d}.pt"
         sink.put(lambda: torch.save(rank_state, rank_file), hash_path=rank_file)
         shard_bytes = budget.limit // 2
@@ -479,7 +482,7 @@ class CheckpointManager:
             )
         if same_layout:  # each rank continues its own RNG streams and data shard: bitwise
             extra = torch.load(path / f"rank_{rank:05d}.pt", weights_only=False)
-            set_rng_state(extra["rng"])
+            state.rng.load_state_dict(extra["rng"])
         else:  # the data position is global; RNG streams belong to the old ranks and are not restored
             extra = torch.load(path / "rank_00000.pt", weights_only=False)
             if rank == 0:
