@@ -203,6 +203,9 @@ def test_parallel_model_is_the_model_built_from_shards(tmp_path):
         assert (out.logits - want.logits).abs().max() <= 1e-6
         assert abs(float(out.loss) - float(want.loss)) <= 1e-6
         state = ref.state_dict()
+        blank = build_parallel_model(cfg, ParallelConfig(), seed=None)  # weights left to the loader
+        load_reference_shards(blank, state, cfg)
+        assert all(torch.equal(p, state[n]) for n, p in blank.named_parameters())
         with pytest.raises(ValueError, match="lack 'norm.weight'"):
             load_reference_shards(model, {k: v for k, v in state.items() if k != "norm.weight"}, cfg)
         with pytest.raises(ValueError, match="layers.9.mlp.up_proj.weight"):

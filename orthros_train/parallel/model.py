@@ -300,7 +300,11 @@ class TensorParallelFactory(ModuleFactory):
     reference names; picks the context-parallel plan when the CP group has several ranks."""
 
     def __init__(
-        self, config: OrthrosConfig, pcfg: ParallelConfig, dtype: torch.dtype = torch.float32, seed: int = 0
+        self,
+        config: OrthrosConfig,
+        pcfg: ParallelConfig,
+        dtype: torch.dtype = torch.float32,
+        seed: int | None = 0,
     ) -> None:
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         if self.tp != pcfg.tensor_parallel:
@@ -371,7 +375,10 @@ class TensorParallelFactory(ModuleFactory):
 
     def initialise(self, model: OrthrosForCausalLM) -> None:
         """Each shard from the whole tensor ``initial_value`` draws, in reference order from one
-        seeded generator: the weights are the same at every TP size. One full tensor at a time."""
+        seeded generator: the weights are the same at every TP size. One full tensor at a time.
+        With ``seed=None`` nothing is drawn: the caller loads every weight (a checkpoint)."""
+        if self.seed is None:
+            return
         generator = torch.Generator().manual_seed(self.seed)
         params = dict(model.named_parameters())
         with torch.no_grad():
@@ -382,8 +389,9 @@ class TensorParallelFactory(ModuleFactory):
 
 
 def build_parallel_model(
-    config: OrthrosConfig, pcfg: ParallelConfig, dtype: torch.dtype = torch.float32, seed: int = 0
+    config: OrthrosConfig, pcfg: ParallelConfig, dtype: torch.dtype = torch.float32, seed: int | None = 0
 ) -> OrthrosForCausalLM:
     """This rank's shard of the Orthros model (megatron's parallel state must be initialised),
-    randomly initialised with ``seed`` the same way at every TP size."""
+    randomly initialised with ``seed`` the same way at every TP size; ``seed=None`` leaves the
+    weights for the caller to load (``parallel.state_dict.load_reference_shards``)."""
     return OrthrosForCausalLM(config, TensorParallelFactory(config, pcfg, dtype, seed))

@@ -255,9 +255,10 @@ class Trainer:
         ``trainer.seed`` (the same at every TP size) or, with ``init.init_from``, a checkpoint's
         read tensor by tensor."""
         cfg = self.cfg
-        model = build_parallel_model(cfg.model, cfg.parallel, seed=cfg.trainer.seed)
-        if cfg.init.init_from:
-            load_reference_shards(model, LazyCheckpoint(cfg.init.init_from), cfg.model)
+        if not cfg.init.init_from:
+            return build_parallel_model(cfg.model, cfg.parallel, seed=cfg.trainer.seed).to(self.device)
+        model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
+        load_reference_shards(model, LazyCheckpoint(cfg.init.init_from), cfg.model)
         return model.to(self.device)
 
     # -- RL -------------------------------------------------------------------------------------
