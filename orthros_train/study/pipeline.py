@@ -65,6 +65,7 @@ class StudyOptions:
     prefill_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     prefill_repeats: int = 1
     prefill_threads: int = 1  # one thread: process CPU time is then compute time, robust to load
+    eval_threads: int = 1  # torch threads while evaluating (two measured ~30x slower under load)
     notes: Path | None = None  # hand-written analysis included in the report verbatim
     command: str | None = None  # how the study was invoked (recorded in the report)
 
@@ -196,27 +197,41 @@ def passkey_ranges(window: int, seq_len: int) -> dict[str, tuple[int, int]]:
 
 def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays: list[list[int]], seq_len: int,
                  documents: int) -> dict[str, Any]:
-    """A key-value needle hidden in held-out prose, queried at the end: accuracy per distance range."""
+    """One key-value needle, asked for again at the end of the sequence: accuracy per distance range.
+
+    Two haystacks: ``pairs``, a recall document of the training task over other keys (the
+    distribution the models were trained on), and ``essays``, held-out prose (a needle in a
+    context the models never saw one in).
+    """
     from orthros_train.data.embedded import EOD_TOKEN
-    from orthros_train.data.synthetic_recall import RecallMix, make_passkey_document
+    from orthros_train.data.synthetic_recall import RecallMix, make_passkey_document, make_recall_document
     from orthros_train.eval.recall import score_sample
 
     mix = RecallMix.from_dict(data["recall_mix"])
     eod = tokenizer.convert_tokens_to_ids(EOD_TOKEN)
     ranges = mix.ranges(len(tokenizer), reserved=(eod,))
     text = [t for doc in essays for t in doc if t != eod]
-    haystack_len = seq_len - 3  # with the needle and the query: a trained-length sequence
+    # With the needle and the query a haystack makes a trained-length sequence; an even length
+    # keeps the key-value stream in step (keys at even positions) around the needle.
+    haystack_len = (seq_len - 3) // 2 * 2
     if len(text) < haystack_len:
         raise ValueError(f"held-out essays have {len(text)} tokens, fewer than one {haystack_len}-token haystack")
     rng = random.Random(2_000_003 + mix.seed)
-    out: dict[str, Any] = {"documents": documents, "chance": mix.chance, "haystack": "held-out essays"}
-    for name, (lo, hi) in passkey_ranges(model.config.sliding_window, seq_len).items():
-        correct = []
-        for _ in range(documents):
-            start = rng.randrange(0, len(text) - haystack_len + 1)
-            doc = make_passkey_document(rng, text[start:start + haystack_len], rng.randint(lo, hi), ranges)
-            correct.extend(score_sample(model, doc))
-        out[name] = {"low": lo, "high": hi, "accuracy": _accuracy(correct)}
+    out: dict[str, Any] = {"documents": documents, "chance": mix.chance}
+    for haystack in ("pairs", "essays"):
+        out[haystack] = {}
+        for name, (lo, hi) in passkey_ranges(model.config.sliding_window, seq_len).items():
+            correct = []
+            for _ in range(documents):
+                distance = rng.randint(lo, hi)
+                if haystack == "pairs":
+                    hay = make_recall_document(rng, haystack_len, mix.pairs_of_document(rng), ranges).input_ids
+                    distance += distance % 2 if distance < hi else -(distance % 2)  # even: the needle on a key slot
+                else:
+                    start = rng.randrange(0, len(text) - haystack_len + 1)
+                    hay = text[start:start + haystack_len]
+                correct.extend(score_sample(model, make_passkey_document(rng, hay, distance, ranges)))
+            out[haystack][name] = {"low": lo, "high": hi, "accuracy": _accuracy(correct)}
     return out
 
 
@@ -295,8 +310,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "recall_beyond_window": spread([r["recall"]["accuracy_beyond_window"] for r in runs]),
         "recall_buckets": [{**{k: b[k] for k in ("label", "low", "high", "beyond_window", "queries")},
                             "accuracy": bucket_acc(j)} for j, b in enumerate(first["recall"]["buckets"])],
-        "passkey": {name: spread([r["passkey"][name]["accuracy"] for r in runs])
-                    for name in first["passkey"] if isinstance(first["passkey"][name], dict)},
+        "passkey": {hay: {name: spread([r["passkey"][hay][name]["accuracy"] for r in runs]) for name in ranges}
+                    for hay, ranges in first["passkey"].items() if isinstance(ranges, dict)},
         "train_seconds": spread([r["train_seconds"] for r in runs]),
     }
 
@@ -376,15 +391,12 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
     train_all([(arch, results["sweep"][arch]["best_lr"], seed) for arch in train for seed in opts.seeds[1:]])
     results["train_wall_seconds"] = time.perf_counter() - started if train else None
     results["load_average_after_training"] = load_average()
-    for arch in opts.archs:
-        best = results["sweep"][arch]["best_lr"]
-        sweep_runs = {f"{lr:g}": evaluate_run(out / arch / run_name(lr, opts.seeds[0]), opts, log)
-                      for lr in opts.lrs if lr != best}
-        results["sweep"][arch]["runs"] = {lr: _sweep_row(r) for lr, r in sweep_runs.items()}
-        runs = [evaluate_run(out / arch / run_name(best, seed), opts, log) for seed in opts.seeds]
-        results["sweep"][arch]["runs"][f"{best:g}"] = _sweep_row(runs[0])
-        results["runs"][arch] = runs
-        results["summary"][arch] = aggregate(runs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(opts.eval_threads)
+    try:
+        _evaluate_all(results, opts, log)
+    finally:
+        torch.set_num_threads(threads)
     if "orthros" in opts.archs and opts.prefill_lengths:
         log(f"prefill benchmark at {opts.prefill_lengths} tokens (load average {load_average()})")
         results["load_average_prefill"] = load_average()
@@ -404,6 +416,20 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
         write_report(results, Path(opts.report), notes)
         log(f"report: {opts.report}")
     return results
+
+
+def _evaluate_all(results: dict[str, Any], opts: StudyOptions, log: Callable[[str], None]) -> None:
+    """Every run of the sweep and of the seeds; the kept rate's runs make ``runs`` and ``summary``."""
+    out = Path(opts.out)
+    for arch in opts.archs:
+        best = results["sweep"][arch]["best_lr"]
+        sweep_runs = {f"{lr:g}": evaluate_run(out / arch / run_name(lr, opts.seeds[0]), opts, log)
+                      for lr in opts.lrs if lr != best}
+        results["sweep"][arch]["runs"] = {lr: _sweep_row(r) for lr, r in sweep_runs.items()}
+        runs = [evaluate_run(out / arch / run_name(best, seed), opts, log) for seed in opts.seeds]
+        results["sweep"][arch]["runs"][f"{best:g}"] = _sweep_row(runs[0])
+        results["runs"][arch] = runs
+        results["summary"][arch] = aggregate(runs)
 
 
 def _sweep_row(r: dict[str, Any]) -> dict[str, Any]:
