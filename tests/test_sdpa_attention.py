@@ -131,3 +131,24 @@ def test_model_on_sdpa_equals_model_on_reference(kind):
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+def test_prepared_segments_and_the_gpu_auto_choice():
+    """The model prepares the segments once per forward; GPU ``auto`` picks SDPA only where flash
+    attention needs no mask (checked on CPU tensors: the Triton side runs in the interpreter)."""
+    from orthros_train.ops import attention as op
+
+    layout = pretrain_layout(torch.randint(1, 60, (1, 24)))
+    for kind, expect in (("dense", "sdpa"), ("orthros", "triton")):
+        q_index, q_window, cu = _queries(kind, 6, layout)
+        n = q_index.numel()
+        q, k, v = torch.randn(n, H, D), torch.randn(24, HKV, D), torch.randn(24, HKV, D)
+        ref = attention_reference(q, k, v, q_index, q_window, cu)[0]
+        prepared = op.prepare_attention(q_index, q_window, cu, 24, "sdpa")
+        assert prepared is not None and prepared.payload == query_segments(q_index, q_window, cu)
+        out = op.orthros_attention(q, k, v, q_index, q_window, cu, backend="sdpa", prepared=prepared)
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+        choice = op._choose_cuda(q_index, q_window, cu, 24)
+        assert choice[0] == expect
+        torch.testing.assert_close(op._auto_cuda_output(q, k, v, q_index, q_window, cu, prepared=choice)[0], ref,
+                                   atol=2e-5, rtol=1e-4)  # fmt: skip

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from orthros_train.ops.reference import UNBOUNDED, attention_reference
-from orthros_train.ops.sdpa_attention import attention_sdpa, attention_sdpa_output, flash_covers
+from orthros_train.ops.sdpa_attention import (
+    attention_sdpa,
+    attention_sdpa_output,
+    needs_mask,
+    prepare_segments,
+    query_segments,
+)
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -60,6 +66,7 @@ if importlib.util.find_spec("triton") is not None:
     _BACKENDS["triton_atomic"] = _triton_backend(deterministic=False)
     _PREPARERS[_BACKENDS["triton"]] = _prepare_triton
     _PREPARERS[_BACKENDS["triton_atomic"]] = _prepare_triton
+_PREPARERS[attention_sdpa_output] = prepare_segments
 
 
 def register_backend(name: str, fn: AttentionFn, output_only: AttentionFn | None = None) -> None:
@@ -74,12 +81,26 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, **extra):
+def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, **hints):
+    """GPU ``auto``'s choice for these queries: ``("sdpa", segments)`` when flash attention
+    needs no mask for any of them, else ``("triton", its prepared plan or None)``."""
+    segments = query_segments(q_index, q_window, cu_seqlens)
+    if not any(needs_mask(seg) for seg in segments):
+        return "sdpa", segments
+    return "triton", None if n_k is None else _prepare_triton(q_index, q_window, cu_seqlens, n_k, **hints)
+
+
+def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, prepared=None, **extra):
     """GPU ``auto`` for output-only callers: flash attention through SDPA where it needs no
-    mask, the Triton kernel elsewhere (sliding windows, packed output streams)."""
-    if flash_covers(q_index, q_window, cu_seqlens):
-        return attention_sdpa_output(q, k, v, q_index, q_window, cu_seqlens, scale=scale, **extra)
-    return _BACKENDS["triton"](q, k, v, q_index, q_window, cu_seqlens, scale=scale)
+    mask, the Triton kernel elsewhere (sliding windows, packed output streams). ``prepared``
+    (``_choose_cuda``, once per forward) saves the choice's host sync in every layer."""
+    kind, payload = _choose_cuda(q_index, q_window, cu_seqlens) if prepared is None else prepared
+    if kind == "sdpa":
+        return attention_sdpa_output(q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=payload)
+    return _BACKENDS["triton"](q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=payload)
+
+
+_PREPARERS[_auto_cuda_output] = _choose_cuda
 
 
 def resolve_backend(backend: str, device: torch.device, need_lse: bool = True) -> AttentionFn:

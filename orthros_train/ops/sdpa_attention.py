@@ -88,14 +88,15 @@ def prepare_segments(
     return query_segments(q_index, q_window, cu_seqlens)
 
 
-def _needs_mask(seg: Segment) -> bool:
+def needs_mask(seg: Segment) -> bool:
+    """The segment's SDPA call needs an explicit mask (flash attention cannot serve it)."""
     return seg.length > 1 and not (seg.first == seg.doc_start and (seg.window >= UNBOUNDED or seg.sees_document_start))
 
 
 def flash_covers(q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
     """True when every segment runs without a mask (causal from its document start, or a single
     query): the layouts flash attention serves on a GPU."""
-    return not any(_needs_mask(seg) for seg in query_segments(q_index, q_window, cu_seqlens))
+    return not any(needs_mask(seg) for seg in query_segments(q_index, q_window, cu_seqlens))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
