@@ -187,9 +187,15 @@ def recall_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], seq_len
     }
 
 
+def passkey_haystack_length(seq_len: int) -> int:
+    """With the needle and the query a haystack makes a trained-length sequence; an even length
+    keeps a key-value stream in step (keys at even positions) around the needle."""
+    return (seq_len - 3) // 2 * 2
+
+
 def passkey_ranges(window: int, seq_len: int) -> dict[str, tuple[int, int]]:
     """Needle distances probed: inside the window, and 4-8 windows back (capped by the trained length)."""
-    far = (4 * window, min(8 * window, seq_len - 2))
+    far = (4 * window, min(8 * window, passkey_haystack_length(seq_len)))
     if far[0] > far[1]:
         raise ValueError(f"seq_len {seq_len} is too short for a needle 4 windows (4 x {window}) back")
     return {"within_window": (2, window - 1), "4-8x_window": far}
@@ -211,9 +217,7 @@ def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays
     eod = tokenizer.convert_tokens_to_ids(EOD_TOKEN)
     ranges = mix.ranges(len(tokenizer), reserved=(eod,))
     text = [t for doc in essays for t in doc if t != eod]
-    # With the needle and the query a haystack makes a trained-length sequence; an even length
-    # keeps the key-value stream in step (keys at even positions) around the needle.
-    haystack_len = (seq_len - 3) // 2 * 2
+    haystack_len = passkey_haystack_length(seq_len)
     if len(text) < haystack_len:
         raise ValueError(f"held-out essays have {len(text)} tokens, fewer than one {haystack_len}-token haystack")
     rng = random.Random(2_000_003 + mix.seed)
