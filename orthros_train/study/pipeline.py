@@ -188,9 +188,15 @@ def recall_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], seq_len
 
 
 def passkey_haystack_length(seq_len: int) -> int:
-    """With the needle and the query a haystack makes a trained-length sequence; an even length
-    keeps a key-value stream in step (keys at even positions) around the needle."""
-    return (seq_len - 3) // 2 * 2
+    """The longest even haystack whose query lands where training put a key followed by a value.
+
+    A training document is ``seq_len - 1`` tokens and its EOD; its last key (position
+    ``seq_len - 2``) is always followed by the EOD, so the models learn to predict the EOD there
+    (dense and Orthros can tell the position, a sliding window cannot). The query must come
+    earlier: haystack + needle + query <= ``seq_len - 2`` tokens, with the query on an even
+    position so that a key-value haystack stays in step around the needle.
+    """
+    return (seq_len - 5) // 2 * 2
 
 
 def passkey_ranges(window: int, seq_len: int) -> dict[str, tuple[int, int]]:
