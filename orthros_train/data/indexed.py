@@ -276,5 +276,8 @@ def resolve_prefixes(path: str) -> list[str]:
     else:
         found = sorted(p[:-4] for p in glob.glob(glob.escape(path) + "_[0-9]*.idx") if not p.endswith(".tmp.idx"))
     if not found:
-        raise DataError(f"{path}: no indexed dataset (.bin/.idx, a directory of them, or an orthros-data output)")
+        raise DataError(
+            f"{path}: no indexed dataset (.bin/.idx, a directory of them, or an orthros-data output); "
+            f"write it with `orthros-data tokenize|sft|rl INPUTS --tokenizer TOK --output {path}`"
+        )
     return found
