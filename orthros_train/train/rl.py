@@ -388,23 +388,25 @@ class GRPOObjective:
             layouts.append(out)
             values.append(value)
         rewards = [r for b in batches for r in b.rewards]
+        scored = [r for r in rewards if not math.isnan(r)]  # rollouts given as advantages carry no reward
         tokens = sum(b.layout.num_outputs for b in batches)
         totals = torch.tensor(
-            [sum(rewards), float(len(rewards)), float(tokens), sums["ratio_sum"], sums["clipped"],
+            [sum(scored), float(len(scored)), float(len(rewards)), float(tokens), sums["ratio_sum"], sums["clipped"],
              sums["neg_logp_sum"], sums["kl_sum"], float(sum(b.advantages.abs().sum() for b in batches))],
             dtype=torch.float64,
         )
         if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(totals, group=self.group)
-        r_sum, n_rollouts, n_tokens, ratio, clipped, neg_logp, kl, adv_abs = totals.tolist()
+        r_sum, n_scored, n_rollouts, n_tokens, ratio, clipped, neg_logp, kl, adv_abs = totals.tolist()
         stats = {
-            "reward_mean": r_sum / n_rollouts,
             "response_len_mean": n_tokens / n_rollouts,
             "loss_tokens": n_tokens,
             "ratio_mean": ratio / n_tokens,
             "clip_fraction": clipped / n_tokens,
             "advantage_abs_mean": adv_abs / n_tokens,
         }
+        if n_scored:
+            stats["reward_mean"] = r_sum / n_scored
         if not math.isnan(neg_logp):
             stats["entropy_proxy"] = neg_logp / n_tokens
         if cfg.kl_coef > 0:
