@@ -45,7 +45,8 @@ def global_loss_units(
 ) -> int:
     """Loss units of a whole step: this rank's micro-batches summed over the data-parallel
     ``group`` (one collective per step)."""
-    local = torch.tensor([float(sum(loss_units(x, loss_average) for x in layouts))], dtype=torch.float64)
+    device = layouts[0].labels.device if layouts else None  # NCCL reduces device tensors only
+    local = torch.tensor([float(sum(loss_units(x, loss_average) for x in layouts))], dtype=torch.float64, device=device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(local, group=group)
     return int(local.item())

@@ -394,6 +394,7 @@ class GRPOObjective:
             [sum(scored), float(len(scored)), float(len(rewards)), float(tokens), sums["ratio_sum"], sums["clipped"],
              sums["neg_logp_sum"], sums["kl_sum"], float(sum(b.advantages.abs().sum() for b in batches))],
             dtype=torch.float64,
+            device=batches[0].advantages.device,  # NCCL reduces device tensors only
         )
         if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(totals, group=self.group)
