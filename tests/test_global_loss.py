@@ -1,6 +1,7 @@
 """The loss of a step is one mean over its whole global batch: gradients and the logged loss do
-not depend on micro_batch_size x grad_accum_steps or the data-parallel size, and equal a direct
-computation on the whole batch (SFT and RL rows with very different answer lengths)."""
+not depend on micro_batch_size x grad_accum_steps or the data- or context-parallel size, and
+equal a direct computation on the whole batch (SFT and RL rows with very different answer
+lengths)."""
 
 from __future__ import annotations
 
@@ -60,13 +61,14 @@ def test_per_micro_batch_averaging_depends_on_the_split(splits, case):
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_equal_one(splits, tmp_path):
-    """DP = 2 (torchrun, gloo): each rank reads half of the batch; same gradients and loss."""
-    for micro, accum in ((4, 1), (1, 4)):
-        out = tmp_path / f"dp2_{micro}x{accum}.pt"
+def test_two_data_or_context_parallel_ranks_equal_one(splits, tmp_path):
+    """torchrun, gloo: DP = 2 (each rank reads half of the batch) and CP = 2 (both ranks read it
+    all and split every sequence); same gradients and loss."""
+    for micro, accum, extra in ((4, 1, []), (1, 4, []), (2, 4, ["--context-parallel", "2"])):
+        out = tmp_path / f"run_{micro}x{accum}{'_cp2' if extra else ''}.pt"
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-             str(SCRIPTS / "global_loss.py"), str(out), str(micro), str(accum)],
+             str(SCRIPTS / "global_loss.py"), str(out), str(micro), str(accum), *extra],
             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,7 +4,8 @@ grad_accum_steps`` split; the gradients at the accumulation boundary and the log
 saved for the test to compare across splits, data-parallel sizes and a direct computation.
 
 Run in-process (``measure``) or under torchrun (``python -m torch.distributed.run
---nproc_per_node 2 global_loss.py OUT MICRO ACCUM``: DP = 2, each rank reads its half).
+--nproc_per_node 2 global_loss.py OUT MICRO ACCUM``: DP = 2, each rank reads its half;
+``--context-parallel 2``: CP = 2, both ranks read the whole batch and split each sequence).
 ``--per-micro-batch`` averages every micro-batch by itself (what the trainer used to do).
 """
 
@@ -84,7 +85,7 @@ def direct_loss(model, rows: list, loss_average: str) -> torch.Tensor:
     return torch.stack([x.mean() for x in per_sequence]).mean()
 
 
-def build_trainer(run_dir: str, micro: int, accum: int, dp: int):
+def build_trainer(run_dir: str, micro: int, accum: int, dp: int, cp: int = 1):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -94,9 +95,9 @@ def build_trainer(run_dir: str, micro: int, accum: int, dp: int):
     overrides = [
         "model.hidden_size=32", "model.num_hidden_layers=2", "model.intermediate_size=64", "model.sliding_window=8",
         "trainer.seq_len=64", f"trainer.micro_batch_size={micro}", f"trainer.grad_accum_steps={accum}",
-        f"parallel.data_parallel={dp}", "parallel.zero_stage=0", "trainer.wandb.enabled=false",
-        "trainer.progress=false", "trainer.resume=none", f"trainer.run_dir={run_dir}", "optim.warmup_steps=0",
-        "trainer.wandb.name=global_loss",
+        f"parallel.data_parallel={dp}", f"parallel.context_parallel={cp}", "parallel.zero_stage=0",
+        "trainer.wandb.enabled=false", "trainer.progress=false", "trainer.resume=none", f"trainer.run_dir={run_dir}",
+        "optim.warmup_steps=0", "trainer.wandb.name=global_loss",
     ]  # fmt: skip
     with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
         cfg = compose("tiny_cpu", overrides=overrides)
@@ -104,10 +105,10 @@ def build_trainer(run_dir: str, micro: int, accum: int, dp: int):
     resolved.pop("hydra", None)
     from orthros_train.train.cli import launcher_env
 
-    return Trainer(run_config_from_dict(resolved), resolved, launcher_env() if dp > 1 else None)
+    return Trainer(run_config_from_dict(resolved), resolved, launcher_env() if dp * cp > 1 else None)
 
 
-def measure(run_dir: str, micro: int, accum: int, per_micro_batch: bool = False) -> dict:
+def measure(run_dir: str, micro: int, accum: int, per_micro_batch: bool = False, cp: int = 1) -> dict:
     """Gradients (engine names) and logged loss of one step, per batch kind and loss average, from
     the same initial weights; rank 0 also returns the direct computation's."""
     import torch.distributed as dist
@@ -117,8 +118,9 @@ def measure(run_dir: str, micro: int, accum: int, per_micro_batch: bool = False)
     from orthros_train.parallel.setup import destroy_parallel
     from orthros_train.train.global_loss import loss_units
 
-    dp = int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else 1  # torchrun sets both
-    trainer = build_trainer(run_dir, micro, accum, dp)
+    world = int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else 1  # torchrun sets both
+    dp = world // cp
+    trainer = build_trainer(run_dir, micro, accum, dp, cp)
     engine = trainer.engine
     module = engine.module
     initial = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -173,7 +175,8 @@ def measure(run_dir: str, micro: int, accum: int, per_micro_batch: bool = False)
 
 def main() -> None:
     out_path, micro, accum = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    result = measure(str(Path(out_path).parent / "run"), micro, accum, "--per-micro-batch" in sys.argv)
+    cp = int(sys.argv[sys.argv.index("--context-parallel") + 1]) if "--context-parallel" in sys.argv else 1
+    result = measure(str(Path(out_path).parent / "run"), micro, accum, "--per-micro-batch" in sys.argv, cp)
     if int(os.environ.get("RANK", 0)) == 0:
         torch.save(result, out_path)
 
