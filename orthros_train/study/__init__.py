@@ -1,16 +1,19 @@
-"""``orthros-study``: the small-scale replication study (issue #11, docs/study.md).
+"""``orthros-study``: the small-scale replication study (docs/study.md).
 
-Three runs of one shape (``recipes/study/{orthros,dense,sliding}.yaml``: same data, tokens and
-seed; only the attention pattern differs) are trained through the real ``orthros-train`` CLI,
-then each final checkpoint is evaluated on
+Three models of one shape (``recipes/study/{orthros,dense,sliding}.yaml``: same data and
+tokens; only the attention pattern differs) are trained through the real ``orthros-train`` CLI:
+a learning-rate sweep per model at the first seed, then the other seeds at the kept rate. Each
+final checkpoint is evaluated on
 
 * validation loss on held-out essays, overall and per position bucket (``eval/ppl.py``),
-* multi-query associative recall on held-out synthetic documents, accuracy per distance bucket
-  inside and beyond the sliding window (``eval/recall.py`` scoring),
-* prefill time, Orthros vs dense attention on the same weights (``eval/bench.py``),
+* associative recall on held-out synthetic documents, accuracy per distance bucket inside and
+  beyond the sliding window (``data/synthetic_recall.py`` documents, ``eval/recall.py`` scoring),
+* a passkey probe: one key-value needle 4-8 windows back, in a key-value haystack and in prose,
 
-and ``docs/study.md`` is written with tables and PNG figures (``docs/study/``), plus a JSON of
-every number (``<out>/study.json``).
+plus prefill time of Orthros against dense attention on the same weights and transformers' SDPA
+Llama of the same shape, with the FLOP-ratio limit (``eval/bench.py``). ``docs/study.md`` is
+written with tables (mean ± standard deviation over seeds) and PNG figures (``docs/study/``),
+plus a JSON of every number (``<out>/study.json``).
 """
 
 from orthros_train.study.pipeline import ARCHS, QUICK_OVERRIDES, StudyOptions, evaluate_run, run_study, train_run
