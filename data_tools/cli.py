@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace):
-    from data_tools.chat import ChatFields
     from data_tools.pretokenize import TokenizeOptions
+    from orthros_train.data.chat import ChatFields
 
     kwargs = dict(
         inputs=args.inputs, tokenizer=args.tokenizer, output=args.output, kind="pretrain",

@@ -27,15 +27,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from data_tools.chat import (
-    TRAIN_TURNS,
-    BadRecord,
-    ChatFields,
-    check_chat_template,
-    record_messages,
-    render_conversation,
-    render_prompt,
-)
 from data_tools.sources import (
     BadInputPolicy,
     Record,
@@ -44,6 +35,15 @@ from data_tools.sources import (
     iter_records,
     record_text,
     source_fingerprint,
+)
+from orthros_train.data.chat import (
+    TRAIN_TURNS,
+    BadRecord,
+    ChatFields,
+    check_chat_template,
+    record_messages,
+    render_conversation,
+    render_prompt,
 )
 from orthros_train.data.indexed import (
     DataError,

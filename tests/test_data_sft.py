@@ -9,10 +9,10 @@ import pytest
 import torch
 from data_helpers import chatterbot_conversations, make_tokenizer, write_jsonl
 
-from data_tools.chat import ChatFields
 from data_tools.cli import main as cli_main
 from data_tools.pretokenize import TokenizeOptions, run
 from orthros_train.data import DataConfig, build_data
+from orthros_train.data.chat import ChatFields
 from orthros_train.data.indexed import MODE_ANSWER, resolve_prefixes
 from orthros_train.data.rl import PromptSet, rl_batch
 from orthros_train.data.sft import ConversationStore, PackedConversations, SFTData, fit_segments

@@ -342,8 +342,8 @@ def test_trainer_runs_grpo_on_an_external_engines_rollouts(tmp_path):
 def test_trainer_runs_grpo_on_a_prompt_set_with_reference_rewards(tmp_path):
     from data_helpers import make_tokenizer, write_jsonl
 
-    from data_tools.chat import ChatFields
     from data_tools.pretokenize import TokenizeOptions, run
+    from orthros_train.data.chat import ChatFields
 
     tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=300)
     rows = [{"prompt": f"Count to {n}", "answer": " ".join(str(i) for i in range(n))} for n in range(2, 8)]

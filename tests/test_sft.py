@@ -131,11 +131,12 @@ def plain_tokenizer_dir(tmp_path_factory):
 
 
 def test_plain_chat_template_cuts_answers_ending_with_eos(plain_tokenizer_dir):
-    from data_tools.chat import render_conversation
-    from data_tools.sft_demo import chat_tokenizer
+    from orthros_train.data.chat import render_conversation
+    from orthros_train.data.embedded import with_chat_template
     from orthros_train.data.indexed import MODE_ANSWER, MODE_PROMPT
+    from orthros_train.data.tokenize import load_tokenizer
 
-    tok = chat_tokenizer(plain_tokenizer_dir)
+    tok = with_chat_template(load_tokenizer(plain_tokenizer_dir))
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is AI?"},
@@ -155,11 +156,8 @@ def test_plain_chat_template_cuts_answers_ending_with_eos(plain_tokenizer_dir):
 
 
 def test_demo_data_sequence_average_and_held_out_eval(plain_tokenizer_dir, tmp_path):
-    from data_tools.sft_demo import prepare
-
-    summary = prepare(plain_tokenizer_dir, str(tmp_path / "demo"), limit=120)
-    assert summary["documents"] == 120
-    cfg = dict(source="indexed", paths=[str(tmp_path / "demo" / "chatterbot")], split="90,10,0",
+    # the embedded chat corpus, rendered on first use with the given tokenizer + the plain template
+    cfg = dict(source="embedded", corpus="chatterbot", tokenizer=plain_tokenizer_dir, split="90,10,0",
                cache_dir=str(tmp_path / "cache"))
     token = build_data(DataConfig(**cfg), 128, 4, 0)
     seq = build_data(DataConfig(**cfg, loss_average="sequence"), 128, 4, 0)
@@ -180,14 +178,11 @@ def test_demo_data_sequence_average_and_held_out_eval(plain_tokenizer_dir, tmp_p
 
 @pytest.mark.slow
 def test_sft_tiny_cpu_recipe_trains_with_eval(plain_tokenizer_dir, tmp_path):
-    from data_tools.sft_demo import prepare
-
-    prepare(plain_tokenizer_dir, str(tmp_path / "demo"), limit=300)
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "orthros_train.train.cli", "--config-name", "sft_tiny_cpu",
-         "model.init_from=null", f"data.paths=[{tmp_path / 'demo' / 'chatterbot'}]",
+         "model.init_from=null", f"data.tokenizer={plain_tokenizer_dir}",
          "data.tokenizer_vocab_size=1024", f"data.cache_dir={tmp_path / 'cache'}", "data.split='90,10,0'",
          "data.loss_average=sequence", "model.hidden_size=64", "model.num_hidden_layers=2",
          "trainer.max_steps=12", "trainer.eval_every=6", "trainer.eval_batches=2", "trainer.seq_len=128",

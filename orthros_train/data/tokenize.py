@@ -1,11 +1,12 @@
 """Tokenizers and tokenized documents: the part of data preparation the library itself needs.
 
 ``load_tokenizer`` / ``eod_token_id`` / ``tokenizer_info`` find and describe a tokenizer;
-``encode_texts`` turns texts into token ids; ``write_documents`` writes a list of documents as a
-one-shard indexed dataset with the summary JSON that ``orthros-data`` writes, so the readers of
-``orthros_train.data`` treat both alike. The embedded corpus (``data.source=embedded``) is
-prepared through it. ``orthros-data`` (``data_tools/``: input formats, chat templates, worker
-processes, resumable sharding) builds on these functions; this package never imports it.
+``encode_texts`` turns texts into token ids; ``write_documents`` / ``write_conversations`` write a
+list of documents / chat conversations as a one-shard indexed dataset with the summary JSON that
+``orthros-data`` writes, so the readers of ``orthros_train.data`` treat both alike. The embedded
+corpora (``data.source=embedded``) are prepared through them. ``orthros-data`` (``data_tools/``:
+input formats, worker processes, resumable sharding) builds on these functions and on the chat
+rendering of ``chat.py``; this package never imports it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from itertools import chain
 
 import numpy as np
 
-from orthros_train.data.indexed import DataError, ShardWriter, file_lock, shard_prefix, summary_path
+from orthros_train.data.indexed import (
+    DataError,
+    ShardWriter,
+    file_lock,
+    read_index_header,
+    resolve_prefixes,
+    shard_prefix,
+    summary_path,
+)
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
@@ -86,31 +95,79 @@ def write_documents(
     Holds ``output.lock`` while writing; an output whose summary says complete is reused as is.
     ``source`` describes where the documents came from (recorded in the summary).
     """
+
+    def write(writer: ShardWriter, info: dict) -> None:
+        flat, lengths = encode_texts(tokenizer, documents, add_special_tokens=False, eod=info["eod_token_id"])
+        for doc in np.split(flat, np.cumsum(lengths)[:-1]):
+            writer.add_document(doc)
+
+    return _write_one_shard(output, "pretrain", tokenizer, tokenizer_path, eod_token, source, len(documents), write)
+
+
+def write_conversations(
+    conversations: list[list[dict]], tokenizer, tokenizer_path: str, output: str, source: dict,
+    train_turns: str = "all",
+) -> dict:
+    """Render chat ``conversations`` (lists of role/content messages) with the tokenizer's chat
+    template into the SFT dataset ``output`` (assistant spans marked, as ``orthros-data sft``
+    writes them: ``orthros_train/data/chat.py``); returns the summary. Reused when complete."""
+    from orthros_train.data.chat import BadRecord, check_chat_template, render_conversation
+
+    check_chat_template(tokenizer, None)
+
+    def write(writer: ShardWriter, info: dict) -> None:
+        for i, messages in enumerate(conversations):
+            try:
+                writer.add_segments(*render_conversation(tokenizer, messages, train_turns))
+            except BadRecord as e:
+                raise DataError(f"{source}: conversation {i}: {e}") from e
+
+    return _write_one_shard(output, "sft", tokenizer, tokenizer_path, None, source, len(conversations), write)
+
+
+def _write_one_shard(output, kind, tokenizer, tokenizer_path, eod_token, source, records, write) -> dict:
+    """The one-shard dataset ``output`` (``output_00000`` + ``output.json``), written under
+    ``output.lock`` by ``write(writer, tokenizer_info)``; the summary is written last, so an
+    interrupted build leaves no summary and is redone."""
     with file_lock(output + ".lock"):
         path = summary_path(output)
         if os.path.isfile(path):
-            with open(path) as f:
-                summary = json.load(f)
+            try:
+                with open(path) as f:
+                    summary = json.load(f)
+            except (OSError, ValueError) as e:
+                where = os.path.dirname(path)
+                raise DataError(f"{path}: unreadable summary ({e}); delete {where} to rebuild it") from e
             if summary.get("complete"):
                 return summary
         eod = eod_token_id(tokenizer, eod_token)
         info = tokenizer_info(tokenizer, tokenizer_path, eod)
-        flat, lengths = encode_texts(tokenizer, documents, add_special_tokens=False, eod=eod[0])
-        writer = ShardWriter(shard_prefix(output, 0), info["vocab_size"])
+        writer = ShardWriter(shard_prefix(output, 0), info["vocab_size"], multimodal=kind == "sft")
         try:
-            for doc in np.split(flat, np.cumsum(lengths)[:-1]):
-                writer.add_document(doc)
+            write(writer, info)
             writer.finish()
         except BaseException:
             writer.abort()
             raise
         entry = {"index": 0, "prefix": os.path.basename(writer.prefix), "documents": writer.documents,
-                 "tokens": writer.tokens, "records": len(documents), "skipped": {}}
-        summary = {"kind": "pretrain", "tokenizer": info, "source": source, "complete": True,
-                   "documents": writer.documents, "tokens": writer.tokens, "records": len(documents),
+                 "tokens": writer.tokens, "records": records, "skipped": {}}
+        summary = {"kind": kind, "tokenizer": info, "source": source, "complete": True,
+                   "documents": writer.documents, "tokens": writer.tokens, "records": records,
                    "skipped": {}, "shards": [entry]}
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=2)
         os.replace(tmp, path)
         return summary
+
+
+def check_cached(output: str, summary: dict, folder: str) -> None:
+    """DataError naming ``folder`` when the cached dataset's shards do not match its summary."""
+    try:
+        headers = [read_index_header(p) for p in resolve_prefixes(output)]
+        found = (sum(h.num_documents for h in headers), sum(h.num_tokens for h in headers))
+        if found != (summary["documents"], summary["tokens"]):
+            raise DataError(f"{output}: holds {found[0]} documents / {found[1]} tokens, its summary "
+                            f"{summary['documents']} / {summary['tokens']}")
+    except (DataError, KeyError) as e:
+        raise DataError(f"the cached dataset in {folder} is corrupt ({e}); delete {folder} to rebuild it") from e

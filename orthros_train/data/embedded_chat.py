@@ -1,0 +1,74 @@
+"""The embedded SFT corpus (``data.source=embedded``, ``data.corpus=chatterbot``), built on first use.
+
+The chatterbot-corpus dialogues are rendered with a chat template into an SFT indexed dataset
+in ``cache_dir`` (assistant spans marked, the format ``orthros-data sft`` writes; both use
+``orthros_train/data/chat.py``), then read back as packed conversations like any SFT data. The
+tokenizer is ``data.tokenizer`` when set (a pretrained checkpoint's), else the BPE of the text
+corpus the chat corpus is paired with (``CHAT_CORPORA``: the essays' BPE, so the data matches a
+model pretrained with ``tiny_cpu``); one without a chat template gets ``PLAIN_CHAT_TEMPLATE``.
+
+The cache folder is keyed by the tokenizer, its template and the corpus files; the tokenizer is
+saved atomically, the dataset's summary is written last (under a lock), and a cached dataset
+whose files do not match its summary is refused with the folder to delete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from orthros_train.data.embedded import (
+    CHAT_CORPORA,
+    chat_conversations,
+    corpus_documents,
+    corpus_files,
+    train_tokenizer,
+    with_chat_template,
+)
+from orthros_train.data.indexed import resolve_prefixes
+from orthros_train.data.tokenize import check_cached, eod_token_id, load_tokenizer, write_conversations
+
+
+def chat_tokenizer(cfg):
+    """The tokenizer the chat corpus is rendered with (``data.tokenizer`` or the paired BPE)."""
+    if cfg.tokenizer:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    else:
+        documents = corpus_documents(CHAT_CORPORA[cfg.corpus])
+        tokenizer = train_tokenizer(documents, cfg.tokenizer_vocab_size, cfg.cache_dir)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return with_chat_template(tokenizer)
+
+
+def prepare_embedded_chat(cfg) -> tuple[str, object]:
+    """Render the chat corpus into ``cache_dir`` once; returns (output prefix, tokenizer)."""
+    tokenizer = chat_tokenizer(cfg)
+    files = corpus_files(cfg.corpus)
+    key = "\n".join([tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, *map(str, files)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    folder = os.path.join(os.path.expanduser(cfg.cache_dir), "embedded", f"{cfg.corpus}-sft-{digest}")
+    tok_dir = os.path.join(folder, "tokenizer")
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        tmp = f"{tok_dir}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, tok_dir)
+        except OSError:  # another process saved it first
+            pass
+    output = os.path.join(folder, "conversations")
+    source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files]}
+    summary = write_conversations(chat_conversations(cfg.corpus), tokenizer, tok_dir, output, source)
+    check_cached(output, summary, folder)
+    return output, tokenizer
+
+
+def embedded_chat_data(cfg, seq_len: int, micro_batch_size: int, seed: int, dp_rank: int, dp_size: int):
+    """Packed SFT batches of the embedded chat corpus (held-out conversations by ``data.split``)."""
+    from orthros_train.data.sft import ConversationStore, SFTData
+
+    output, tokenizer = prepare_embedded_chat(cfg)
+    eod = eod_token_id(tokenizer)[0]  # what the summary records (EOS), as for orthros-data outputs
+    store = ConversationStore(resolve_prefixes(output))
+    return SFTData(store, tokenizer, eod, seq_len, micro_batch_size, seed, dp_rank, dp_size,
+                   split=cfg.split, overlong=cfg.overlong, loss_average=cfg.loss_average)
