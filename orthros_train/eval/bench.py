@@ -274,7 +274,8 @@ def bench_prefill(
             ratios = [row.get(f"{k}_speedup{'_cpu' if time_key == 'cpu' else ''}") for k in ("peer", "prefill")]
             main = ratios[0] if ratios[0] is not None else ratios[1]
             row["pct_of_limit"] = 100.0 * main / row["flop_limit"]
-            row["weak_baseline"] = any(r is not None and r > row["flop_limit_with_skip"] for r in ratios)
+            weak = [n for n, r in zip(("peer", "dense"), ratios) if r is not None and r > row["flop_limit_with_skip"]]
+            row["weak_baselines"], row["weak_baseline"] = weak, bool(weak)
         if decode_tokens > 0:
             steppers: dict[str, Stepper] = {}
             firsts: dict[str, torch.Tensor] = {}
@@ -327,7 +328,7 @@ def _fmt(value: Any, spec: str) -> str:
 def format_row(r: dict[str, Any], time_key: str = "cpu") -> str:
     c = "_cpu" if time_key == "cpu" else ""
     t = "_cpu_s" if time_key == "cpu" else "_s"
-    flag = "weak baseline" if r.get("weak_baseline") else ""
+    flag = f"weak baseline: {', '.join(r['weak_baselines'])}" if r.get("weak_baselines") else ""
     return (
         f"| {r['length']:>7} | {_fmt(r.get(f'orthros_ttft{t}'), '8.3f')} | {_fmt(r.get(f'peer_ttft{t}'), '8.3f')} "
         f"| {_fmt(r.get(f'dense_ttft{t}'), '8.3f')} | {_fmt(r.get(f'peer_speedup{c}'), '6.2f')}x "

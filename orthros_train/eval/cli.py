@@ -254,7 +254,9 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_plot:
         from orthros_train.eval.plots import bench_plot
 
-        title = f"{args.model}: Orthros vs {args.baseline} ({result['environment']['device']})"
+        env = result["environment"]
+        title = (f"{args.model}: Orthros vs {result['peer']} and the {args.baseline} baseline "
+                 f"({env['device']}, {env['torch_threads']} threads, {result['time_basis']})")
         paths["png"] = str(bench_plot(result["rows"], out / "bench_prefill.png", title))
     print(table)
     print(f"-> {paths}")
