@@ -382,6 +382,47 @@ def test_ppo_epochs_and_minibatches_reuse_a_rollout_batch_and_resume_inside_it(t
     assert again == {r["step"]: r["loss"] for r in records}
 
 
+def test_sampling_builds_no_second_model(tmp_path, monkeypatch):
+    """An RL step samples with the trainer's own (sharded) policy: no OrthrosForCausalLM is built
+    and no weights are gathered while it samples and trains."""
+    from orthros_train.parallel.setup import destroy_parallel
+    from orthros_train.train import trainer as trainer_module
+    from orthros_train.train.config import run_config_from_dict
+    from orthros_train.train.trainer import Trainer
+
+    recipe = _recipe(tmp_path, {"name": "pattern", "prompt_len": 4, "response_len": 3},
+                     {"group_size": 4, "prompts_per_step": 2, "kl_coef": 0.05}, steps=1, micro=8)
+    built, gathered = [], []
+    try:
+        trainer = Trainer(run_config_from_dict(recipe), recipe)
+        init = OrthrosForCausalLM.__init__
+        monkeypatch.setattr(OrthrosForCausalLM, "__init__",
+                            lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
+        gather = trainer_module.gather_full_state_dict
+        monkeypatch.setattr(trainer_module, "gather_full_state_dict",
+                            lambda *a, **k: (gathered.append(1), gather(*a, **k))[1])
+        metrics = trainer.train_step()
+    finally:
+        destroy_parallel()
+    assert math.isfinite(metrics["loss"]) and metrics["objective"]["reward_mean"] >= 0
+    assert built == [] and gathered == []
+
+
+@pytest.mark.slow
+def test_generation_on_tensor_and_context_parallel_shards_equals_one_device():
+    """torchrun: prefill + decode on TP = 2 (with and without SP) and CP = 2 shards give the
+    single-device model's logits and the same greedy and seeded sampled tokens; no TP rank
+    creates a tensor of the full embedding's shape while it generates."""
+    from test_parallel import SCRIPTS, result_of, torchrun
+
+    tp = result_of(torchrun(str(SCRIPTS / "sharded_generation.py")))
+    cp = result_of(torchrun(str(SCRIPTS / "sharded_generation.py"), "cp"))
+    assert set(tp) == {"tp2", "tp2_sp"} and set(cp) == {"cp2"}
+    for name, r in {**tp, **cp}.items():
+        assert r["logit_diff"] <= 1e-5 and r["same_tokens"], (name, r)
+    assert not tp["tp2"]["full_embedding"] and not tp["tp2_sp"]["full_embedding"], tp
+
+
 # -- the recipe, end to end (orthros-train --config-name rl_tiny_cpu) -------------------------------
 RL_TINY = ["--config-name", "rl_tiny_cpu", "trainer.progress=false", "trainer.wandb.enabled=false",
            "trainer.log_every=0"]  # fmt: skip

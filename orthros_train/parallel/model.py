@@ -274,14 +274,12 @@ class ParallelBlock(OrthrosBlock):
         cache: KVCache | None = None,
         base_feeds_nothing: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if cache is not None:
-            raise ValueError("the parallel model has no KV cache; generate with the single-device model")
         shards = StreamShards(plan, self.shards)
         if self.sequence_parallel and self.first:
             x = scatter_to_sequence_parallel_region(shards.pad(x, shards.base_local)[:, None])[:, 0]
             y = scatter_to_sequence_parallel_region(shards.pad(y, shards.out_local)[:, None])[:, 0]
-        args = (x, y, plan, None, base_feeds_nothing)
-        if self.full_recompute:
+        args = (x, y, plan, cache, base_feeds_nothing)
+        if self.full_recompute and cache is None:  # a cached forward is inference: nothing to recompute
             x, y = checkpoint(super().forward, *args, use_reentrant=False)
         else:
             x, y = super().forward(*args)
@@ -369,7 +367,9 @@ class TensorParallelFactory(ModuleFactory):
         return ParallelBlock(config, layer_idx, self)
 
     def plan(self, config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache | None) -> AttentionPlan:
-        if self.cp > 1:
+        # A cached forward (generation) is not split over CP: every CP rank holds all the weights
+        # and decodes the whole sequence, as under TP alone.
+        if self.cp > 1 and cache is None:
             return context_plan(config, layout, self.cp_rank, self.cp, gather=_gather_context_parallel)
         return plan_for_layout(config, layout, cache)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -34,7 +35,9 @@ from orthros_train.train.rl import (
     load_rollouts,
 )
 
-PolicyFn = Callable[[], torch.nn.Module]  # the current weights as a single-device model (collective)
+# The current policy to sample with, for the length of a ``with`` block (entering is collective):
+# the trainer's own sharded model, never a second copy of it.
+PolicyFn = Callable[[], AbstractContextManager[torch.nn.Module]]
 
 
 class RolloutSource(Protocol):
@@ -82,8 +85,8 @@ class GeneratedRollouts:
         first = step * self.cfg.prompts_per_step + self.dp_rank
         slots = [first + j * self.dp_size for j in range(self.per_rank)]
         prompts, references = self.prompts(slots)
-        policy = self.policy()  # every rank joins: gathering sharded weights is collective
-        rollouts = self.generator(policy, prompts, slots, references)
+        with self.policy() as policy:  # every rank of the TP group decodes the same rows on its shards
+            rollouts = self.generator(policy, prompts, slots, references)
         return rollouts, compute_advantages(rollouts, scale=self.cfg.scale_advantages)
 
     def state_dict(self) -> dict[str, Any]:
@@ -262,8 +265,8 @@ def build_rollout_data(
     dp_size: int,
     logprobs: Callable[[OrthrosLayout], torch.Tensor] | None = None,
 ) -> RolloutData:
-    """The RL recipe's ``task`` as trainer data; ``policy`` gives the current weights to sample
-    with, ``logprobs`` the current policy's log-probs of a layout's labels (both collective)."""
+    """The RL recipe's ``task`` as trainer data; ``policy`` lends the current policy to sample
+    with, ``logprobs`` gives its log-probs of a layout's labels (both collective)."""
     rl, task, t = cfg.rl, cfg.task, cfg.trainer
     assert rl is not None and task is not None
     tokenizer = _tokenizer(cfg)

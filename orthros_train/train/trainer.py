@@ -15,6 +15,8 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -291,9 +293,22 @@ class Trainer:
         finally:
             model.train(was)
 
-    def _sampling_policy(self) -> OrthrosForCausalLM:
-        """The current weights as a single-device model that RL samples rollouts with (collective)."""
-        return self.reference_model().to(self.device).eval()
+    @contextmanager
+    def _sampling_policy(self) -> Iterator[torch.nn.Module]:
+        """The policy RL samples rollouts with: this rank's own shards, no second model. Every
+        rank of a TP group decodes the same rows (the logits are gathered over TP) with the same
+        seeds, so they pick the same tokens; under SP or CP a cached forward runs as under TP
+        alone. Under ZeRO-3 the rank's shards are gathered over DP once for the sampling, and
+        the per-module gather hooks lifted meanwhile (DeepSpeed's own
+        ``unwrap_model_for_generation``), so DP ranks decode their prompts without waiting on
+        each other's forwards (collective on entry and exit)."""
+        if self.cfg.parallel.zero_stage == 3:
+            from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+            with unwrap_model_for_generation(self.engine):
+                yield self.engine.module
+        else:
+            yield self.engine.module
 
     # -- one optimizer step -------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
