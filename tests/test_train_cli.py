@@ -107,3 +107,17 @@ def test_indexed_blend_example_override_trains_with_one_path(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_single_process_with_inherited_launcher_variables_takes_no_port(monkeypatch):
+    """RANK/WORLD_SIZE=1/MASTER_PORT left in the environment (an in-process trainer sets them for
+    DeepSpeed) must not make a one-process run rendezvous on that port: two such runs at once
+    would both try to listen on it."""
+    from orthros_train.train.cli import launcher_env
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "53487"}.items():
+        monkeypatch.setenv(key, value)
+    assert launcher_env().launched is False
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    env = launcher_env()
+    assert env.launched is True and env.world_size == 2 and env.master_port == 53487

@@ -26,7 +26,10 @@ def launcher_env() -> "DistributedEnv":
     """What torchrun / srun set for this process (the only place that reads them)."""
     from orthros_train.parallel.setup import DistributedEnv
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    # A world of one needs no rendezvous: it takes the private in-memory store. Launcher variables
+    # inherited by a single process (e.g. from a parent that ran a trainer in-process) would
+    # otherwise make concurrent runs race for the same MASTER_PORT.
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return DistributedEnv(
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
