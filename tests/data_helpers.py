@@ -55,20 +55,10 @@ def make_tokenizer(folder: Path, vocab_size: int = 1024, chat_template: bool = T
 
 def chatterbot_conversations(limit: int | None = None) -> list[list[dict]]:
     """chatterbot-corpus English dialogues as user/assistant alternating messages."""
-    import yaml
+    from orthros_train.data.embedded import chat_conversations
 
-    out = []
-    for path in sorted((package_dir("chatterbot_corpus") / "data" / "english").glob("*.yml")):
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        for conv in data.get("conversations") or []:
-            turns = [str(t) for t in conv if t is not None]
-            if len(turns) < 2:
-                continue
-            msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-            out.append(msgs)
-            if limit and len(out) >= limit:
-                return out
-    return out
+    convs = chat_conversations("chatterbot")
+    return convs[:limit] if limit else convs
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

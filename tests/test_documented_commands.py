@@ -3,7 +3,7 @@ tiny overrides such as ``trainer.max_steps=2``) or skipped by a listed pattern w
 so a documented command that breaks fails a test and a newly documented one is never skipped
 without a decision: a command matching neither list fails ``test_every_documented_command_is_classified``.
 
-Commands run in order per document, each document in its own fresh working directory (a later
+Commands run in order per document (one test each), in a fresh working directory (a later
 command may use what an earlier one wrote, as the reader would: ``sft_tiny_cpu`` fine-tunes the
 ``tiny_cpu`` run before it).
 """
@@ -124,25 +124,29 @@ def invocation(command: str, overrides: dict[str, str]) -> list[str]:
     return with_overrides(words, overrides)
 
 
-@pytest.mark.slow
-def test_documented_cpu_commands_run(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}  # the launchers find .venv themselves
-    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ran, failed, seen = 0, [], set()
+def runs_by_document() -> dict[str, list[tuple[str, list[str]]]]:
+    """document -> [(command, invocation)] in order; a dry run documented twice runs once (it
+    writes nothing a later command reads)."""
+    out: dict[str, list[tuple[str, list[str]]]] = {}
+    seen = set()
     for doc, command in documented_commands():
         kind, overrides = classify(command)
         if kind != "run":
             continue
         args = invocation(command, overrides)
         if command in seen and "trainer.dry_run=true" in args:
-            continue  # a dry run documented twice is run once (it writes nothing later commands read)
+            continue
         seen.add(command)
-        cwd = tmp_path / doc.removesuffix(".md")
-        cwd.mkdir(exist_ok=True)
-        proc = subprocess.run(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=600)
-        ran += 1
-        if proc.returncode != 0:
-            failed.append(f"{doc}: {command}\n  ran: {shlex.join(args)}\n{proc.stderr[-1500:]}")
-    assert ran >= 5
-    assert not failed, "\n\n".join(failed)
+        out.setdefault(doc, []).append((command, args))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", sorted(runs_by_document()))
+def test_documented_cpu_commands_run(doc, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}  # the launchers find .venv themselves
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for command, args in runs_by_document()[doc]:
+        proc = subprocess.run(args, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, f"{doc}: {command}\n  ran: {shlex.join(args)}\n{proc.stderr[-3000:]}"
