@@ -121,3 +121,13 @@ def test_a_single_process_with_inherited_launcher_variables_takes_no_port(monkey
     monkeypatch.setenv("WORLD_SIZE", "2")
     env = launcher_env()
     assert env.launched is True and env.world_size == 2 and env.master_port == 53487
+
+
+def test_missing_init_from_checkpoint_names_the_key_and_the_fix(tmp_path):
+    proc = run_cli(
+        "--config-name", "tiny_cpu", f"model.init_from={tmp_path / 'nowhere'}", f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.max_steps=1", "trainer.progress=false", "trainer.wandb.enabled=false", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "model.init_from=" in proc.stderr and "does not exist" in proc.stderr and "init_from=null" in proc.stderr
+    assert "Traceback" not in proc.stderr

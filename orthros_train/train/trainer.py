@@ -259,6 +259,15 @@ class Trainer:
         cfg = self.cfg
         if not cfg.init.init_from:
             return build_parallel_model(cfg.model, cfg.parallel, seed=cfg.trainer.seed).to(self.device)
+        source = Path(cfg.init.init_from)
+        if not any(source.glob("*.safetensors")):
+            raise ValueError(
+                f"model.init_from={source} holds no *.safetensors weights"
+                f" ({'it does not exist' if not source.exists() else 'not an Orthros checkpoint directory'}):"
+                " run the job that writes it first (a recipe's comment names it; e.g. sft_tiny_cpu starts"
+                " from `orthros-train --config-name tiny_cpu`), point it at a checkpoint's model/ or"
+                " final/ directory, or set model.init_from=null to start from random weights"
+            )
         model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
         load_reference_shards(model, LazyCheckpoint(cfg.init.init_from), cfg.model)
         return model.to(self.device)
