@@ -78,7 +78,7 @@ def _cache(cfg: DataConfig, *parts: str) -> str:
 
 def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
     """Tokenize the embedded corpus into ``cache_dir`` once; returns (output prefix, tokenizer)."""
-    from orthros_train.data.tokenize import check_cached, write_documents
+    from orthros_train.data.tokenize import check_cached, save_tokenizer_once, write_documents
 
     documents = corpus_documents(cfg.corpus)
     tokenizer = train_tokenizer(documents, cfg.tokenizer_vocab_size, cfg.cache_dir)
@@ -88,14 +88,7 @@ def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
     key = tokenizer.backend_tokenizer.to_str() + "\n" + "\n".join(str(p) for p in files)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = _cache(cfg, "embedded", f"{cfg.corpus}-{cfg.tokenizer_vocab_size}-{digest}")
-    tok_dir = os.path.join(folder, "tokenizer")
-    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-        tmp = f"{tok_dir}.tmp{os.getpid()}"
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, tok_dir)
-        except OSError:  # another process saved it first
-            pass
+    tok_dir = save_tokenizer_once(tokenizer, folder)
     output = os.path.join(folder, "corpus")
     source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files]}
     summary = write_documents(documents, tokenizer, tok_dir, output, EOD_TOKEN, source)

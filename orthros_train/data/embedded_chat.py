@@ -26,7 +26,13 @@ from orthros_train.data.embedded import (
     with_chat_template,
 )
 from orthros_train.data.indexed import resolve_prefixes
-from orthros_train.data.tokenize import check_cached, eod_token_id, load_tokenizer, write_conversations
+from orthros_train.data.tokenize import (
+    check_cached,
+    eod_token_id,
+    load_tokenizer,
+    save_tokenizer_once,
+    write_conversations,
+)
 
 
 def chat_tokenizer(cfg):
@@ -48,14 +54,7 @@ def prepare_embedded_chat(cfg) -> tuple[str, object]:
     key = "\n".join([tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, *map(str, files)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = os.path.join(os.path.expanduser(cfg.cache_dir), "embedded", f"{cfg.corpus}-sft-{digest}")
-    tok_dir = os.path.join(folder, "tokenizer")
-    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-        tmp = f"{tok_dir}.tmp{os.getpid()}"
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, tok_dir)
-        except OSError:  # another process saved it first
-            pass
+    tok_dir = save_tokenizer_once(tokenizer, folder)
     output = os.path.join(folder, "conversations")
     source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files]}
     summary = write_conversations(chat_conversations(cfg.corpus), tokenizer, tok_dir, output, source)

@@ -161,6 +161,21 @@ def _write_one_shard(output, kind, tokenizer, tokenizer_path, eod_token, source,
         return summary
 
 
+def save_tokenizer_once(tokenizer, folder: str) -> str:
+    """``folder/tokenizer``, saved there unless a complete copy exists; returns its path. The
+    save goes to a private folder renamed into place, so concurrent first runs never see half a
+    tokenizer."""
+    tok_dir = os.path.join(folder, "tokenizer")
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        tmp = f"{tok_dir}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, tok_dir)
+        except OSError:  # another process saved it first
+            pass
+    return tok_dir
+
+
 def check_cached(output: str, summary: dict, folder: str) -> None:
     """DataError naming ``folder`` when the cached dataset's shards do not match its summary."""
     try:
