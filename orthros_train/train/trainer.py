@@ -259,17 +259,18 @@ class Trainer:
         cfg = self.cfg
         if not cfg.init.init_from:
             return build_parallel_model(cfg.model, cfg.parallel, seed=cfg.trainer.seed).to(self.device)
-        source = Path(cfg.init.init_from)
-        if not any(source.glob("*.safetensors")):
+        try:
+            weights = LazyCheckpoint(cfg.init.init_from)  # opened first: a bad path fails before any build
+        except FileNotFoundError as exc:
+            where = "it does not exist" if not Path(cfg.init.init_from).exists() else str(exc)
             raise ValueError(
-                f"model.init_from={source} holds no *.safetensors weights"
-                f" ({'it does not exist' if not source.exists() else 'not an Orthros checkpoint directory'}):"
+                f"model.init_from={cfg.init.init_from} holds no *.safetensors weights ({where}):"
                 " run the job that writes it first (a recipe's comment names it; e.g. sft_tiny_cpu starts"
                 " from `orthros-train --config-name tiny_cpu`), point it at a checkpoint's model/ or"
                 " final/ directory, or set model.init_from=null to start from random weights"
-            )
+            ) from exc
         model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
-        load_reference_shards(model, LazyCheckpoint(cfg.init.init_from), cfg.model)
+        load_reference_shards(model, weights, cfg.model)
         return model.to(self.device)
 
     # -- RL -------------------------------------------------------------------------------------
