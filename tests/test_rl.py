@@ -257,6 +257,87 @@ def test_rollouts_jsonl_round_trip_and_clear_errors(tmp_path):
         Rollout([1], [2])
 
 
+def _one_line(tmp_path, record, name="bad.jsonl"):
+    path = tmp_path / name
+    good = {"prompt_ids": [1, 2], "response_ids": [3, 4], "reward": 1.0}
+    path.write_text(json.dumps(good) + "\n" + (record if isinstance(record, str) else json.dumps(record)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ('{"prompt_ids": [1], "response_ids": [2], "reward": NaN}', "NaN is not a number"),
+        ('{"prompt_ids": [1], "response_ids": [2], "reward": Infinity}', "Infinity is not a number"),
+        ('{"prompt_ids": [1], "response_ids": [2], "advantages": [-Infinity]}', "Infinity is not a number"),
+        ('{"prompt_ids": [1], "response_ids": [2], "reward": 1e400}', "reward is inf"),  # json reads 1e400 as inf
+        ({"prompt_ids": [1], "response_ids": [2], "reward": "1.0"}, "reward must be a number, got '1.0'"),
+        ({"prompt_ids": [1], "response_ids": [2], "reward": True}, "reward must be a number, got True"),
+        ({"prompt_ids": [1], "response_ids": [2, 3], "token_rewards": [1, "0"]}, "token_rewards must be a number"),
+        ({"prompt_ids": [1], "response_ids": [4.5], "reward": 1}, "response_ids holds 4.5, not an integer"),
+        ({"prompt_ids": ["7"], "response_ids": [2], "reward": 1}, "prompt_ids holds '7', not an integer"),
+        ({"prompt_ids": [True], "response_ids": [2], "reward": 1}, "prompt_ids holds True"),
+        ({"prompt_ids": "12", "response_ids": [2], "reward": 1}, "prompt_ids must be a list"),
+        ({"prompt_ids": [1], "response_ids": [-3], "reward": 1}, "response_ids holds -3: token ids are >= 0"),
+        ({"prompt_ids": [1], "response_ids": [V], "reward": 1}, f"token id {V}, outside the model's vocabulary"),
+        ({"prompt_ids": [1], "response_ids": [2], "reward": 1, "advantages": 0.5},
+         "exactly one of reward, token_rewards or advantages, got reward and advantages"),
+        ({"prompt_ids": [1], "response_ids": [2], "reward": 1, "token_rewards": [1]}, "got reward and token_rewards"),
+        ({"prompt_ids": [1], "response_ids": [2, 3], "advantages": [1.0]}, "advantages has 1 entries for 2"),
+        ({"prompt_ids": [1], "response_ids": [2], "reward": 1, "logprobs": [float("nan")]}, "NaN is not a number"),
+        ({"prompt_ids": [1], "response_ids": [2], "reward": 1, "group": [1]}, "group must be an integer or a string"),
+        ({"response_ids": [2], "reward": 1}, "missing field.*prompt_ids"),
+        ("[1, 2]", "expected a JSON object"),
+        ("{not json", "Expecting property name"),
+    ],
+)
+def test_rollouts_are_validated_by_type_at_read_time_naming_file_and_line(tmp_path, record, message):
+    """Nothing is coerced (4.5 is not token 4), nothing non-finite reaches the loss, no id reaches
+    the embedding outside the vocabulary: each bad field is refused with the file and line."""
+    path = _one_line(tmp_path, record)
+    with pytest.raises(ValueError, match=rf"bad.jsonl:2: bad rollout: .*{message}"):
+        load_rollouts(path, vocab_size=V)
+
+
+def test_rollouts_file_missing_empty_or_binary_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"task.rollouts=.*nope.jsonl: no such file"):
+        load_rollouts(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match=r"is a directory"):
+        load_rollouts(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl: no rollouts"):
+        load_rollouts(tmp_path / "empty.jsonl")
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match=r"bin.jsonl: not UTF-8"):
+        load_rollouts(tmp_path / "bin.jsonl")
+
+
+def test_a_reward_function_returning_nan_is_named():
+    def nan_reward(prompt, response, ref):
+        return float("nan")
+
+    gen = RolloutGenerator(nan_reward, RLConfig(group_size=2, prompts_per_step=1, max_new_tokens=2))
+    with pytest.raises(ValueError, match=r"reward function 'nan_reward' returned nan: reward is nan"):
+        gen(tiny_model(0).float().eval(), [[1, 2, 3]], [0])
+
+
+def test_trainer_refuses_a_bad_rollouts_file_before_training(tmp_path):
+    save_rollouts(tmp_path / "r.jsonl", make_rollouts(9, with_old=True))
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    record = json.loads(lines[3])
+    record["response_ids"][0] = V + 5  # past model.vocab_size: an IndexError in the embedding before
+    lines[3] = json.dumps(record)
+    (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n")
+    task = {"name": "rollouts", "rollouts": str(tmp_path / "r.jsonl")}
+    rl = {"group_size": 5, "prompts_per_step": 1}
+    with pytest.raises(ValueError, match=rf"r.jsonl:4: bad rollout: response_ids holds token id {V + 5}"):
+        _train(_recipe(tmp_path, task, rl, steps=1))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    task["rollouts"] = str(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match=r"task.rollouts=.*missing.jsonl: no such file"):
+        _train(_recipe(tmp_path, task, rl, steps=1))
+
+
 def test_generation_logprobs_match_the_training_layout():
     """What prefill/decode sampled from is what the rl layout trains: same log-probs."""
     model = tiny_model(6).float().eval()

@@ -102,8 +102,10 @@ class FileRollouts:
     are computed over a step's whole batch (its groups may span ranks), then each rank takes its
     share."""
 
-    def __init__(self, path: str, cfg: RLConfig, draws: int, dp_rank: int, dp_size: int) -> None:
-        self.rollouts = load_rollouts(path)
+    def __init__(
+        self, path: str, cfg: RLConfig, draws: int, dp_rank: int, dp_size: int, vocab_size: int | None = None
+    ) -> None:
+        self.rollouts = load_rollouts(path, vocab_size)  # checked at read time, not mid-run in the embedding
         self.rows = cfg.prompts_per_step * cfg.group_size
         self.cfg = cfg
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -283,7 +285,7 @@ def build_rollout_data(
         source = _prompt_set_source(cfg, task, policy, dp_rank, dp_size, eos)
     else:
         draws = -(-t.max_steps // (rl.minibatches * rl.ppo_epochs)) * rl.minibatches
-        source = FileRollouts(task.rollouts, rl, draws, dp_rank, dp_size)
+        source = FileRollouts(task.rollouts, rl, draws, dp_rank, dp_size, cfg.model.vocab_size)
     return RolloutData(source, rl, t.micro_batch_size, t.grad_accum_steps, dp_size, tokenizer, eos, logprobs, dp_rank)
 
 
