@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"model", "ops", "phase", "parallel", "data", "infer"},
     "study": {"model", "ops", "phase", "parallel", "data", "infer", "convert", "eval", "train"},
     "data_tools": {"data", "phase", "infer"},
+    "serve": {"model", "ops", "phase", "convert"},
 }
 
 

@@ -1,0 +1,202 @@
+"""The output stream's attention over vLLM's GPU paged KV cache, as a Triton kernel.
+
+In vLLM every Orthros layer runs two attention calls on one paged cache: the base stream through
+vLLM's own sliding-window ``Attention`` (which writes the K/V), then the output stream, one query
+per request against every cached key of that request. This module is the second call for GPU
+backends whose cache is laid out as FlashAttention's:
+
+    key_cache, value_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table             [num_reqs, max_blocks_per_req] int32 (physical block of each logical one)
+    seq_lens                [num_reqs] int32, keys of each request including this step's tokens
+    query_start_loc         [num_reqs + 1] int32, this step's tokens per request (row offsets)
+
+It is the paged variant of ``ops/triton_decode.py``: one program per (request, kv head, split)
+computes a partial softmax for all query heads of its GQA group, walking logical key positions
+and reading each key through the block table; the same combine kernel merges the partials.
+
+Graph-safe by construction: the grid depends only on ``num_reqs`` and the fixed ``num_splits``
+(never on a sequence length read from the device), each program reads its request's length on
+the device, and a request with no tokens this step (Model Runner V2 pads ``query_start_loc`` by
+repeating its last entry) is masked: its output row is zero and no key is read. So the wrapper
+does no host sync and CUDA graphs can be captured around it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from orthros_train.ops.triton_decode import COMBINE_BLOCK_S, COMBINE_WARPS, INTERPRET, LOG2E, _decode_combine_kernel
+
+DEFAULT_SPLITS = 16  # programs per (request, kv head): fills an H100/H200 at batch >= 1 on long prompts
+
+
+@triton.jit
+def _paged_split_kernel(
+    Q, KC, VC, BT, SEQ, QSL, OP, LP,
+    stride_qm, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_btr, stride_opm, stride_oph, stride_ops, stride_lpm, stride_lph,
+    n_splits, qk_scale,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1)
+    s = tl.program_id(2)
+    # A padded request (no tokens this step) reads nothing: its key range is empty.
+    n_new = tl.load(QSL + r + 1) - tl.load(QSL + r)
+    seq_len = tl.where(n_new > 0, tl.load(SEQ + r), 0)
+    # Splits of whole cache blocks, sized on the device from this request's length.
+    n_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    per_split = tl.cdiv(n_blocks, n_splits) * BLOCK_SIZE
+    lo = s * per_split
+    hi = tl.minimum(seq_len, lo + per_split)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < D
+    heads = hk * GROUP + offs_g
+    q = tl.load(Q + r * stride_qm + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        c_ok = cols < hi
+        block = tl.load(BT + r * stride_btr + cols // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
+        slot = (cols % BLOCK_SIZE).to(tl.int64)
+        k_rows = block * stride_kb + slot * stride_ks + hk * stride_kh
+        v_rows = block * stride_vb + slot * stride_vs + hk * stride_vh
+        kt = tl.load(KC + k_rows[None, :] + offs_d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(VC + v_rows[:, None] + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        sc = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        sc = tl.where(c_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        p = tl.math.exp2(sc - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    part_lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # base 2
+    # A request with no keys at all gets one finite zero partial, so the combine stays finite.
+    part_lse = tl.where(empty & (s == 0) & (seq_len == 0), 0.0, part_lse)
+    op_ptrs = OP + r * stride_opm + heads[:, None] * stride_oph + s * stride_ops + offs_d[None, :]
+    tl.store(op_ptrs, acc / l_safe[:, None], mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(LP + r * stride_lpm + heads * stride_lph + s, part_lse, mask=g_ok)
+
+
+SPLIT_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def paged_output_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+    num_splits: int = DEFAULT_SPLITS,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query per request over all of its cached keys: ``out [R, Hq, D]``.
+
+    ``q [R, Hq, D]`` holds request r's output-stream query (the token at position
+    ``seq_lens[r] - 1``); ``query_start_loc`` only marks requests without tokens this step,
+    whose rows come back zero. Shapes are checked; values are not (that would sync the host).
+    """
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("the paged output-stream kernel needs CUDA tensors or TRITON_INTERPRET=1")
+    if q.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"q must be [R, Hq, D] and key/value caches [blocks, block_size, Hkv, D] of one shape, got q "
+            f"{tuple(q.shape)}, k {tuple(key_cache.shape)}, v {tuple(value_cache.shape)}"
+        )
+    n_req, h_q, d = q.shape
+    _, block_size, h_kv, d_k = key_cache.shape
+    if d_k != d or h_q % h_kv:
+        raise ValueError(f"head_dim {d} vs cache {d_k}, query heads {h_q} vs kv heads {h_kv}: need equal head_dim "
+                         "and query heads a multiple of kv heads")
+    if block_table.dim() != 2 or block_table.shape[0] < n_req or seq_lens.shape[0] < n_req \
+            or query_start_loc.shape[0] < n_req + 1:
+        raise ValueError(
+            f"block_table [R, blocks] / seq_lens [R] / query_start_loc [R+1] must cover R={n_req} requests, got "
+            f"{tuple(block_table.shape)}, {tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}"
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("the caches and the block table must be contiguous in their last dimension")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    group = h_q // h_kv
+    if out is None:
+        out = torch.empty_like(q)
+    if n_req == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_n = block_n or (16 if INTERPRET else SPLIT_LAUNCH["BLOCK_N"])
+    block_d = max(16, triton.next_power_of_2(d))
+    part_o = torch.empty((n_req, h_q, num_splits, d), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((n_req, h_q, num_splits), dtype=torch.float32, device=q.device)
+    lse = torch.empty((h_q, n_req), dtype=torch.float32, device=q.device)
+    _paged_split_kernel[(n_req, h_kv, num_splits)](
+        q, key_cache, value_cache, block_table, seq_lens, query_start_loc, part_o, part_l,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        num_splits, scale * LOG2E,
+        BLOCK_SIZE=block_size, GROUP=group, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=INTERPRET or q.dtype == torch.float32, PRECISION="ieee",
+        num_warps=SPLIT_LAUNCH["num_warps"], num_stages=1 if INTERPRET else SPLIT_LAUNCH["num_stages"],
+    )
+    _decode_combine_kernel[(n_req, h_q)](
+        part_o, part_l, out, lse, n_req, num_splits,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        out.stride(0), out.stride(1),
+        D=d, BLOCK_S=min(COMBINE_BLOCK_S, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
+        num_warps=COMBINE_WARPS,
+    )
+    return out
+
+
+def paged_output_attention_reference(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The same contract in plain torch: gather each request's keys through its block table."""
+    n_req, h_q, d = q.shape
+    block_size, h_kv = key_cache.shape[1], key_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = torch.zeros_like(q)
+    for r in range(n_req):
+        n = int(seq_lens[r])
+        if int(query_start_loc[r + 1]) == int(query_start_loc[r]) or n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        blocks = block_table[r, pos // block_size].long()
+        k = key_cache[blocks, pos % block_size].float()  # [n, Hkv, D]
+        v = value_cache[blocks, pos % block_size].float()
+        k = k.repeat_interleave(h_q // h_kv, dim=1)
+        v = v.repeat_interleave(h_q // h_kv, dim=1)
+        probs = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * scale, dim=-1)
+        out[r] = torch.einsum("hn,nhd->hd", probs, v).to(q.dtype)
+    return out
