@@ -442,8 +442,10 @@ def test_cli_from_hf_to_hf_verify(hf_dirs, tmp_path, capsys):
     assert convert_main(["verify", str(src), str(tmp_path / "o")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["tokens"] == W and result["max_abs_diff"] <= 1e-4 and result["argmax_agreement"] == 1.0
-    assert convert_main(["verify", str(src), str(tmp_path / "o"), "--tokens", str(W + 1)]) == 2
-    assert "exceeds the window" in capsys.readouterr().err
+    # Beyond W the converted model is compared as the dense model it equals (gamma=1, beta=0).
+    assert convert_main(["verify", str(src), str(tmp_path / "o"), "--length", str(4 * W)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] == result["window"] == 4 * W and result["max_abs_diff"] <= 1e-4
     assert convert_main(["to-hf", str(tmp_path / "o"), str(tmp_path / "h"), "--dtype", "bfloat16"]) == 0
     assert json.loads((tmp_path / "h" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     # A trainer checkpoint keeps neither tokenizer nor token ids: --tokenizer brings both.
@@ -498,3 +500,113 @@ def test_exported_tokenizer_loads_without_custom_code_or_a_prompt(orthros_dir, t
     source = load_tokenizer(tok_dir)
     expected = source("The most important thing about startups")["input_ids"]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        # transformers 5 loads rope_scaling over rope_parameters: this file runs dynamic RoPE
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+          "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+          "rope_scaling": {"type": "longrope", "factor": 2.0}}, "'longrope'"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         "partial_rotary_factor=0.5"),
+        ({"rope_parameters": _DROP, "rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta must be a positive"),
+        ({"rope_parameters": [1, 2]}, "rope_parameters must be a dict"),
+    ],
+)
+def test_from_hf_refuses_rope_it_cannot_reproduce_in_either_config_style(hf_dirs, tmp_path, changes, message):
+    src = _edit_config(hf_dirs["llama"], tmp_path / "src", **changes)
+    with pytest.raises(ConversionError, match=message):
+        convert_from_hf(src, tmp_path / "dst", sliding_window=W)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_from_hf_takes_the_rope_transformers_loads_when_both_styles_are_present(hf_dirs, tmp_path, capsys):
+    """rope_scaling wins whole over rope_parameters (rope_theta falling back to the class
+    default): the converted model must run that RoPE, and verify beyond W must agree."""
+    src = _edit_config(
+        hf_dirs["llama"], tmp_path / "src",
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+    )
+    hf_cfg = transformers.AutoConfig.from_pretrained(src)
+    convert_from_hf(src, tmp_path / "o", sliding_window=W)
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    assert cfg["rope_theta"] == hf_cfg.rope_parameters["rope_theta"]
+    assert convert_main(["verify", str(src), str(tmp_path / "o"), "--tokens", str(3 * W)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["max_abs_diff"] <= 1e-4
+    # the same weights with the RoPE the file seems to say (rope_parameters) are a different model
+    (tmp_path / "o" / "config.json").write_text(json.dumps({**cfg, "rope_scaling": None, "rope_theta": 500000.0}))
+    assert convert_main(["verify", str(src), str(tmp_path / "o"), "--tokens", str(3 * W)]) == 1
+
+
+def test_verify_beyond_the_window_refuses_a_trained_output_affine(hf_dirs, tmp_path, capsys):
+    convert_from_hf(hf_dirs["llama"], tmp_path / "o", sliding_window=W)
+    state = safetensors.torch.load_file(tmp_path / "o" / "model.safetensors")
+    state["layers.0.self_attn.gamma"] += 0.1
+    safetensors.torch.save_file(state, tmp_path / "o" / "model.safetensors")
+    assert convert_main(["verify", str(hf_dirs["llama"]), str(tmp_path / "o"), "--tokens", str(2 * W)]) == 2
+    assert "no longer the identity" in capsys.readouterr().err
+    assert convert_main(["verify", str(hf_dirs["llama"]), str(tmp_path / "o"), "--tokens", "0"]) == 2
+    assert "--tokens 0: must be >= 1" in capsys.readouterr().err
+    assert convert_main(["verify", str(tmp_path / "nope"), str(tmp_path / "o")]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--window", "0"], "--window 0: the base-stream window W must be >= 1"),
+        (["--window", "-3"], "--window -3"),
+        (["--max-shard-size", "4XB"], "max shard size '4XB' is not a size"),
+        (["--max-shard-size", "0"], "max shard size '0' is not positive"),
+        (["--max-shard-size=-1GB"], "is not positive"),
+    ],
+)
+def test_cli_bad_arguments_are_refused_before_the_destination_exists(hf_dirs, tmp_path, capsys, args, message):
+    assert convert_main(["from-hf", str(hf_dirs["llama"]), str(tmp_path / "dst"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_attention_heads": _DROP}, r"required field\(s\) \['num_attention_heads'\] missing"),
+        ({"hidden_size": _DROP, "vocab_size": _DROP}, r"\['vocab_size', 'hidden_size'\]"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0: must be positive integers"),
+        ({"hidden_size": "64"}, "hidden_size='64': must be positive integers"),
+    ],
+)
+def test_from_hf_incomplete_config_is_named(hf_dirs, tmp_path, capsys, changes, message):
+    src = _edit_config(hf_dirs["llama"], tmp_path / "src", **changes)
+    assert convert_main(["from-hf", str(src), str(tmp_path / "dst")]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err
+    with pytest.raises(ConversionError, match=message):
+        convert_from_hf(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_failed_write_leaves_no_destination_and_unwritable_is_named(hf_dirs, tmp_path, monkeypatch, capsys):
+    import orthros_train.convert.checkpoint_io as io
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(io, "write_sharded", full_disk)
+    with pytest.raises(ConversionError, match="No space left on device.*nothing was kept"):
+        convert_from_hf(hf_dirs["llama"], tmp_path / "dst", sliding_window=W)
+    assert not (tmp_path / "dst").exists()
+    monkeypatch.undo()
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        assert convert_main(["from-hf", str(hf_dirs["llama"]), str(ro / "dst")]) == 2
+        assert "cannot create destination" in capsys.readouterr().err

@@ -67,15 +67,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_size(size: str | int) -> int:
-    """``"4GB"``, ``"500MB"``, ``"2GiB"`` or a byte count."""
+    """``"4GB"``, ``"500MB"``, ``"2GiB"`` or a byte count; anything else (or <= 0) is refused."""
+    fix = "use a positive size such as 4GB, 500MB, 2GiB or a byte count (--max-shard-size)"
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ConversionError(f"max shard size {size!r} is not a size: {fix}")
     if isinstance(size, int):
-        return size
-    text = size.strip().upper().replace(" ", "")
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+        value = size
+    else:
+        text = size.strip().upper().replace(" ", "")
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        number, factor = text, 1
+        for unit, f in units.items():
+            if text.endswith(unit):
+                number, factor = text[: -len(unit)], f
+                break
+        try:
+            value = int(float(number) * factor)
+        except (ValueError, OverflowError):
+            raise ConversionError(f"max shard size {size!r} is not a size: {fix}") from None
+    if value <= 0:
+        raise ConversionError(f"max shard size {size!r} is not positive: {fix}")
+    return value
 
 
 def read_json(path: Path, fix: str) -> dict:
@@ -272,7 +284,34 @@ def prepare_destination(src: Path, dst: Path, overwrite: bool) -> None:
         for stale in [*dst.glob("*.safetensors"), dst / INDEX_NAME, dst / CONFIG_NAME]:
             if stale.is_file():
                 stale.unlink()
-    dst.mkdir(parents=True, exist_ok=True)
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConversionError(
+            f"cannot create destination {dst} ({err.strerror or err}); choose a writable directory"
+        ) from err
+
+
+def write_destination(
+    src: Path,
+    dst: Path,
+    overwrite: bool,
+    plan: list[PlannedTensor],
+    produce: Callable[[PlannedTensor], torch.Tensor],
+    max_shard_bytes: int,
+) -> list[Path]:
+    """``prepare_destination`` + ``write_sharded``; a destination this call created is removed
+    again when writing fails (a full disk, a corrupt source tensor), so nothing half-written stays."""
+    created = not dst.exists() or (dst.is_dir() and not any(dst.iterdir()))
+    prepare_destination(src, dst, overwrite)
+    try:
+        return write_sharded(dst, plan, produce, max_shard_bytes)
+    except BaseException as err:
+        if created:
+            shutil.rmtree(dst, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise ConversionError(f"writing {dst} failed ({err.strerror or err}); nothing was kept") from err
+        raise
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

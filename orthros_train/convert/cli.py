@@ -2,7 +2,7 @@
 
     orthros-convert from-hf SRC DST [--window 128] [--dtype auto] [--max-shard-size 4GB]
     orthros-convert to-hf   SRC DST [--dtype auto] [--tokenizer DIR]
-    orthros-convert verify  HF_DIR ORTHROS_DIR [--tokens 128]
+    orthros-convert verify  HF_DIR ORTHROS_DIR [--tokens 128]   (--tokens > W: as the dense model)
     orthros-convert gguf-to-hf SRC.gguf|smollm2 DST
 
 ``verify`` runs both checkpoints on the same random tokens and prints the largest logit
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, check_safetensors_files
+from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, check_safetensors_files, read_json
 from orthros_train.convert.from_hf import DEFAULT_WINDOW, convert_from_hf
 from orthros_train.convert.to_hf import convert_to_hf
 
@@ -46,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="compare the logits of an HF checkpoint and an Orthros one")
     p.add_argument("hf_dir", type=Path, help="HF directory (source of from-hf, or output of to-hf)")
     p.add_argument("orthros_dir", type=Path, help="Orthros checkpoint directory")
-    p.add_argument("--tokens", type=int, default=None, help="sequence length (default: the window W)")
+    p.add_argument(
+        "--tokens", "--length", type=int, default=None, dest="tokens",
+        help="sequence length (default: the window W); beyond W a converted model is checked as the dense "
+        "model it equals (its window raised to the length: exact while gamma=1, beta=0, as from-hf writes)",
+    )
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--atol", type=float, default=1e-3, help="fail above this max |logit difference|")
@@ -64,16 +68,31 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
 
     from orthros_train.model import OrthrosForCausalLM
 
+    for name, value in (("--tokens", tokens), ("--batch", batch)):
+        if value is not None and value < 1:
+            raise ConversionError(f"{name} {value}: must be >= 1")
+    for directory in (hf_dir, orthros_dir):
+        if not (directory / "config.json").is_file():
+            raise ConversionError(f"{directory / 'config.json'} not found: verify takes two checkpoint directories")
     check_safetensors_files(orthros_dir)
     check_safetensors_files(hf_dir)
     orthros = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
     window = orthros.config.sliding_window
-    hf_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
-    # A converted dense model equals its source only inside the window; an export equals its
-    # Orthros checkpoint everywhere.
+    hf_type = read_json(hf_dir / "config.json", "verify takes an HF directory").get("model_type")
     length = tokens or window
-    if hf_type != "orthros" and length > window:
-        raise ConversionError(f"--tokens {length} exceeds the window {window}: the models differ beyond it")
+    checked_window = window
+    if hf_type != "orthros" and length > window and orthros.config.attention_type == "orthros":
+        # A converted dense model equals its source only inside the window, but with W >= T it is
+        # the dense model itself while the output affine is the identity. Raising W (a config field,
+        # no weight changes) lets RoPE scaling and long positions be compared beyond W.
+        if not _identity_output_affine(orthros):
+            raise ConversionError(
+                f"--tokens {length} exceeds the window {window}, and this checkpoint's output-stream affine "
+                "(gamma, beta) is no longer the identity, so it is not equal to a dense model beyond W; "
+                f"compare at --tokens <= {window}"
+            )
+        orthros = OrthrosForCausalLM.from_pretrained(orthros_dir, sliding_window=length).eval()
+        checked_window = length
     hf = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, trust_remote_code=hf_type == "orthros"
     ).eval()
@@ -85,14 +104,31 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
     return {
         "tokens": length,
         "batch": batch,
+        "window": checked_window,
         "max_abs_diff": float((a - b).abs().max()),
         "max_abs_logit": float(a.abs().max()),
         "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
     }
 
 
+def _identity_output_affine(model) -> bool:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("self_attn.gamma") and not bool((param == 1).all()):
+                return False
+            if name.endswith("self_attn.beta") and not bool((param == 0).all()):
+                return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "window", 1) < 1:
+        print(f"orthros-convert: error: --window {args.window}: the base-stream window W must be >= 1 "
+              f"(default {DEFAULT_WINDOW})", file=sys.stderr)
+        return 2
     try:
         if args.command == "from-hf":
             report = convert_from_hf(args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite)
@@ -115,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"orthros-convert: logits differ by more than --atol {args.atol}", file=sys.stderr)
                 return 1
     except ConversionError as err:
+        print(f"orthros-convert: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # an unreadable source or unwritable destination: named, no traceback
         print(f"orthros-convert: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -30,9 +30,8 @@ from orthros_train.convert.checkpoint_io import (
     dtype_name,
     parse_dtype,
     parse_size,
-    prepare_destination,
     read_json,
-    write_sharded,
+    write_destination,
 )
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import ROPE_REQUIRED_KEYS, ROPE_TYPES, YARN_OPTIONAL_KEYS
@@ -55,17 +54,20 @@ _SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoi
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from a v4 (``rope_theta`` + ``rope_scaling``) or v5
     (``rope_parameters``) config; rope types Orthros does not implement are refused."""
-    params = hf.get("rope_parameters")
-    if params is not None and not isinstance(params, dict):
-        raise ConversionError(f"rope_parameters must be a dict, got {params!r}")
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ConversionError(f"{key} must be a dict, got {hf[key]!r}")
+    params = _resolved_rope(hf)
     if params and all(isinstance(v, dict) for v in params.values()):
         # Per-layer-type RoPE ({"full_attention": {...}, "sliding_attention": {...}}).
         kinds = sorted(params)
         if kinds != ["full_attention"]:
             raise ConversionError(f"per-layer-type rope_parameters {kinds} are not supported")
         params = params["full_attention"]
-    scaling = dict(params) if params else (dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None)
+    scaling = dict(params) if params else None
     theta = (params or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ConversionError(f"rope_theta must be a positive number, got {theta!r}")
     if scaling is None:
         return float(theta), None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -99,6 +101,43 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise ConversionError(f"{kind} rope_scaling is missing {missing}")
     kept = {k: scaling[k] for k in (*ROPE_REQUIRED_KEYS[kind], *optional) if scaling.get(k) is not None}
     return float(theta), {"rope_type": kind, **kept}
+
+
+def _resolved_rope(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """The RoPE parameters transformers itself runs for this config.
+
+    Both spellings may sit in one file (a v5 ``rope_parameters`` beside a legacy
+    ``rope_scaling``), and transformers' precedence is not the obvious one: ``rope_scaling`` wins
+    whole (``convert_rope_params_to_dict``), ``rope_theta`` then comes from the top level or the
+    class default. Rather than re-implement that, let the library's config class resolve it, so
+    the converted model gets the RoPE the HF model is loaded with.
+    """
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # no transformers: the file's own fields, v5 spelling first
+        params = hf.get("rope_parameters") or hf.get("rope_scaling")
+        return dict(params) if params else None
+    import logging
+    import warnings
+
+    config_class = CONFIG_MAPPING[hf["model_type"]]
+    hf_logger = logging.getLogger("transformers")
+    level = hf_logger.level
+    hf_logger.setLevel(logging.ERROR)  # its rope-validation notes are about the source, not ours
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = config_class.from_dict(json.loads(json.dumps(hf)))  # a copy: it mutates dicts
+    except (TypeError, ValueError, KeyError) as err:
+        raise ConversionError(f"transformers cannot load this config ({err})") from err
+    finally:
+        hf_logger.setLevel(level)
+    if hasattr(config, "rope_parameters"):  # transformers 5: one standardized dict
+        params = config.rope_parameters
+        return dict(params) if params else None
+    # transformers 4: rope_theta beside a validated rope_scaling
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
 
 
 def orthros_config_from_hf(
@@ -152,7 +191,17 @@ def orthros_config_from_hf(
     if hf.get("attention_chunk_size"):
         raise refuse("attention_chunk_size (chunked attention) is not supported")
 
-    rope_theta, rope_scaling = _rope_from_hf(hf)
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise refuse(f"required field(s) {missing} missing: this is not a complete {model_type} config.json")
+    bad = [k for k in required if isinstance(hf[k], bool) or not isinstance(hf[k], int) or hf[k] <= 0]
+    if bad:
+        raise refuse(f"{', '.join(f'{k}={hf[k]!r}' for k in bad)}: must be positive integers")
+    try:
+        rope_theta, rope_scaling = _rope_from_hf(hf)
+    except ConversionError as err:
+        raise refuse(str(err)) from err
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     provenance = {
@@ -186,6 +235,8 @@ def orthros_config_from_hf(
         )
     except KeyError as err:
         raise refuse(f"required field {err.args[0]!r} is missing") from err
+    except (TypeError, ValueError) as err:  # what OrthrosConfig refuses, e.g. --window 0
+        raise refuse(str(err)) from err
 
 
 def expected_state(config: OrthrosConfig) -> dict[str, tuple[int, ...]]:
@@ -253,6 +304,7 @@ def convert_from_hf(
     hf = read_json(src / CONFIG_NAME, SRC_FIX)
     config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME))
     cast = parse_dtype(dtype)
+    shard_bytes = parse_size(max_shard_size)  # before anything is created
     expected = expected_state(config)
 
     with SafetensorsReader(src, SRC_FIX) as reader:
@@ -305,8 +357,7 @@ def convert_from_hf(
                 return torch.zeros(t.shape, dtype=t.dtype)
             return reader.get(source_of[t.name]).to(t.dtype)
 
-        prepare_destination(src, dst, overwrite)
-        files = write_sharded(dst, plan, produce, parse_size(max_shard_size))
+        files = write_destination(src, dst, overwrite, plan, produce, shard_bytes)
 
     if cast is not None:
         config.extra["hf"]["torch_dtype"] = dtype_name(cast)

@@ -31,9 +31,8 @@ from orthros_train.convert.checkpoint_io import (
     dtype_name,
     parse_dtype,
     parse_size,
-    prepare_destination,
     read_json,
-    write_sharded,
+    write_destination,
 )
 from orthros_train.convert.from_hf import ConversionReport, expected_state
 from orthros_train.convert.remote_code import REMOTE_CODE_DIR, REMOTE_CODE_FILES
@@ -121,6 +120,7 @@ def convert_to_hf(
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ConversionError(f"--tokenizer {tokenizer} is not a directory")
     cast = parse_dtype(dtype)
+    shard_bytes = parse_size(max_shard_size)  # before anything is created
     expected = expected_state(config)
 
     with SafetensorsReader(src, SRC_FIX) as reader:
@@ -146,8 +146,7 @@ def convert_to_hf(
             name = t.name if t.name == "lm_head.weight" else t.name[len("model.") :]
             return reader.get(name).to(t.dtype)
 
-        prepare_destination(src, dst, overwrite)
-        files = write_sharded(dst, plan, produce, parse_size(max_shard_size))
+        files = write_destination(src, dst, overwrite, plan, produce, shard_bytes)
 
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(REMOTE_CODE_DIR / name, dst / name)
