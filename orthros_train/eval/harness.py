@@ -11,12 +11,21 @@ import torch
 from orthros_train.eval.common import environment
 
 
+def _require_lm_eval() -> None:
+    """lm-eval is an optional extra: say how to get it instead of a bare ModuleNotFoundError."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ImportError("orthros-eval lm-eval needs lm-evaluation-harness: pip install 'orthros-train[eval]'")
+
+
 def task_manager(tasks: Sequence[str], include_paths: Sequence[str | Path] = (), tasks_dir: str | Path | None = None):
     """A TaskManager that knows the example tasks (written on demand) and the user's folders.
 
     lm-eval's built-in task index (thousands of YAMLs) is only loaded when a requested task is
     not found in the local folders.
     """
+    _require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     from orthros_train.eval.tasks import EXAMPLE_TASKS, TAG, default_tasks_dir, write_example_tasks
@@ -44,6 +53,7 @@ def run_lm_eval(
     seed: int = 1234,
 ) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` through ``OrthrosLM``; returns the JSON-ready results."""
+    _require_lm_eval()
     import lm_eval
 
     from orthros_train.eval.lm_eval_adapter import OrthrosLM

@@ -25,7 +25,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("the lm-eval adapter needs lm-evaluation-harness: pip install lm_eval") from exc
+    raise ImportError("the lm-eval adapter needs lm-evaluation-harness: pip install 'orthros-train[eval]'") from exc
 
 from orthros_train.infer.generate import cut_at_stop, generate
 from orthros_train.infer.loading import load_model, load_tokenizer

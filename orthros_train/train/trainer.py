@@ -8,10 +8,12 @@ in the layouts the data produces.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -56,7 +58,12 @@ from orthros_train.train.metrics import (
 )
 from orthros_train.train.optim import build_optimizer, lr_at
 from orthros_train.train.rl import GRPOObjective, response_logprobs
-from orthros_train.train.run_dir import check_resume
+from orthros_train.train.run_dir import check_fresh_start, check_resume
+from orthros_train.train.run_lock import RunLock
+
+# Signals that stop a run after the current step with a checkpoint: SIGTERM/SIGUSR1 (schedulers,
+# preemption; exit 0 so the job can be requeued) and SIGINT (Ctrl-C; the CLI exits 130 after the save).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def seed_everything(seed: int) -> None:
@@ -86,7 +93,10 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
             "recompute": cfg.parallel.recompute,
             "world_size": cfg.parallel.world_size,
         },
+        # derived from the world size (orthros_train/train/config.py resolve_batch_geometry)
         "global_batch_size": cfg.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "grad_accum_steps": t.grad_accum_steps,
         "tokens_per_step": cfg.tokens_per_step,
         "total_steps": t.max_steps,
         "total_tokens": t.max_steps * cfg.tokens_per_step,
@@ -134,8 +144,14 @@ def tensor_parallel_grad_norm(model: torch.nn.Module) -> float:
 
 class Trainer:
     def __init__(
-        self, cfg: RunConfig, resolved_recipe: dict[str, Any] | None = None, env: DistributedEnv | None = None
+        self,
+        cfg: RunConfig,
+        resolved_recipe: dict[str, Any] | None = None,
+        env: DistributedEnv | None = None,
+        job_id: str | None = None,
     ) -> None:
+        """``job_id``: the scheduler's job id (``SLURM_JOB_ID``, read by the entry point): a
+        requeued job takes its own run-directory lock over."""
         self.cfg = cfg
         self.recipe = resolved_recipe or {}
         t, p = cfg.trainer, cfg.parallel
@@ -149,6 +165,7 @@ class Trainer:
         self.is_main = dist.get_rank() == 0
         self._check_memory_fit()
         self.run_dir = Path(t.run_dir)
+        self.run_lock = self._lock_run_dir(job_id)  # before anything reads or writes the directory
         seed_everything(t.seed)
         dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         if cfg.rl is not None:  # RL: rollouts sampled with the current weights, or read from a file
@@ -220,8 +237,38 @@ class Trainer:
             recipe=self.recipe,
         )
 
+    def _lock_run_dir(self, job_id: str | None) -> RunLock | None:
+        """Rank 0 takes the run directory's lock (released at exit, ``close``); every rank learns
+        the outcome, so a refused launch stops on all of them with rank 0's message (collective)."""
+        lock, problem = None, ""
+        if self.is_main:
+            lock = RunLock(self.run_dir, job_id=job_id)
+            try:
+                lock.acquire()
+                atexit.register(lock.release)  # any normal exit, an error included, frees the directory
+            except ValueError as exc:
+                lock, problem = None, str(exc)
+        outcome = [problem]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[0]:
+            raise ValueError(outcome[0])
+        return lock
+
+    def close(self) -> None:
+        """Release the run directory (the process may go on, e.g. a test or a notebook)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
     def _resume(self) -> Path | None:
         mode = self.cfg.trainer.resume
+        stale = check_fresh_start(self.run_dir, mode, self.cfg.trainer.overwrite)
+        if stale:  # trainer.overwrite=true: the run that was here goes first
+            if self.is_main:
+                print(f"trainer.overwrite=true: deleting the previous run's {', '.join(stale)}", file=sys.stderr)
+                for path in map(Path, stale):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+            dist.barrier()
         if mode == "none":
             return None
         if mode == "auto":
@@ -269,6 +316,8 @@ class Trainer:
                 " from `orthros-train --config-name tiny_cpu`), point it at a checkpoint's model/ or"
                 " final/ directory, or set model.init_from=null to start from random weights"
             ) from exc
+        except ValueError as exc:  # a truncated or corrupt weights file, named with its size
+            raise ValueError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
         model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
         load_reference_shards(model, weights, cfg.model)
         return model.to(self.device)
@@ -408,6 +457,21 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self._stop_signal == signal.SIGINT:
+                # A second Ctrl-C: leave now. A save in progress is in a hidden temporary directory
+                # until its atomic rename, so the checkpoints already published stay intact.
+                sys.stderr.write("orthros-train: second Ctrl-C: exiting at once without saving\n")
+                sys.stderr.flush()
+                if self.run_lock is not None:
+                    self.run_lock.release()
+                os._exit(130)
+            if self.is_main:
+                sys.stderr.write(
+                    f"orthros-train: Ctrl-C: finishing step {self.step + 1}, saving a checkpoint, then exiting "
+                    "(Ctrl-C again exits at once without saving)\n"
+                )
+                sys.stderr.flush()
         self._stop_signal = signum  # acted on at the end of the current step
 
     def _should_stop(self) -> bool:
@@ -416,13 +480,24 @@ class Trainer:
         return bool(flag.item())
 
     def fit(self) -> dict[str, Any]:
+        """Train to ``trainer.max_steps`` (or a stop signal), save and export. The stop signals'
+        handlers stay installed through the final save: a Ctrl-C there is a second one."""
+        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        try:
+            return self._fit()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _fit(self) -> dict[str, Any]:
         t = self.cfg.trainer
         log = None
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.json").write_text(json.dumps(self.recipe, indent=2, default=str))
             log = MetricsLog(self.run_dir, self._wandb())
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
         progress = _progress(t.max_steps, enabled=t.progress and self.is_main, initial=self.step)
         history: list[dict[str, Any]] = []
         eval_loss = None
@@ -504,16 +579,21 @@ class Trainer:
             progress.close()
             if log is not None:
                 log.close()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
         if not history and self.resumed_from is not None:
             saved: Path | None = self.resumed_from  # resumed at the end: nothing new to save
         else:
             saved = self.save_checkpoint(asynchronous=False)  # the process is about to end
         if preempted:
             if self.is_main:
-                print(f"stopped by signal {self._stop_signal} at step {self.step}; checkpoint {saved}", flush=True)
-            return {"history": history, "eval_loss": eval_loss, "checkpoint": str(saved), "preempted": True}
+                name = "Ctrl-C" if self._stop_signal == signal.SIGINT else f"signal {self._stop_signal}"
+                print(f"stopped by {name} at step {self.step}; checkpoint {saved}", flush=True)
+            return {
+                "history": history,
+                "eval_loss": eval_loss,
+                "checkpoint": str(saved),
+                "preempted": True,
+                "signal": self._stop_signal,
+            }
         if saved is None:
             raise CheckpointError(f"the final checkpoint of step {self.step} could not be saved (see above)")
         final_dir = self.export("final")
@@ -564,7 +644,13 @@ class Trainer:
         w = self.cfg.trainer.wandb
         if not w.enabled or w.mode == "disabled":
             return None
-        import wandb
+        try:  # optional: a machine without wandb (the GPU image) trains with trainer.wandb.enabled=false
+            import wandb
+        except ImportError as err:
+            raise ValueError(
+                f"trainer.wandb.enabled=true but wandb cannot be imported ({err}): install it "
+                "(pip install 'orthros-train[wandb]') or pass trainer.wandb.enabled=false"
+            ) from None
 
         run = wandb.init(
             project=w.project,

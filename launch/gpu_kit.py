@@ -1,0 +1,448 @@
+"""Build the GPU-node kit: wheels of every runtime dependency that the GPU image lacks.
+
+The GPU node runs a fixed image (``docker/gpu_image_packages.txt``: CPython 3.12 with torch,
+triton and transformers, no megatron-core, DeepSpeed, Hydra, OmegaConf or datasets) and has no
+package registry. This script walks the dependency tree of orthros-train (the ``dependencies`` of
+pyproject.toml; optional extras such as wandb, gguf and lm_eval stay out) for Python 3.12 on
+linux x86_64, stops at every package the image has (its version must satisfy the requirement),
+pins every other package to the version installed in the environment running the script (the
+project's venv, so tests run what ships), downloads those as CPython 3.12 manylinux x86_64 wheels
+(DeepSpeed, a source package, is built here as a pure wheel with ``DS_BUILD_OPS=0``), checks the
+folder resolves against the image from the wheels' own metadata, and prints the install line for
+the node::
+
+    python launch/gpu_kit.py                 # -> build/gpu_kit/ (make gpu-kit)
+    python launch/gpu_kit.py --check build/gpu_kit
+
+The kit is written to a temporary folder beside the target and replaces it only once it is
+complete and verified: a failed download leaves the previous kit as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+try:
+    from packaging import tags
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import InvalidWheelFilename, NormalizedName, canonicalize_name, parse_wheel_filename
+    from packaging.version import InvalidVersion, Version
+except ModuleNotFoundError:  # pragma: no cover - depends on the interpreter
+    sys.exit("gpu_kit: needs the `packaging` library: run it with the project's venv (.venv/bin/python)")
+
+log = logging.getLogger("gpu_kit")
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_IMAGE = REPO / "docker" / "gpu_image_packages.txt"
+DEFAULT_OUT = REPO / "build" / "gpu_kit"
+MAX_KIT_BYTES = 48 * 2**20  # 64 MiB may travel with a run; the repository needs the rest
+TARGET_PYTHON = (3, 12)
+# glibc 2.17 .. 2.28: the image's torch wheels are manylinux_2_28, so its glibc is at least 2.28.
+# pip matches each manylinux_2_N tag exactly, hence one --platform per N.
+MANYLINUX_GLIBC_MINORS = tuple(range(17, 29))
+# Packages that publish no wheel (source archives only): built here, with the environment each
+# needs to stay pure Python (a py3-none-any wheel installs on the node whatever builds it here).
+SOURCE_BUILDS: Mapping[str, Mapping[str, str]] = {
+    "deepspeed": {"DS_BUILD_OPS": "0"},  # no C++/CUDA ops compiled in; DeepSpeed JIT-builds what it uses
+    "antlr4-python3-runtime": {},  # 4.9.3, the version hydra-core 1.3 and omegaconf 2.3 pin
+}
+NODE_TARGET = "/tmp/orthros_kit"
+
+
+class KitError(RuntimeError):
+    """The kit cannot be built or does not resolve; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The interpreter and platform the kit is for (CPython 3.12, linux x86_64 by default)."""
+
+    python: tuple[int, int] = TARGET_PYTHON
+    glibc_minors: tuple[int, ...] = MANYLINUX_GLIBC_MINORS
+
+    @property
+    def python_str(self) -> str:
+        return f"{self.python[0]}.{self.python[1]}"
+
+    def platforms(self) -> list[str]:
+        plats = [f"manylinux_2_{n}_x86_64" for n in sorted(self.glibc_minors, reverse=True)]
+        if 17 in self.glibc_minors:
+            plats.append("manylinux2014_x86_64")  # the legacy alias of manylinux_2_17
+        return plats
+
+    def marker_environment(self, extra: str = "") -> dict[str, str]:
+        """PEP 508 marker variables of the target interpreter (not of the one running this)."""
+        full = f"{self.python_str}.0"
+        return {
+            "implementation_name": "cpython",
+            "implementation_version": full,
+            "os_name": "posix",
+            "platform_machine": "x86_64",
+            "platform_python_implementation": "CPython",
+            "platform_release": "",
+            "platform_system": "Linux",
+            "platform_version": "",
+            "python_full_version": full,
+            "python_version": self.python_str,
+            "sys_platform": "linux",
+            "extra": extra,
+        }
+
+    def wheel_tags(self) -> frozenset[tags.Tag]:
+        """Every tag a wheel may carry to install on the target."""
+        abi = f"cp{self.python[0]}{self.python[1]}"
+        plats = self.platforms()
+        found = set(tags.cpython_tags(self.python, abis=[abi, "abi3", "none"], platforms=plats))
+        found |= set(tags.compatible_tags(self.python, interpreter=abi, platforms=plats))
+        return frozenset(found)
+
+    def wants(self, req: Requirement, extra: str = "") -> bool:
+        return req.marker is None or req.marker.evaluate(self.marker_environment(extra))
+
+
+def read_image(path: Path) -> dict[NormalizedName, Version]:
+    """The image's packages: ``name==version`` per line, ``#`` comments, blank lines ignored."""
+    image: dict[NormalizedName, Version] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        try:
+            if not sep or not name.strip():
+                raise InvalidVersion(line)
+            parsed = Version(version.strip())
+        except InvalidVersion:
+            raise KitError(f"{path}:{number}: {raw.strip()!r} is not `name==version`; write one pin per line") from None
+        key = canonicalize_name(name.strip())
+        if key in image:
+            raise KitError(f"{path}:{number}: {name.strip()} is listed twice; keep one version")
+        image[key] = parsed
+    return image
+
+
+def project_requirements(pyproject: Path) -> list[Requirement]:
+    """orthros-train's runtime requirements: ``[project].dependencies`` (extras are optional)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the installed metadata has the same list
+        return [Requirement(r) for r in metadata.requires("orthros-train") or [] if "extra ==" not in r]
+    return [Requirement(r) for r in tomllib.loads(pyproject.read_text())["project"]["dependencies"]]
+
+
+@dataclass
+class Resolution:
+    """What the kit holds (pins) and which extras of them something asked for."""
+
+    pins: dict[NormalizedName, Version] = field(default_factory=dict)
+    needed_by: dict[NormalizedName, str] = field(default_factory=dict)
+
+
+Lookup = Callable[[NormalizedName], "tuple[Version, list[str]] | None"]
+
+
+def installed_lookup(name: NormalizedName) -> tuple[Version, list[str]] | None:
+    """Version and Requires-Dist of ``name`` in the environment running this script."""
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return None
+    return Version(dist.version), list(dist.requires or [])
+
+
+def resolve(
+    roots: Iterable[Requirement],
+    image: Mapping[NormalizedName, Version],
+    lookup: Lookup = installed_lookup,
+    target: Target = Target(),
+    root_name: str = "orthros-train",
+) -> Resolution:
+    """Pins for every package the roots need on ``target`` that the image lacks (one version each)."""
+    res = Resolution()
+    problems: list[str] = []
+    done: set[tuple[NormalizedName, str]] = set()
+    queue: list[tuple[str, str, Requirement]] = [(root_name, "", r) for r in roots]
+    while queue:
+        parent, parent_extra, req = queue.pop(0)
+        if not target.wants(req, parent_extra):
+            continue
+        name = canonicalize_name(req.name)
+        if name in image:
+            if not req.specifier.contains(image[name], prereleases=True):
+                problems.append(f"{parent} needs {req} but the image has {name}=={image[name]}")
+            continue
+        if name not in res.pins:
+            found = lookup(name)
+            if found is None:
+                problems.append(
+                    f"{parent} needs {req} on Python {target.python_str}, which is neither in the image nor "
+                    "installed here, so there is no version to pin: install it into this environment"
+                )
+                continue
+            res.pins[name], requires = found
+            res.needed_by[name] = parent
+        else:
+            requires = (lookup(name) or (res.pins[name], []))[1]
+        if not req.specifier.contains(res.pins[name], prereleases=True):
+            problems.append(f"{parent} needs {req} but this environment has {name}=={res.pins[name]}")
+            continue
+        for extra in ["", *sorted(canonicalize_name(e) for e in req.extras)]:
+            if (name, extra) in done:
+                continue
+            done.add((name, extra))
+            for sub in requires:
+                try:
+                    sub_req = Requirement(sub)
+                except InvalidRequirement as err:
+                    problems.append(f"{name}=={res.pins[name]} declares an unreadable requirement {sub!r} ({err})")
+                    continue
+                queue.append((f"{name}=={res.pins[name]}" + (f"[{extra}]" if extra else ""), extra, sub_req))
+    if problems:
+        raise KitError("the kit does not resolve:\n  " + "\n  ".join(problems))
+    return res
+
+
+@dataclass(frozen=True)
+class Wheel:
+    path: Path
+    name: NormalizedName
+    version: Version
+    tags: frozenset[tags.Tag]
+    requires: tuple[str, ...]
+
+
+def read_wheel(path: Path) -> Wheel:
+    """Name, version and tags from the file name; Requires-Dist from the wheel's METADATA."""
+    try:
+        name, version, _build, wheel_tags = parse_wheel_filename(path.name)
+    except (InvalidWheelFilename, InvalidVersion) as err:
+        raise KitError(f"{path.name} is not a wheel file name ({err}); remove it from the kit") from None
+    try:
+        with zipfile.ZipFile(path) as zf:
+            meta_names = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+            if len(meta_names) != 1:
+                raise KitError(f"{path.name} has {len(meta_names)} .dist-info/METADATA files; rebuild the kit")
+            msg = email.parser.BytesParser().parsebytes(zf.read(meta_names[0]), headersonly=True)
+    except zipfile.BadZipFile:
+        raise KitError(f"{path.name} is not a valid zip archive (truncated download?); rebuild the kit") from None
+    return Wheel(path, name, version, frozenset(wheel_tags), tuple(msg.get_all("Requires-Dist") or ()))
+
+
+def check_kit(
+    kit_dir: Path,
+    image: Mapping[NormalizedName, Version],
+    roots: Iterable[Requirement],
+    target: Target = Target(),
+    max_bytes: int = MAX_KIT_BYTES,
+    root_name: str = "orthros-train",
+) -> list[str]:
+    """Everything wrong with ``kit_dir`` as a kit for the image (an empty list: it resolves).
+
+    Every requirement of the roots and of every wheel in the kit (with the extras something asks
+    for), evaluated for the target, must be met by a wheel in the kit or a package of the image;
+    no kit wheel may be an image package or a second version of another; every wheel must install
+    on the target; the whole folder must fit ``max_bytes``.
+    """
+    problems: list[str] = []
+    wheels: dict[NormalizedName, Wheel] = {}
+    paths = sorted(kit_dir.glob("*.whl"))
+    if not paths:
+        return [f"{kit_dir} holds no wheels: build it with `make gpu-kit`"]
+    allowed = target.wheel_tags()
+    for path in paths:
+        try:
+            wheel = read_wheel(path)
+        except KitError as err:
+            problems.append(str(err))
+            continue
+        if wheel.name in wheels:
+            problems.append(f"{wheel.name} is in the kit twice ({wheels[wheel.name].path.name}, {path.name}): keep one")
+        wheels[wheel.name] = wheel
+        if wheel.name in image:
+            problems.append(f"{path.name}: the image has {wheel.name}=={image[wheel.name]}; drop it from the kit")
+        if not wheel.tags & allowed:
+            shown = ", ".join(sorted(str(t) for t in wheel.tags))
+            problems.append(f"{path.name}: tags {shown} do not install on CPython {target.python_str} manylinux x86_64")
+    total = sum(p.stat().st_size for p in kit_dir.rglob("*") if p.is_file())
+    if total > max_bytes:
+        problems.append(f"the kit is {total / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB limit")
+
+    done: set[tuple[NormalizedName, str]] = set()
+    queue: list[tuple[str, str, str]] = [(root_name, "", str(r)) for r in roots]
+    while queue:
+        parent, parent_extra, text = queue.pop(0)
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as err:
+            problems.append(f"{parent} declares an unreadable requirement {text!r} ({err})")
+            continue
+        if not target.wants(req, parent_extra):
+            continue
+        name = canonicalize_name(req.name)
+        if name in wheels:
+            have, where = wheels[name].version, "the kit"
+        elif name in image:
+            have, where = image[name], "the image"
+        else:
+            problems.append(f"{parent} needs {req}: neither the kit nor the image has {name}")
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            problems.append(f"{parent} needs {req} but {where} has {name}=={have}")
+        if name not in wheels:
+            # The image's own dependencies are its business; extras of an image package are
+            # reported because nothing here can tell whether the image installed them.
+            for extra in req.extras:
+                problems.append(f"{parent} needs {name}[{extra}] and the image's {name} extras are unknown")
+            continue
+        wheel = wheels[name]
+        for extra in ["", *sorted(canonicalize_name(e) for e in req.extras)]:
+            if (name, extra) in done:
+                continue
+            done.add((name, extra))
+            for sub in wheel.requires:
+                queue.append((f"{wheel.name}=={wheel.version}" + (f"[{extra}]" if extra else ""), extra, sub))
+    return problems
+
+
+def _run_pip(args: list[str], what: str, env: Mapping[str, str] | None = None) -> None:
+    cmd = [sys.executable, "-m", "pip", *args]
+    log.info("%s", " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        tail = "\n    ".join([ln for ln in lines if ln.startswith("ERROR")] or lines[-8:])
+        raise KitError(
+            f"{what} failed (pip exit {proc.returncode}):\n    {tail}\n"
+            "The kit needs PyPI (or a mirror pip is configured for): check the network and that each pinned "
+            "version has a wheel for this target; the previous kit, if any, is unchanged."
+        )
+
+
+def download(pins: Mapping[NormalizedName, Version], dest: Path, target: Target = Target()) -> None:
+    """Wheels of ``pins`` for the target into ``dest`` (built here for SOURCE_BUILDS)."""
+    binary = [f"{n}=={v}" for n, v in sorted(pins.items()) if n not in SOURCE_BUILDS]
+    if binary:
+        plat_args = [a for p in target.platforms() for a in ("--platform", p)]
+        _run_pip(
+            ["download", "--no-deps", "--only-binary=:all:", "--python-version", target.python_str,
+             "--implementation", "cp", *plat_args, "--dest", str(dest), *binary],
+            f"downloading {len(binary)} wheels for CPython {target.python_str} ({', '.join(binary)})",
+        )
+    for name, build_env in SOURCE_BUILDS.items():
+        if name in pins:
+            spec = f"{name}=={pins[name]}"
+            with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+                _run_pip(
+                    ["wheel", "--no-deps", "--no-binary", name, "--wheel-dir", tmp, spec],
+                    f"building the {spec} wheel", env=build_env,
+                )
+                for built in Path(tmp).glob("*.whl"):
+                    if parse_wheel_filename(built.name)[3] != frozenset(tags.parse_tag("py3-none-any")):
+                        raise KitError(f"{built.name} was built for this machine, not as a pure wheel: "
+                                       f"{spec} cannot be shipped as built here")
+                    shutil.move(str(built), dest / built.name)
+    # pip may keep a source archive next to a wheel it built; only wheels travel.
+    for extra in dest.iterdir():
+        if not extra.name.endswith(".whl"):
+            extra.unlink() if extra.is_file() else shutil.rmtree(extra)
+
+
+def install_lines(kit: Path, node_target: str = NODE_TARGET) -> list[str]:
+    rel = os.path.relpath(kit, REPO) if kit.is_relative_to(REPO) else str(kit)
+    return [
+        f"python3 -m pip install --no-index --no-deps --target {node_target} {rel}/*.whl",
+        f"export PYTHONPATH={node_target}:.",
+        "python3 bench/gpu_check.py --out $OUT",
+    ]
+
+
+def build(
+    out: Path, image_path: Path, pyproject: Path, target: Target = Target(), max_bytes: int = MAX_KIT_BYTES
+) -> Path:
+    """Resolve, download, verify and publish the kit at ``out``; returns ``out``."""
+    image = read_image(image_path)
+    roots = project_requirements(pyproject)
+    res = resolve(roots, image, target=target)
+    log.info("kit: %s", ", ".join(f"{n}=={v}" for n, v in sorted(res.pins.items())))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        download(res.pins, staging, target)
+        problems = check_kit(staging, image, roots, target, max_bytes)
+        got = {read_wheel(p).name for p in staging.glob("*.whl")}
+        problems += [f"no wheel of {n}=={res.pins[n]} arrived" for n in sorted(set(res.pins) - got)]
+        if problems:
+            raise KitError("the downloaded kit does not resolve:\n  " + "\n  ".join(problems))
+        (staging / "requirements.txt").write_text(
+            f"# orthros-train GPU-node kit for CPython {target.python_str} manylinux x86_64 "
+            f"(image: {image_path.name}); install with --no-index --no-deps\n"
+            + "".join(f"{n}=={v}  # needed by {res.needed_by[n]}\n" for n, v in sorted(res.pins.items()))
+        )
+        staging.chmod(0o755)  # mkdtemp's 0700 would keep the shipped folder from other users
+        old = out.with_name(out.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        if out.exists():
+            out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def kit_bytes(kit: Path) -> int:
+    return sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="kit folder (default build/gpu_kit)")
+    p.add_argument("--image", type=Path, default=DEFAULT_IMAGE, help="the image's name==version list")
+    p.add_argument("--pyproject", type=Path, default=REPO / "pyproject.toml")
+    p.add_argument("--python", default="3.12", help="target CPython version (default 3.12, the image's)")
+    p.add_argument("--check", type=Path, metavar="KIT", help="only verify an existing kit folder against the image")
+    p.add_argument("--node-target", default=NODE_TARGET, help="install folder named in the printed node commands")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="gpu_kit: %(message)s")
+    try:
+        major, minor = (int(x) for x in args.python.split("."))
+    except ValueError:
+        p.error(f"--python {args.python!r}: give MAJOR.MINOR, e.g. 3.12")
+    target = Target(python=(major, minor))
+    try:
+        if args.check:
+            problems = check_kit(args.check, read_image(args.image), project_requirements(args.pyproject), target)
+            if problems:
+                raise KitError(f"{args.check} does not resolve against {args.image}:\n  " + "\n  ".join(problems))
+            kit = args.check
+        else:
+            kit = build(args.out, args.image, args.pyproject, target)
+    except (KitError, OSError) as err:
+        print(f"gpu_kit: error: {err}", file=sys.stderr)
+        return 1
+    wheels = sorted(kit.glob("*.whl"))
+    print(f"GPU kit {kit}: {len(wheels)} wheels, {kit_bytes(kit) / 2**20:.1f} MiB of {MAX_KIT_BYTES / 2**20:.0f} MiB, "
+          f"resolves for CPython {target.python_str} against {args.image.name}")
+    print("On the node (the repository and this folder shipped together, from the repository root):")
+    for line in install_lines(kit.resolve(), args.node_target):
+        print(f"  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
