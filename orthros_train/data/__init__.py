@@ -16,7 +16,6 @@ and ``load_state_dict()``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -78,19 +77,23 @@ def _cache(cfg: DataConfig, *parts: str) -> str:
 
 def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
     """Tokenize the embedded corpus into ``cache_dir`` once; returns (output prefix, tokenizer)."""
+    from orthros_train.data.cache import corpus_fingerprint, digest, note_inputs, tokenizer_digest
     from orthros_train.data.tokenize import check_cached, save_tokenizer_once, write_documents
 
     documents = corpus_documents(cfg.corpus)
     tokenizer = train_tokenizer(documents, cfg.tokenizer_vocab_size, cfg.cache_dir)
-    # The key covers where the corpus files live too: two checkouts (two venvs) of the project
-    # share ~/.cache but must not share a tokenized copy recorded with the other's input paths.
+    # The folder is keyed by what the tokenized copy is built from: the corpus files' contents
+    # (a package upgrade at the same paths changes them) and the tokenizer. It covers where the
+    # files live too: two checkouts (two venvs) of the project share ~/.cache but must not share
+    # a tokenized copy recorded with the other's input paths.
     files = corpus_files(cfg.corpus)
-    key = tokenizer.backend_tokenizer.to_str() + "\n" + "\n".join(str(p) for p in files)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    folder = _cache(cfg, "embedded", f"{cfg.corpus}-{cfg.tokenizer_vocab_size}-{digest}")
+    fingerprint = {"corpus": cfg.corpus, "files": corpus_fingerprint(files), "tokenizer": tokenizer_digest(tokenizer)}
+    folder = _cache(cfg, "embedded", f"{cfg.corpus}-{cfg.tokenizer_vocab_size}-{digest(fingerprint)}")
+    note_inputs(_cache(cfg, "embedded"), {"corpus": cfg.corpus, "vocab": cfg.tokenizer_vocab_size,
+                                          "paths": [str(p) for p in files]}, fingerprint, folder, "embedded-corpus")
     tok_dir = save_tokenizer_once(tokenizer, folder)
     output = os.path.join(folder, "corpus")
-    source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files]}
+    source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files], "fingerprint": fingerprint["files"]}
     summary = write_documents(documents, tokenizer, tok_dir, output, EOD_TOKEN, source)
     check_cached(output, summary, folder)
     return output, tokenizer

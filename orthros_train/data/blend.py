@@ -8,6 +8,11 @@ sample ``i``, the dataset whose share lags its weight most, so every prefix of t
 the weights to within about one sample per dataset). Indices are cached as ``.npy`` files under
 ``cache_dir`` (built by rank 0 first when ``torch.distributed`` is up).
 
+megatron names its cache files by paths and parameters only, so data rewritten in place (the
+same prefix tokenized again) would be served the old data's indices. Each build therefore gets
+its own folder under ``cache_dir``, named by a fingerprint of the inputs (``.bin``/``.idx`` sizes
+and mtimes, a hash of the ``.idx``) and the build parameters (``orthros_train/data/cache.py``).
+
 What we add: ``OrthrosGPTDataset`` returns, next to the tokens, the document id of every token,
 derived from megatron's own sample index (which knows where each document starts), so document
 boundaries survive even in data tokenized without EOD tokens.
@@ -23,7 +28,8 @@ import numpy as np
 import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from orthros_train.data.indexed import DataError, check_token_ids, file_lock, read_index_header
+from orthros_train.data.cache import build_once, digest, indexed_fingerprint, note_inputs, read_fingerprint
+from orthros_train.data.indexed import DataError, check_token_ids, read_index_header
 
 
 class TokenizerInfo:
@@ -61,12 +67,13 @@ class OrthrosGPTDataset(GPTDataset):
 
 
 @contextlib.contextmanager
-def _rank_zero_if_not_distributed():
+def _rank_zero_if_not_distributed(force: bool = False):
     """megatron-core 0.16.1's ``BlendedDataset._build_indices`` calls ``torch.distributed.get_rank()``
     unguarded on a cache miss, which raises in a plain single-process run. Answer 0 there (what a
-    single process is) for the duration of the build; a distributed run is left untouched."""
+    single process is) for the duration of the build; a distributed run is left untouched unless
+    ``force`` (a rank that must build its own node-local copy: megatron builds on rank 0 only)."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and not force:
         yield
         return
     original = dist.get_rank
@@ -150,18 +157,26 @@ def _build_one_split(low_level, prefixes, indices, weights, size, which, config,
     return BlendedDataset(parts, lengths, None if size is None else min(size, sum(lengths)), config)
 
 
-def _build_on_rank_zero_first(fn, lock_path: str):
+def _build_on_rank_zero_first(fn, folder: str, fingerprint: dict):
+    """``fn(path)`` builds (or loads) the indices with megatron caching them in ``path``; the
+    folder is built once (``build_once``: private folder renamed into place, a lock around it)."""
     dist = torch.distributed
+
+    def once(force: bool = False):
+        with _rank_zero_if_not_distributed(force):
+            return build_once(folder, fingerprint, fn, fn, "sample-index")
+
     if not (dist.is_available() and dist.is_initialized()):
-        with file_lock(lock_path), _rank_zero_if_not_distributed():
-            return fn()
+        return once()
     if dist.get_rank() == 0:
-        with file_lock(lock_path):
-            out = fn()
+        out = once()
         dist.barrier()
         return out
     dist.barrier()  # rank 0 has written the index caches; the others load them
-    return fn()
+    if read_fingerprint(folder) == fingerprint:
+        return fn(folder)
+    # cache_dir is node-local here (rank 0's copy is on another node): build this node's own
+    return once(force=True)
 
 
 def build_blend(
@@ -202,30 +217,42 @@ def build_blend(
             raise DataError(f"{p}: holds SFT/RL conversations; use the sft data kind for it")
         if h.num_documents == 0:
             raise DataError(f"{p}: has no documents")
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_len,
-        blend=(list(prefixes), list(map(float, weights)) if weights is not None else None),
-        split=split,
-        path_to_cache=os.path.expanduser(cache_dir),
-        tokenizer=TokenizerInfo(vocab_size, eod_token_id),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        mmap_bin_files=True,
-    )
-    low_level = [OrthrosGPTDataset.build_low_level_dataset(p, config) for p in prefixes]
+
+    def make_config(path_to_cache: str) -> GPTDatasetConfig:
+        return GPTDatasetConfig(
+            random_seed=seed,
+            sequence_length=seq_len,
+            blend=(list(prefixes), list(map(float, weights)) if weights is not None else None),
+            split=split,
+            path_to_cache=path_to_cache,
+            tokenizer=TokenizerInfo(vocab_size, eod_token_id),
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+            mmap_bin_files=True,
+        )
+
+    root = os.path.expanduser(cache_dir)
+    params = {"seq_len": seq_len, "seed": seed, "split": split, "vocab_size": vocab_size, "eod": eod_token_id,
+              "weights": weights, "train_samples": train_samples, "valid_samples": valid_samples}
+    fingerprint = {"inputs": [indexed_fingerprint(p) for p in prefixes], "params": params}
+    name = os.path.basename(prefixes[0]) + (f"+{len(prefixes) - 1}" if len(prefixes) > 1 else "")
+    folder = os.path.join(root, f"{name}-{digest(fingerprint)}")
+    note_inputs(root, {"prefixes": [os.path.abspath(p) for p in prefixes], "params": params}, fingerprint,
+                folder, "sample-index")
+    low_level = [OrthrosGPTDataset.build_low_level_dataset(p, make_config(folder)) for p in prefixes]
     splits = [split_documents(h.num_documents, split) for h in headers]
 
-    def build():
+    def build(path: str):
+        config = make_config(path)
         train = _build_one_split(low_level, prefixes, [s[0] for s in splits], weights, train_samples, "train",
                                  config, seq_len)
         valid = _build_one_split(low_level, prefixes, [s[1] for s in splits], weights, valid_samples, "valid",
                                  config, seq_len)
         return train, valid
 
-    train, valid = _build_on_rank_zero_first(build, os.path.join(os.path.expanduser(cache_dir), ".lock"))
+    train, valid = _build_on_rank_zero_first(build, folder, fingerprint)
     if train is None or len(train) == 0:
         raise DataError(
             f"{', '.join(prefixes)}: too little data for one training sample of seq_len + 1 = {seq_len + 1} tokens"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 from pathlib import Path
 
 CORPORA = {
@@ -98,17 +97,21 @@ def train_tokenizer(documents: list[str], vocab_size: int, cache_dir: Path):
     """A byte-level BPE trained on the corpus (cached by content hash), as an HF fast tokenizer.
 
     Training takes about a second; caching keeps every run of the recipe on the same vocabulary.
+    The folder is named by a hash of the documents and the vocabulary size, and records both.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from orthros_train.data.cache import build_once
 
     digest = hashlib.sha256()
     for doc in documents:
         digest.update(doc.encode("utf-8", errors="replace"))
     digest.update(str(vocab_size).encode())
     folder = Path(cache_dir).expanduser() / f"bpe-{vocab_size}-{digest.hexdigest()[:16]}"
-    path = folder / "tokenizer.json"
-    if not path.is_file():
+    fingerprint = {"documents": len(documents), "documents_sha256": digest.hexdigest(), "vocab_size": vocab_size}
+
+    def build(tmp: str) -> None:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -119,9 +122,10 @@ def train_tokenizer(documents: list[str], vocab_size: int, cache_dir: Path):
             show_progress=False,
         )
         tok.train_from_iterator(documents, trainer=trainer)
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / "tokenizer.json.tmp"
-        tok.save(str(tmp))
-        tmp.replace(path)  # atomic: a concurrent run never reads a half-written file
-        (folder / "source.json").write_text(json.dumps({"documents": len(documents), "vocab_size": vocab_size}))
-    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOD_TOKEN, pad_token=EOD_TOKEN)
+        tok.save(str(Path(tmp) / "tokenizer.json"))
+
+    # trained in a private folder renamed into place under a lock: concurrent first runs take
+    # turns, and a folder without its fingerprint (an interrupted save) is trained again
+    build_once(str(folder), fingerprint, build, lambda path: None, "BPE tokenizer")
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token=EOD_TOKEN,
+                                   pad_token=EOD_TOKEN)

@@ -7,16 +7,17 @@ tokenizer is ``data.tokenizer`` when set (a pretrained checkpoint's), else the B
 corpus the chat corpus is paired with (``CHAT_CORPORA``: the essays' BPE, so the data matches a
 model pretrained with ``tiny_cpu``); one without a chat template gets ``PLAIN_CHAT_TEMPLATE``.
 
-The cache folder is keyed by the tokenizer, its template and the corpus files; the tokenizer is
-saved atomically, the dataset's summary is written last (under a lock), and a cached dataset
-whose files do not match its summary is refused with the folder to delete.
+The cache folder is keyed by the tokenizer (its template included) and the corpus files' paths
+and contents (``cache.py``); the tokenizer is saved atomically, the dataset's summary is written
+last (under a lock), and a cached dataset whose files do not match its summary is refused with
+the folder to delete.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 
+from orthros_train.data.cache import corpus_fingerprint, digest, note_inputs, tokenizer_digest
 from orthros_train.data.embedded import (
     CHAT_CORPORA,
     chat_conversations,
@@ -51,12 +52,15 @@ def prepare_embedded_chat(cfg) -> tuple[str, object]:
     """Render the chat corpus into ``cache_dir`` once; returns (output prefix, tokenizer)."""
     tokenizer = chat_tokenizer(cfg)
     files = corpus_files(cfg.corpus)
-    key = "\n".join([tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, *map(str, files)])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    folder = os.path.join(os.path.expanduser(cfg.cache_dir), "embedded", f"{cfg.corpus}-sft-{digest}")
+    # keyed by the corpus files' contents and the tokenizer (its chat template included)
+    fingerprint = {"corpus": cfg.corpus, "files": corpus_fingerprint(files), "tokenizer": tokenizer_digest(tokenizer)}
+    root = os.path.join(os.path.expanduser(cfg.cache_dir), "embedded")
+    folder = os.path.join(root, f"{cfg.corpus}-sft-{digest(fingerprint)}")
+    note_inputs(root, {"corpus": cfg.corpus, "tokenizer": cfg.tokenizer, "vocab": cfg.tokenizer_vocab_size,
+                       "paths": [str(p) for p in files]}, fingerprint, folder, "embedded chat corpus")
     tok_dir = save_tokenizer_once(tokenizer, folder)
     output = os.path.join(folder, "conversations")
-    source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files]}
+    source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files], "fingerprint": fingerprint["files"]}
     summary = write_conversations(chat_conversations(cfg.corpus), tokenizer, tok_dir, output, source)
     check_cached(output, summary, folder)
     return output, tokenizer

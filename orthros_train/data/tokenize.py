@@ -12,20 +12,23 @@ rendering of ``chat.py``; this package never imports it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from itertools import chain
 
 import numpy as np
 
+from orthros_train.data.cache import BuildLock, build_once, describe_change, tokenizer_digest
 from orthros_train.data.indexed import (
     DataError,
     ShardWriter,
-    file_lock,
     read_index_header,
     resolve_prefixes,
     shard_prefix,
     summary_path,
 )
+
+log = logging.getLogger(__name__)
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
@@ -92,8 +95,9 @@ def write_documents(
     """Tokenize ``documents`` (EOD appended to each) into the pretraining dataset ``output``
     (one shard ``output_00000`` and the summary ``output.json``); returns the summary.
 
-    Holds ``output.lock`` while writing; an output whose summary says complete is reused as is.
-    ``source`` describes where the documents came from (recorded in the summary).
+    Holds ``output.lock`` while writing; an output whose summary says complete and records the
+    same ``source`` is reused as is (another ``source`` is rebuilt, with a log line). ``source``
+    describes where the documents came from and what they were (recorded in the summary).
     """
 
     def write(writer: ShardWriter, info: dict) -> None:
@@ -128,8 +132,10 @@ def write_conversations(
 def _write_one_shard(output, kind, tokenizer, tokenizer_path, eod_token, source, records, write) -> dict:
     """The one-shard dataset ``output`` (``output_00000`` + ``output.json``), written under
     ``output.lock`` by ``write(writer, tokenizer_info)``; the summary is written last, so an
-    interrupted build leaves no summary and is redone."""
-    with file_lock(output + ".lock"):
+    interrupted build leaves no summary and is redone. The summary records ``source`` and the
+    tokenizer's hash; a complete output recorded with other ones is rebuilt."""
+    source = json.loads(json.dumps({**source, "tokenizer_sha256": tokenizer_digest(tokenizer)}, default=str))
+    with BuildLock(output + ".lock"):
         path = summary_path(output)
         if os.path.isfile(path):
             try:
@@ -138,8 +144,12 @@ def _write_one_shard(output, kind, tokenizer, tokenizer_path, eod_token, source,
             except (OSError, ValueError) as e:
                 where = os.path.dirname(path)
                 raise DataError(f"{path}: unreadable summary ({e}); delete {where} to rebuild it") from e
-            if summary.get("complete"):
+            if summary.get("complete") and summary.get("source") == source:
                 return summary
+            if summary.get("complete"):
+                changes = describe_change(summary.get("source"), source) or ["other inputs"]
+                log.warning("rebuilding the cached dataset %s: it was built from other inputs (%s)",
+                            output, "; ".join(changes[:6]))
         eod = eod_token_id(tokenizer, eod_token)
         info = tokenizer_info(tokenizer, tokenizer_path, eod)
         writer = ShardWriter(shard_prefix(output, 0), info["vocab_size"], multimodal=kind == "sft")
@@ -162,17 +172,14 @@ def _write_one_shard(output, kind, tokenizer, tokenizer_path, eod_token, source,
 
 
 def save_tokenizer_once(tokenizer, folder: str) -> str:
-    """``folder/tokenizer``, saved there unless a complete copy exists; returns its path. The
-    save goes to a private folder renamed into place, so concurrent first runs never see half a
-    tokenizer."""
+    """``folder/tokenizer``, saved there unless a complete copy of this very tokenizer exists
+    (its ``fingerprint.json`` records the tokenizer's hash); returns its path. The save goes to a
+    private folder renamed into place under a lock (``cache.build_once``), so concurrent first
+    runs take turns and never see half a tokenizer; a copy of another tokenizer (or an
+    unfinished one) is replaced, with a log line."""
     tok_dir = os.path.join(folder, "tokenizer")
-    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-        tmp = f"{tok_dir}.tmp{os.getpid()}"
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, tok_dir)
-        except OSError:  # another process saved it first
-            pass
+    build_once(tok_dir, {"tokenizer_sha256": tokenizer_digest(tokenizer)}, tokenizer.save_pretrained,
+               lambda path: None, "tokenizer")
     return tok_dir
 
 

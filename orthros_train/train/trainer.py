@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 
 from orthros_train.data.schedule import build_scheduled_data
 from orthros_train.model import OrthrosForCausalLM
+from orthros_train.parallel import collectives
 from orthros_train.parallel.engine import build_engine
 from orthros_train.parallel.model import build_parallel_model
 from orthros_train.parallel.setup import DistributedEnv, check_parallel_layout, init_parallel
@@ -127,18 +128,21 @@ def _expected_throughput(cfg: RunConfig, flops_per_token: float, mfu: float) -> 
 def tensor_parallel_grad_norm(model: torch.nn.Module) -> float:
     """Global L2 norm of the gradients, counting TP-sharded tensors' shards and replicated
     tensors once (DeepSpeed reports it only when ZeRO is on)."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+    # Summed where the gradients are (no host copy per parameter); the TP sum of the sharded
+    # part is reduced on the device the TP group's backend needs (CUDA under NCCL).
+    group = parallel_state.get_tensor_model_parallel_group()
+    sums = {True: [], False: []}
     for p in model.parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
-        else:
-            replicated += sq
+        if p.grad is not None:
+            sums[bool(getattr(p, "tensor_model_parallel", False))].append(p.grad.detach().double().pow(2).sum())
+    device = collectives.comm_device(group)
+
+    def total(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(parts).sum().to(device) if parts else torch.zeros((), dtype=torch.float64, device=device)
+
+    sharded, replicated = total(sums[True]), total(sums[False])
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+        collectives.all_reduce(sharded, group=group)
     return float((sharded + replicated).sqrt())
 
 
@@ -248,11 +252,9 @@ class Trainer:
                 atexit.register(lock.release)  # any normal exit, an error included, frees the directory
             except ValueError as exc:
                 lock, problem = None, str(exc)
-        outcome = [problem]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(outcome, src=0)
-        if outcome[0]:
-            raise ValueError(outcome[0])
+        problem = collectives.broadcast_object(problem, src=0)
+        if problem:
+            raise ValueError(problem)
         return lock
 
     def close(self) -> None:
@@ -268,7 +270,7 @@ class Trainer:
                 print(f"trainer.overwrite=true: deleting the previous run's {', '.join(stale)}", file=sys.stderr)
                 for path in map(Path, stale):
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
-            dist.barrier()
+            collectives.barrier()
         if mode == "none":
             return None
         if mode == "auto":
@@ -401,9 +403,8 @@ class Trainer:
             loss = engine(layout, loss_normalizer=normalizer).loss
             if loss is None:  # no labelled token in this micro batch: it adds nothing
                 loss = sum((p * 0).sum() for p in engine.module.parameters() if p.requires_grad)
-            bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach())) else 1.0])
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same path
-            if bool(bad.item()):
+            # every rank must take the same path: one reduction of the flag where the loss is
+            if collectives.any_flag(~torch.isfinite(loss.detach())):
                 nonfinite = True
                 loss = sum((p * 0).sum() for p in engine.module.parameters() if p.requires_grad)
             engine.backward(loss)  # DeepSpeed scales by 1 / grad_accum_steps
@@ -430,8 +431,7 @@ class Trainer:
             nonfinite = True  # under ZeRO the norm is known only after the update: count, stop if it repeats
         self.step += 1
         # Every DP rank holds its share of the global mean: their sum is the step's loss.
-        stats = torch.tensor([total_loss, float(tokens), flops], dtype=torch.float64)
-        dist.all_reduce(stats, group=dp_group)
+        stats = collectives.reduce_floats([total_loss, float(tokens), flops], group=dp_group)
         return {
             "loss": float(stats[0]),
             "lr": lr,
@@ -475,9 +475,7 @@ class Trainer:
         self._stop_signal = signum  # acted on at the end of the current step
 
     def _should_stop(self) -> bool:
-        flag = torch.tensor([float(self._stop_signal)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one preempted rank stops them all
-        return bool(flag.item())
+        return collectives.any_flag(bool(self._stop_signal))  # one preempted rank stops them all
 
     def fit(self) -> dict[str, Any]:
         """Train to ``trainer.max_steps`` (or a stop signal), save and export. The stop signals'
@@ -625,7 +623,7 @@ class Trainer:
         if self.is_main:
             self.reference_model(state).save_pretrained(target)
             self.data.tokenizer.save_pretrained(target)
-        dist.barrier()
+        collectives.barrier()
         return target
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
