@@ -106,8 +106,7 @@ class ContextPlan(AttentionPlan):
         gradients over the data x context parallel group, ends with the gradient of the whole
         sequence's loss: the mean over CP ranks of ``cp`` x each rank's share is their sum.
         """
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=self._group())
+        total = collectives.all_reduce(loss.detach().clone(), group=self._group())
         return total + self.cp * (loss - loss.detach())
 
     def whole_logits(self, logits: torch.Tensor, layout: OrthrosLayout) -> torch.Tensor:
@@ -116,8 +115,7 @@ class ContextPlan(AttentionPlan):
         width = max(c.numel() for c in counts)
         padded = logits.new_zeros(width, *logits.shape[1:])
         padded[: logits.shape[0]] = logits.detach()
-        parts = [torch.empty_like(padded) for _ in range(self.cp)]
-        dist.all_gather(parts, padded, group=self._group())
+        parts = collectives.all_gather(padded, group=self._group())
         full = logits.new_empty(layout.num_outputs, *logits.shape[1:])
         for select, part in zip(counts, parts):
             full[select] = part[: select.numel()]

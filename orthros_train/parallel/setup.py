@@ -24,7 +24,9 @@ class ParallelConfig:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     context_parallel: int = 1  # ranks one packed sequence is split across (long context)
-    data_parallel: int = 1  # must equal world_size / (tensor_parallel * context_parallel) at run time
+    # None: follows the world size, world_size / (tensor_parallel x context_parallel); a number is
+    # checked against it (orthros_train/train/config.py resolves the batch geometry)
+    data_parallel: int | None = None
     zero_stage: int = 1  # DeepSpeed ZeRO stage over the data-parallel group (0-3)
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU memory
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
@@ -33,11 +35,15 @@ class ParallelConfig:
     # its inputs are kept, its softmax intermediates are not); "full" (each layer recomputed
     # from its input, megatron's recompute_granularity=full/uniform).
     recompute: str = "none"
+    # The processes the layout is planned for: a dry run plans for it (the memory estimate, the
+    # accumulation steps); a launch uses the launcher's count. None: data_parallel (or 1) x TP x CP.
+    world_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "context_parallel", "data_parallel"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("tensor_parallel", "context_parallel", "data_parallel", "world_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"parallel.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -47,13 +53,11 @@ class ParallelConfig:
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"parallel.backend must be auto|nccl|gloo, got {self.backend!r}")
 
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel * self.context_parallel * self.data_parallel
 
 
 def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None = None) -> None:
-    """Fail fast with the numbers that do not divide (before any model is built)."""
+    """Fail fast with the numbers that do not divide (before any model is built). With
+    ``world_size``, a layout without ``data_parallel`` takes world_size / (TP x CP) as its own."""
     problems = []
     tp = pcfg.tensor_parallel
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
@@ -68,12 +72,15 @@ def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size
                 f"world size {world_size} is not divisible by parallel.tensor_parallel={tp} x "
                 f"parallel.context_parallel={cp} = {model_ranks}"
             )
+        elif pcfg.data_parallel is None:
+            pcfg.data_parallel = world_size // model_ranks
         elif world_size // model_ranks != pcfg.data_parallel:
             dp = world_size // model_ranks
             problems.append(
                 f"world size {world_size} / (parallel.tensor_parallel={tp} x parallel.context_parallel={cp}) = "
                 f"{dp} data-parallel ranks, but parallel.data_parallel={pcfg.data_parallel}; launch "
-                f"{pcfg.world_size} processes or set parallel.data_parallel={dp}"
+                f"{pcfg.data_parallel * model_ranks} processes, or leave parallel.data_parallel unset (null) "
+                "so that it follows the world size"
             )
     if problems:
         raise ValueError("impossible parallel layout: " + "; ".join(problems))

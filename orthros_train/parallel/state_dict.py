@@ -165,8 +165,7 @@ def gather_reference_tensor(name: str, local: torch.Tensor, cfg: OrthrosConfig) 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1 or split_rule(name) == REPLICATE:
         return unshard_tensor(name, [local], cfg)
-    gathered = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(gathered, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    gathered = collectives.all_gather(local, group=parallel_state.get_tensor_model_parallel_group())
     return unshard_tensor(name, gathered, cfg)
 
 

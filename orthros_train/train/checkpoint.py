@@ -345,9 +345,8 @@ class CheckpointManager:
         self.wait()  # at most one save in flight; its failure was reported when it happened
         rank, world = dist.get_rank(), dist.get_world_size()
         step = state.counters.step
-        holder = [str(self.store.temporary(step, str(int(time.time() * 1e6))))] if rank == 0 else [None]
-        dist.broadcast_object_list(holder, src=0)
-        tmp = Path(holder[0])
+        proposed = str(self.store.temporary(step, str(int(time.time() * 1e6)))) if rank == 0 else None
+        tmp = Path(collectives.broadcast_object(proposed, src=0))
         ds, cfg = DeepSpeedState(state.engine), state.model_config
         budget = HostBudget(host_bound(cfg, self.host_buffer_bytes))
         self.last_budget = budget
@@ -358,7 +357,7 @@ class CheckpointManager:
                 tmp.mkdir(parents=True, exist_ok=False)
         except OSError as exc:
             error = f"rank {rank}: {exc}"
-        dist.barrier()
+        collectives.barrier()
         # copies: the background write must see the state of this step, not a later one
         rank_state = {"rng": state.rng.state_dict(), "data": copy.deepcopy(state.data.state_dict())}
         rank_file = tmp / f"rank_{rank:05d}.pt"
@@ -439,8 +438,7 @@ class CheckpointManager:
         writes the manifest (with the hashes each rank took of its files), renames, points
         ``latest`` at it and prunes."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        reports: list[tuple[str | None, dict[str, str]] | None] = [None] * world
-        dist.all_gather_object(reports, (error, hashes), group=group)
+        reports: list[tuple[str | None, dict[str, str]] | None] = collectives.all_gather_object((error, hashes), group)
         failures = [report[0] for report in reports if report is not None and report[0]]
         if not failures and rank == 0:
             known = {path: digest for report in reports if report is not None for path, digest in report[1].items()}
@@ -448,9 +446,7 @@ class CheckpointManager:
                 self.store.publish(tmp, step, known)
             except OSError as exc:
                 failures = [f"rank 0 publishing: {exc}"]
-        outcome: list[list[str]] = [failures]
-        dist.broadcast_object_list(outcome, src=0, group=group)
-        failures = outcome[0]
+        failures = collectives.broadcast_object(failures, src=0, group=group)
         if failures:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -460,7 +456,7 @@ class CheckpointManager:
             )
         if rank == 0:
             self.store.prune()
-        dist.barrier(group=group)
+        collectives.barrier(group=group)
 
     # -- load --------------------------------------------------------------------------------
     def load(self, state: CheckpointState, path: Path) -> Restored:

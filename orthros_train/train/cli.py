@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from orthros_train.train.config import run_config_from_dict
+from orthros_train.train.config import record_geometry, run_config_from_dict
 
 if TYPE_CHECKING:
     from orthros_train.parallel.setup import DistributedEnv
@@ -20,6 +21,26 @@ if TYPE_CHECKING:
 
 # Recipes live at the repository root (``recipes/``), next to the package in an editable install.
 RECIPES_DIR = str(Path(__file__).resolve().parents[2] / "recipes")
+
+
+def hydra_output_dir(run_dir: str) -> str:
+    """The recipes' ``hydra.run.dir`` (``${orthros_hydra_dir:${trainer.run_dir}}``): the run
+    directory when it can be created and written, else a temporary directory. Hydra creates its
+    output directory before the job starts and fails there with a traceback; this way the trainer
+    reports an unwritable ``trainer.run_dir`` itself, naming the key and the fix."""
+    import tempfile
+
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return run_dir
+    except OSError:
+        pass
+    return tempfile.mkdtemp(prefix="orthros-hydra-")
+
+
+OmegaConf.register_new_resolver("orthros_hydra_dir", hydra_output_dir, replace=True)
 
 
 def launcher_env() -> "DistributedEnv":
@@ -79,8 +100,9 @@ def warn_memory_fit(memory: dict) -> None:
 
 
 def _own_multirun_dir(cfg: DictConfig) -> None:
-    """Under ``-m`` every job gets its own run directory (named by its overrides) unless the
-    command line sets ``trainer.run_dir``: jobs sharing one would resume each other's checkpoints."""
+    """Under ``-m`` every job gets its own run directory under ``trainer.run_dir`` (the recipe's or
+    the command line's), named by its swept overrides: jobs sharing one would resume, refuse or
+    overwrite each other. Only a sweep over ``trainer.run_dir`` itself names each job's directory."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -90,9 +112,9 @@ def _own_multirun_dir(cfg: DictConfig) -> None:
         return
     job = HydraConfig.get()
     overrides = list(job.overrides.task)
-    if any(o.lstrip("+~").startswith("trainer.run_dir=") for o in overrides):
-        return
     swept = _swept_keys(sys.argv[1:])
+    if "trainer.run_dir" in swept:
+        return
     named = [o for o in overrides if o.lstrip("+~").split("=")[0] in swept] if swept else overrides
     cfg.trainer.run_dir = multirun_job_dir(cfg.trainer.run_dir, named, job.job.num)
 
@@ -137,7 +159,11 @@ def run(cfg: DictConfig) -> dict:
     _own_multirun_dir(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
-    run_cfg = run_config_from_dict(resolved)
+    env = launcher_env()
+    # A dry run plans for the recipe's parallel.world_size; a launch follows its own process count.
+    dry = bool((resolved.get("trainer") or {}).get("dry_run"))
+    run_cfg = run_config_from_dict(resolved, world_size=None if dry else env.world_size)
+    record_geometry(resolved, run_cfg)
     if run_cfg.trainer.dry_run:
         summary = plan_summary(run_cfg)
         if run_cfg.rl is not None:  # an RL recipe: what one step samples and trains on
@@ -153,8 +179,10 @@ def run(cfg: DictConfig) -> dict:
     complete = _completed(run_cfg, resolved)
     if complete is not None:
         return complete
-    trainer = Trainer(run_cfg, resolved, launcher_env())
+    # SLURM_JOB_ID: a requeued job takes its own run-directory lock over (read here, at the entry point).
+    trainer = None
     try:
+        trainer = Trainer(run_cfg, resolved, env, job_id=os.environ.get("SLURM_JOB_ID"))
         result = trainer.fit()
         if result.get("preempted"):
             return result
@@ -166,6 +194,8 @@ def run(cfg: DictConfig) -> dict:
             if prompt:
                 print(f"sample (greedy, prefill + decode):\n  prompt: {prompt!r}\n  continuation: {text!r}")
     finally:
+        if trainer is not None:
+            trainer.close()
         destroy_parallel()
     return result
 
@@ -222,7 +252,9 @@ def report_error(message: str, rank: int, marker_dir: str | None = None) -> None
 
 @hydra.main(config_path=RECIPES_DIR, config_name=None, version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
-    if not cfg:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not cfg or (HydraConfig.initialized() and HydraConfig.get().job.config_name is None):
         raise SystemExit(f"orthros-train: pick a recipe with --config-name\n\n{usage()}")
     import logging
 
@@ -233,19 +265,33 @@ def hydra_main(cfg: DictConfig) -> None:
     if rank != 0:  # logs from rank 0 only; warnings and errors still come from every rank
         logging.getLogger("orthros_train").setLevel(logging.WARNING)
     try:
-        run(cfg)  # a preempted run (SIGTERM/SIGUSR1) saved and returns normally: exit 0, requeue
+        result = run(cfg)  # a preempted run (SIGTERM/SIGUSR1) saved and returns normally: exit 0, requeue
     except (ValueError, CheckpointError, NonFiniteTrainingError) as exc:
         # configuration errors and run-stopping faults: one clear line, not a traceback
         report_error(f"orthros-train: {exc}", rank)
         raise SystemExit(1) from exc
+    except KeyboardInterrupt:  # Ctrl-C before training started (the loop itself saves and returns)
+        print("orthros-train: interrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
+        raise SystemExit(130) from None
+    if isinstance(result, dict) and result.get("signal") == signal.SIGINT:
+        raise SystemExit(130)  # Ctrl-C: saved, but the run did not finish (the shell convention, 128 + 2)
 
 
 def main() -> None:
     """``orthros-train``: ``--help`` without a recipe lists the recipes; the rest is Hydra's."""
     args = sys.argv[1:]
-    if any(a in ("-h", "--help") for a in args) and not any(a.startswith(("--config-name", "-cn")) for a in args):
+    named = any(a.startswith(("--config-name", "-cn")) for a in args)
+    if any(a in ("-h", "--help") for a in args) and not named:
         print(usage())
         return
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    if overrides and not named:
+        # Without a recipe Hydra answers "Key 'trainer' is not in struct", and its `+key` advice
+        # then trains the dataclass defaults (a 32000-token model on a 2048-token tokenizer).
+        raise SystemExit(
+            f"orthros-train: the overrides {overrides[:3]} need a recipe to apply to: add --config-name RECIPE "
+            f"(e.g. --config-name tiny_cpu)\n\n{usage()}"
+        )
     hydra_main()
 
 

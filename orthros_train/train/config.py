@@ -7,6 +7,7 @@ anything is built.
 
 from __future__ import annotations
 
+import logging
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from orthros_train.data import DataConfig
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.parallel.setup import ParallelConfig
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class OptimConfig:
@@ -60,8 +62,13 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     dry_run: bool = False
     seq_len: int = 256
-    micro_batch_size: int = 8
-    grad_accum_steps: int = 1
+    # Batch geometry (resolve_batch_geometry): the recipe states the global batch and the micro
+    # batch; the data-parallel size follows from the world size, and the accumulation steps from
+    # global / (micro x data_parallel). Without global_batch_size the batch is micro x
+    # grad_accum_steps (default 1) x data_parallel, so it grows with the world size.
+    global_batch_size: int | None = None  # sequences per optimizer step over all data-parallel ranks
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    grad_accum_steps: int | None = None  # None: derived; a number is checked against the derivation
     # [[start_step, seq_len], ...]: sequence length grows in stages at constant tokens per micro
     # batch (seq_len x micro_batch_size); see orthros_train/data/schedule.py. None: seq_len throughout.
     seq_len_schedule: list[list[int]] | None = None
@@ -83,6 +90,9 @@ class TrainerConfig:
     keep_last_k: int = 3  # checkpoints kept (older ones deleted after a successful save); 0 keeps all
     checkpoint_hashes: bool = True  # sha256 of every file in the manifest (sizes are always checked)
     resume: str = "auto"  # auto: latest complete checkpoint in run_dir, if any | none | a checkpoint path
+    # true: a run started afresh (resume=none, or a checkpoint of another run) may replace the run
+    # already in run_dir, whose checkpoints and metrics are deleted first; false refuses it
+    overwrite: bool = False
     # refuse | allow: resuming with another optimisation (lr, seed, seq_len, tokens per step) than
     # the checkpoint's recipe; another model or data is always refused (orthros_train/train/run_dir.py)
     resume_changes: str = "refuse"
@@ -98,9 +108,15 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):
             self.wandb = WandbConfig(**self.wandb)  # checked by typed_section with its parent
-        for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {value}")
+        if self.overwrite and self.resume == "auto":
+            raise ValueError(
+                "trainer.overwrite=true replaces the run in trainer.run_dir with a new one, but trainer.resume=auto "
+                "continues it: pass trainer.resume=none to start afresh (or drop trainer.overwrite)"
+            )
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"trainer.precision must be fp32|bf16, got {self.precision!r}")
         if self.save_every < 0 or self.keep_last_k < 0 or self.max_nonfinite_steps < 1:
@@ -198,6 +214,10 @@ class RunConfig:
     rl: RLConfig | None = None
     task: TaskConfig | None = None
 
+    def __post_init__(self) -> None:
+        # Every RunConfig carries a resolved geometry; idempotent for one already resolved.
+        resolve_batch_geometry(self.trainer, self.parallel, self.parallel.world_size, self.rl)
+
     @property
     def global_batch_size(self) -> int:
         """Sequences per optimizer step: micro batch x accumulation x data-parallel ranks."""
@@ -206,6 +226,106 @@ class RunConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.trainer.seq_len
+
+
+@dataclass
+class BatchGeometry:
+    """How one optimizer step's global batch is laid out over the processes."""
+
+    world_size: int
+    data_parallel: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+
+
+def _neighbours(value: int, candidates: list[int]) -> list[int]:
+    """The nearest candidates below and above ``value`` (one each side, where they exist)."""
+    below = [c for c in candidates if c < value]
+    above = [c for c in candidates if c > value]
+    return ([max(below)] if below else []) + ([min(above)] if above else [])
+
+
+def _or(values: list[int]) -> str:
+    return " or ".join(str(v) for v in values)
+
+
+def resolve_batch_geometry(
+    trainer: TrainerConfig, parallel: ParallelConfig, world_size: int | None = None, rl: RLConfig | None = None
+) -> BatchGeometry:
+    """Derive the data-parallel size and the accumulation steps, as megatron and torchtitan do:
+    the recipe fixes the global batch and the micro batch, the world size the rest.
+
+    ``world_size``: the launcher's process count, or the count a dry run plans for; None: the
+    recipe's ``parallel.world_size``, else ``parallel.data_parallel`` (or 1) x TP x CP. The result
+    is written into ``trainer`` and ``parallel`` (data_parallel, world_size, grad_accum_steps,
+    global_batch_size). An impossible combination raises ValueError with the numbers and the
+    nearest valid choices. An RL step trains on rl.prompts_per_step x rl.group_size rollouts:
+    that is its global batch."""
+    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    model_ranks = tp * cp
+    layout = f"parallel.tensor_parallel={tp} x parallel.context_parallel={cp}"
+    if world_size is None:
+        world_size = parallel.world_size or (parallel.data_parallel or 1) * model_ranks
+    elif parallel.world_size is not None and parallel.world_size != world_size:
+        log.info("the recipe plans for %d processes (parallel.world_size); %d were launched: the batch geometry "
+                 "follows the launch", parallel.world_size, world_size)
+    if world_size % model_ranks:
+        valid = _neighbours(world_size, [model_ranks * k for k in range(1, world_size // model_ranks + 2)])
+        raise ValueError(
+            f"world size {world_size} is not divisible by {layout} = {model_ranks}: use a world size of {_or(valid)}"
+        )
+    dp = world_size // model_ranks
+    if parallel.data_parallel is not None and parallel.data_parallel != dp:
+        raise ValueError(
+            f"world size {world_size} / ({layout}) = {dp} data-parallel ranks, but parallel.data_parallel="
+            f"{parallel.data_parallel}: leave parallel.data_parallel unset (null) so that it follows the world size, "
+            f"or use {parallel.data_parallel * model_ranks} processes"
+        )
+    micro = trainer.micro_batch_size
+    rows = rl.prompts_per_step * rl.group_size if rl is not None else None
+    if rows is not None and trainer.global_batch_size is not None and trainer.global_batch_size != rows:
+        raise ValueError(
+            f"trainer.global_batch_size={trainer.global_batch_size}, but an RL step trains on rl.prompts_per_step x "
+            f"rl.group_size = {rl.prompts_per_step} x {rl.group_size} = {rows} rollouts: drop "
+            "trainer.global_batch_size (RL derives it) or change the rl section"
+        )
+    global_batch = trainer.global_batch_size if trainer.global_batch_size is not None else rows
+    if global_batch is None:  # no global batch stated: it grows with the data-parallel size
+        accum = trainer.grad_accum_steps or 1
+        global_batch = micro * accum * dp
+    else:
+        stated = trainer.global_batch_size is not None
+        what = f"trainer.global_batch_size={global_batch}" if stated else f"the RL step's {global_batch} rollouts"
+        if global_batch % (micro * dp):
+            per_rank = global_batch / dp
+            batches = _neighbours(global_batch, [micro * dp * k for k in range(1, global_batch // (micro * dp) + 2)])
+            micros = _neighbours(micro, [m for m in range(1, global_batch + 1) if global_batch % (m * dp) == 0])
+            dps = [d for d in range(1, global_batch // micro + 1) if global_batch % (micro * d) == 0]
+            worlds = _neighbours(world_size, [d * model_ranks for d in dps])
+            choices = [f"trainer.global_batch_size={_or(batches)}"] if stated else []
+            if micros:
+                choices.append(f"trainer.micro_batch_size={_or(micros)}")
+            if worlds:
+                choices.append(f"a world size of {_or(worlds)}")
+            raise ValueError(
+                f"{what} (sequences per step) do not split into micro batches of "
+                f"trainer.micro_batch_size={micro} on {dp} data-parallel rank(s) "
+                f"(world size {world_size} / ({layout})): "
+                f"{global_batch} / ({micro} x {dp}) = {global_batch / (micro * dp):g} accumulation steps"
+                + (f" ({per_rank:g} sequences per rank)" if global_batch % dp else "")
+                + ". Nearest valid: " + "; ".join(choices)
+            )
+        accum = global_batch // (micro * dp)
+        if trainer.grad_accum_steps is not None and trainer.grad_accum_steps != accum:
+            raise ValueError(
+                f"trainer.grad_accum_steps={trainer.grad_accum_steps}, but {what} / "
+                f"(trainer.micro_batch_size={micro} x {dp} data-parallel ranks) = {accum}: leave "
+                "trainer.grad_accum_steps unset (null), it follows"
+            )
+    trainer.grad_accum_steps, trainer.global_batch_size = accum, global_batch
+    parallel.data_parallel, parallel.world_size = dp, world_size
+    return BatchGeometry(world_size, dp, micro, accum, global_batch)
 
 
 def _hint_name(hint: Any) -> str:
@@ -278,8 +398,10 @@ def typed_section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
         raise ValueError(f"recipe section '{name}': {exc}") from exc
 
 
-def run_config_from_dict(cfg: dict[str, Any]) -> RunConfig:
+def run_config_from_dict(cfg: dict[str, Any], world_size: int | None = None) -> RunConfig:
     """Build the typed config from a resolved recipe (``OmegaConf.to_container(resolve=True)``).
+    ``world_size``: the launched process count the batch geometry follows (None: the recipe's
+    ``parallel.world_size``, what a dry run plans for; see ``resolve_batch_geometry``).
 
     Every field of ``RunConfig`` but ``init`` is a recipe section typed by its dataclass: a new
     section or field needs no code here."""
@@ -294,8 +416,17 @@ def run_config_from_dict(cfg: dict[str, Any]) -> RunConfig:
     model = dict(cfg.get("model") or {})
     init = ModelInit(init_from=model.pop("init_from", None))
     given = {**cfg, "model": model}
-    return RunConfig(
-        **{name: typed_section(hints[name], given.get(name), name) for name in sections},
-        init=init,
-        **{name: typed_section(cls, cfg[name], name) for name, cls in optional.items() if name in cfg},
+    typed = {name: typed_section(hints[name], given.get(name), name) for name in sections}
+    extra = {name: typed_section(cls, cfg[name], name) for name, cls in optional.items() if name in cfg}
+    resolve_batch_geometry(typed["trainer"], typed["parallel"], world_size, extra.get("rl"))
+    return RunConfig(**typed, init=init, **extra)
+
+
+def record_geometry(resolved: dict[str, Any], cfg: RunConfig) -> None:
+    """Write the derived geometry into the resolved recipe (recipe.json, checkpoints' meta)."""
+    resolved.setdefault("trainer", {}).update(
+        global_batch_size=cfg.trainer.global_batch_size, grad_accum_steps=cfg.trainer.grad_accum_steps
+    )
+    resolved.setdefault("parallel", {}).update(
+        data_parallel=cfg.parallel.data_parallel, world_size=cfg.parallel.world_size
     )

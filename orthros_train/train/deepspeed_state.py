@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from orthros_train.parallel import collectives
 
 SUPPORTED = ("0.19.8", "0.20")  # [verified, first untested minor): DeepSpeed internals used below
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -107,9 +108,7 @@ class DeepSpeedState:
     def optimizer_step(self) -> int:
         """Adam's step count (collective: a rank whose partition is empty has no state)."""
         steps = [float(st["step"]) for st in self.base.state.values() if "step" in st]
-        step = torch.tensor([max(steps) if steps else 0.0], dtype=torch.float64)
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)
-        return int(step.item())
+        return int(collectives.reduce_floats([max(steps) if steps else 0.0], op="max")[0])
 
     def _unfused_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The tensor the torch optimizer updates for a non-partitioned ``param``: itself (stage 0

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from orthros_train.parallel import collectives
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
 LOSS_AVERAGES = ("token", "sequence")
@@ -45,11 +46,10 @@ def global_loss_units(
 ) -> int:
     """Loss units of a whole step: this rank's micro-batches summed over the data-parallel
     ``group`` (one collective per step)."""
-    device = layouts[0].labels.device if layouts else None  # NCCL reduces device tensors only
-    local = torch.tensor([float(sum(loss_units(x, loss_average) for x in layouts))], dtype=torch.float64, device=device)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(local, group=group)
-    return int(local.item())
+    local = float(sum(loss_units(x, loss_average) for x in layouts))
+    if group is None:
+        return int(local)
+    return int(collectives.reduce_floats([local], group=group)[0])
 
 
 def micro_batch_normalizer(units: int, grad_accum_steps: int, data_parallel: int) -> float:

@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from orthros_train.data.rl import rl_batch
+from orthros_train.parallel import collectives
 from orthros_train.data.sft import average_per_sequence
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 from orthros_train.train.config import RLConfig
@@ -477,10 +477,10 @@ class GRPOObjective:
             [sum(scored), float(len(scored)), float(len(rewards)), float(tokens), sums["ratio_sum"], sums["clipped"],
              sums["neg_logp_sum"], sums["kl_sum"], float(sum(b.advantages.abs().sum() for b in batches))],
             dtype=torch.float64,
-            device=batches[0].advantages.device,  # NCCL reduces device tensors only
+            device=batches[0].advantages.device,
         )
-        if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(totals, group=self.group)
+        if self.group is not None:
+            collectives.all_reduce(totals, group=self.group)  # on the group's device
         r_sum, n_scored, n_rollouts, n_tokens, ratio, clipped, neg_logp, kl, adv_abs = totals.tolist()
         stats = {
             "response_len_mean": n_tokens / n_rollouts,

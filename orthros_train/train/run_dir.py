@@ -25,7 +25,7 @@ IGNORED = re.compile(
     r"trainer\.(run_dir|resume|resume_changes|dry_run|progress|log_every|eval_every|eval_batches|save_every|"
     r"keep_last_k|checkpoint_hashes|async_save|fail_at_step|sample_prompt|sample_tokens|peak_tflops|gpu|"
     r"gpu_memory_gib|allow_memory_overflow|max_nonfinite_steps|loss_spike_factor|total_tokens|device|"
-    r"micro_batch_size|grad_accum_steps)$)"
+    r"micro_batch_size|grad_accum_steps|global_batch_size|overwrite)$)"
 )
 # Changed freely, logged: extending a run, resuming in another precision (the layout reshards).
 NOTED = ("trainer.max_steps", "trainer.precision")
@@ -42,12 +42,15 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _tokens_per_step(flat: dict[str, Any]) -> int | None:
+    # A recipe saved by a launch records the geometry it derived (global batch, accumulation, DP).
     try:
+        if flat.get("trainer.global_batch_size") is not None:
+            return int(flat["trainer.seq_len"]) * int(flat["trainer.global_batch_size"])
         return (
             int(flat["trainer.seq_len"])
             * int(flat["trainer.micro_batch_size"])
-            * int(flat["trainer.grad_accum_steps"])
-            * int(flat.get("parallel.data_parallel", 1))
+            * int(flat.get("trainer.grad_accum_steps") or 1)
+            * int(flat.get("parallel.data_parallel") or 1)
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -122,5 +125,47 @@ def multirun_job_dir(run_dir: str, overrides: list[str], job_num: int) -> str:
     ``optim.lr=1e-3`` -> ``optim.lr_0.001``; nothing Hydra's override grammar would need quoted
     (``=``, ``,``) so the directory can be passed back as ``trainer.run_dir``."""
     parts = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith("trainer.run_dir="))
-    name = "__".join(re.sub(r"[^A-Za-z0-9._\-]", "_", o) for o in parts)[:200] or f"job{job_num}"
+    name = "__".join(re.sub(r"[^A-Za-z0-9._\-]", "_", o) for o in parts) or f"job{job_num}"
+    if len(name) > 200:  # cut names could collide: the job number keeps them apart
+        name = f"{name[:180]}__job{job_num}"
     return str(Path(run_dir) / name)
+
+
+def existing_run(run_dir: str | Path) -> list[str]:
+    """What in ``run_dir`` belongs to a run already there (its checkpoints, its metrics log);
+    empty for a new or empty directory."""
+    root = Path(run_dir)
+    found = []
+    checkpoints = root / "checkpoints"
+    if checkpoints.is_dir() and any(p.name != "latest" and not p.name.startswith(".") for p in checkpoints.iterdir()):
+        found.append(str(checkpoints))
+    metrics = root / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(str(metrics))
+    return found
+
+
+def check_fresh_start(run_dir: str | Path, resume: str, overwrite: bool) -> list[str]:
+    """Whether a run that does not resume from this directory's own checkpoints may start in it.
+
+    ``trainer.resume=none`` (or a checkpoint outside ``run_dir``) in a directory holding another
+    run would overwrite ``final/``, repoint ``latest`` and prune that run's checkpoints: refused
+    unless ``trainer.overwrite=true``, which returns the paths to delete first."""
+    if resume == "auto":
+        return []
+    root = Path(run_dir).resolve()
+    if resume != "none" and Path(resume).resolve().is_relative_to(root):
+        return []  # resuming one of this run's own checkpoints
+    found = existing_run(run_dir)
+    if found and not overwrite:
+        start = (
+            "trainer.resume=none starts afresh"
+            if resume == "none"
+            else f"trainer.resume={resume} starts from another run's checkpoint"
+        )
+        raise ValueError(
+            f"trainer.run_dir={run_dir} already holds a run ({', '.join(found)}) and {start}, which would "
+            "overwrite it: pick another trainer.run_dir, resume it (trainer.resume=auto), or pass "
+            "trainer.overwrite=true to delete that run first"
+        )
+    return found

@@ -146,6 +146,16 @@ def tensor_parallel_grad_norm(model: torch.nn.Module) -> float:
     return float((sharded + replicated).sqrt())
 
 
+def _data_vocab_key(cfg: RunConfig) -> str:
+    """The recipe key that fixed the data's vocabulary, for the mismatch message."""
+    if cfg.rl is not None:
+        return "model.init_from / data.tokenizer"
+    if cfg.data.source == "embedded":
+        return f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size}"
+    named = f", data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer else ""
+    return f"the tokenizer recorded with data.paths{named}"
+
+
 class Trainer:
     def __init__(
         self,
@@ -189,8 +199,9 @@ class Trainer:
             )
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ValueError(
-                f"the tokenizer has {self.data.vocab_size} tokens but model.vocab_size is "
-                f"{cfg.model.vocab_size}; raise model.vocab_size"
+                f"the data's tokenizer has {self.data.vocab_size} tokens ({_data_vocab_key(cfg)}) but "
+                f"model.vocab_size is {cfg.model.vocab_size}: its ids would index past the embedding; set "
+                f"model.vocab_size={self.data.vocab_size} or more, or use the recipe the data was made for"
             )
         self.model = self._build_model()
         self.grpo = self._grpo_objective() if cfg.rl is not None else None  # before the engine wraps the model
