@@ -411,6 +411,71 @@ def _ptxas_stats(ptx: str) -> dict:
     return {"regs": int(PTXAS_REGS.search(log).group(1)), "spill_bytes": int(PTXAS_STATS.search(log).group(1))}
 
 
+# ---- work replication of the dots, read from the compiled layouts (TTGIR) -------------------
+# A dot's result layout says how its M x N tile is spread over the warps: ``warpsPerCTA`` warps
+# per dimension, each covering ``instrShape`` (MMA: 16 rows x instrN columns per warp; an MMA v3
+# warp group is 4 warps along M, 64 rows) or ``sizePerThread * threadsPerWarp`` (blocked, FMA
+# dots). Warps whose slot lies past the tile's extent in a dimension repeat the warps before
+# them: they issue the same product. Replication = warps / warps that own distinct elements.
+# Spill counts do not show it; the layouts do (the PTX then holds the same wgmma in each group).
+TTGIR_LAYOUT = re.compile(r"^(#[\w.]+) = (#(?:ttg|triton_gpu)\.\w+<\{[^}]*\}>)\s*$", re.M)
+TTGIR_DOT = re.compile(r"^\s*%([\w.]+?)(?:_\d+)?(?::\d+)? = (tt\.dot|ttng\.warp_group_dot) (.*)$", re.M)
+TTGIR_RESULT = re.compile(r"-> tensor<((?:\d+x)+)[a-z]\w*, (#[\w.]+(?:<\{[^}]*\}>)?)>")
+TTGIR_LHS = re.compile(r": (?:tensor|![\w.]*memdesc)<((?:\d+x)+)[a-z]\w*")
+
+
+def _layout_fields(text: str) -> dict:
+    """``#ttg.nvidia_mma<{versionMajor = 3, warpsPerCTA = [8, 1], ...}>`` -> kind + int fields."""
+    kind = re.match(r"#(?:ttg|triton_gpu)\.(\w+)<", text).group(1)
+    fields: dict = {"kind": kind}
+    for key, val in re.findall(r"(\w+) = (\[[\d, ]*\]|\d+)", text):
+        fields[key] = [int(x) for x in val.strip("[]").split(",") if x.strip()] if val.startswith("[") else int(val)
+    return fields
+
+
+def layout_replication(layout: dict, shape: list[int]) -> int:
+    """How many warps compute each element of a ``shape`` tensor laid out as ``layout``.
+
+    Raises ``ValueError`` for a layout kind this reader does not know (a new triton may add one:
+    extend the reader rather than guess).
+    """
+    warps = layout["warpsPerCTA"]
+    if len(warps) != len(shape):
+        raise ValueError(f"layout rank {len(warps)} != tensor rank {len(shape)}: {layout}")
+    if layout["kind"] == "nvidia_mma":
+        per_warp = layout["instrShape"][: len(shape)]  # [M per warp (16), N per instruction, (K)]
+    elif layout["kind"] == "blocked":
+        per_warp = [a * b for a, b in zip(layout["sizePerThread"], layout["threadsPerWarp"])]
+    else:
+        raise ValueError(f"unknown dot result layout {layout['kind']!r}: teach layout_replication about it")
+    distinct = 1
+    for n, w, tile in zip(shape, warps, per_warp):
+        distinct *= min(w, max(1, -(-n // tile)))
+    return math.prod(warps) // distinct
+
+
+def dot_replication(ttgir: str) -> list[dict]:
+    """Every dot of a compiled kernel (TTGIR text) with its M x N x K, layout and replication."""
+    aliases = {name: text for name, text in TTGIR_LAYOUT.findall(ttgir)}
+    dots, seen = [], set()
+    for name, op, rest in TTGIR_DOT.findall(ttgir):
+        res, lhs = TTGIR_RESULT.search(rest), TTGIR_LHS.search(rest)
+        if res is None or lhs is None:
+            raise ValueError(f"cannot read the types of dot %{name}: {rest[:200]}")
+        shape = [int(x) for x in res.group(1).rstrip("x").split("x")]
+        k = int(lhs.group(1).rstrip("x").split("x")[-1])
+        enc = res.group(2)
+        layout = _layout_fields(aliases.get(enc, enc))
+        key = (name, tuple(shape), k, enc)
+        if key in seen:  # the pipeliner peels copies of a loop's dot: one entry each
+            continue
+        seen.add(key)
+        dots.append({"dot": name, "op": op, "M": shape[0], "N": shape[1], "K": k, "layout": layout["kind"],
+                     "version": layout.get("versionMajor"), "warpsPerCTA": layout["warpsPerCTA"],
+                     "instrShape": layout.get("instrShape"), "replication": layout_replication(layout, shape)})
+    return dots
+
+
 def _signature(fn, consts: dict, dtype: str) -> tuple[dict, dict]:
     """Argument types and the JIT's alignment attributes for real (aligned) tensors.
 
@@ -438,11 +503,36 @@ def _signature(fn, consts: dict, dtype: str) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def compile_report(head_dims=(64, 128), dtypes=("bfloat16", "float16"), group: int = 4, log=None) -> list[dict]:
+def parse_configs(text: str) -> list[tuple[int, int, int, int]]:
+    """``"64x64w4s3,128x64w8s2"`` -> [(BLOCK_M, BLOCK_N, num_warps, num_stages), ...]."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", item)
+        if m is None:
+            raise ValueError(f"config {item!r}: write BLOCK_MxBLOCK_NwWARPSsSTAGES, e.g. 64x64w4s3")
+        out.append(tuple(int(g) for g in m.groups()))
+    return out
+
+
+def _with_config(spec: dict, bm: int, bn: int, warps: int, stages: int) -> dict:
+    consts = dict(spec["consts"])
+    if "BLOCK_M" in consts:  # fwd/dq/dkdv; the decode kernels keep their own tile constants
+        consts.update(BLOCK_M=bm, BLOCK_N=bn)
+    return {**spec, "consts": consts, "autotune": False, "fixed": False,
+            "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}}
+
+
+def compile_report(head_dims=(64, 128), dtypes=("bfloat16", "float16"), group: int = 4, log=None,
+                   kernels: list[str] | None = None, configs: list[tuple[int, int, int, int]] | None = None
+                   ) -> list[dict]:
     """AOT-compile every kernel config for sm_90 as the JIT would specialise it; one dict each.
 
     ``autotune`` is true for the configs the autotuner may pick for that dtype (after its prune);
     the decode kernels have one fixed launch config (``autotune`` false, ``fixed`` true).
+    ``kernels`` keeps the kernels whose name starts with one of its entries (``"fwd[band]"``,
+    ``"dkdv"``); ``configs`` compiles those instead of the autotune lists (``autotune`` false),
+    to try candidates. Each row has ``dot_replication`` (the largest factor of its dots, 1 when
+    no warp repeats another's product) and ``dots`` (per dot, read from the TTGIR).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -454,21 +544,29 @@ def compile_report(head_dims=(64, 128), dtypes=("bfloat16", "float16"), group: i
         dtype = DTYPES[dtype_name]
         torch_dtype = getattr(torch, dtype_name)
         for d in head_dims:
-            for spec in ta.kernel_specs(d, group, torch_dtype) + _decode_specs(d, group, torch_dtype):
+            specs = ta.kernel_specs(d, group, torch_dtype) + _decode_specs(d, group, torch_dtype)
+            if kernels:
+                specs = [s for s in specs if any(s["kernel"].startswith(k) for k in kernels)]
+            if configs:
+                unique = {s["kernel"]: s for s in specs}.values()  # one spec per kernel, each config once
+                specs = [_with_config(s, *c) for s in unique for c in configs]
+            for spec in specs:
                 fn, consts, cfg = spec["fn"], spec["consts"], spec["config"]
                 sig, attrs = _signature(fn, consts, dtype)
                 src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
                 t0 = time.perf_counter()
                 row = {"kernel": spec["kernel"], "config": cfg, "head_dim": d, "dtype": dtype,
-                       "autotune": spec["autotune"]}
+                       "autotune": spec["autotune"], "triton": triton.__version__}
                 if spec.get("fixed"):
                     row["fixed"] = True
                 try:
                     kern = triton.compile(src, target=target,
                                           options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
                     row.update(_ptxas_stats(kern.asm["ptx"]), shared_bytes=int(kern.metadata.shared))
+                    dots = dot_replication(kern.asm["ttgir"])
+                    row.update(dot_replication=max((x["replication"] for x in dots), default=1), dots=dots)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
-                    row.update(regs=None, spill_bytes=None, shared_bytes=None,
+                    row.update(regs=None, spill_bytes=None, shared_bytes=None, dot_replication=None,
                                error=f"{type(exc).__name__}: {exc}"[-400:])
                 row["seconds"] = round(time.perf_counter() - t0, 2)
                 rows.append(row)
@@ -488,9 +586,10 @@ def _fmt_compile(r: dict) -> str:
     cfg = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
     tag = "autotune" if r["autotune"] else ("fixed" if r.get("fixed") else "-")
     if r.get("error"):
-        return f"| {r['kernel']} | {cfg} | {r['head_dim']} | {r['dtype']} | FAIL | | | {tag} |"
+        return f"| {r['kernel']} | {cfg} | {r['head_dim']} | {r['dtype']} | FAIL | | | | {tag} |"
+    rep = ", ".join(f"{x['dot']} x{x['replication']}" for x in r["dots"] if x["replication"] > 1)
     return (f"| {r['kernel']} | {cfg} | {r['head_dim']} | {r['dtype']} | {r['regs']} | {r['spill_bytes']} | "
-            f"{r['shared_bytes'] / 1024:.0f} | {tag} |")
+            f"{r['shared_bytes'] / 1024:.0f} | {r['dot_replication']}{f' ({rep})' if rep else ''} | {tag} |")
 
 
 def hopper_probe(head_dim: int = 128) -> list[dict]:
@@ -569,11 +668,13 @@ def hopper_probe(head_dim: int = 128) -> list[dict]:
 def compile_sm90(args) -> list[dict]:
     head_dims = [args.head_dim] if args.head_dim_given else [64, 128]
     dtypes = [args.dtype] if args.dtype_given else ["bfloat16", "float16", "float32"]
+    kernels = [k for k in args.kernels.split(",") if k] if args.kernels else None
+    configs = parse_configs(args.configs) if args.configs else None
     if not args.json:
-        print("| kernel | config | head_dim | dtype | regs | spill bytes | shared KB | |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| kernel | config | head_dim | dtype | regs | spill bytes | shared KB | dot replication | |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     log = None if args.json else (lambda r: print(_fmt_compile(r), flush=True))
-    return compile_report(head_dims, dtypes, args.heads // args.kv_heads, log=log)
+    return compile_report(head_dims, dtypes, args.heads // args.kv_heads, log=log, kernels=kernels, configs=configs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,6 +694,10 @@ def main(argv=None) -> int:
     p.add_argument("--band-blocks", default="64x64", help="BLOCK_MxBLOCK_N of the windowed queries (CPU work count)")
     p.add_argument("--full-blocks", default="128x64", help="BLOCK_MxBLOCK_N of the whole-document queries")
     p.add_argument("--compile-sm90", action="store_true", help="compile the kernels for sm_90 (no GPU needed)")
+    p.add_argument("--kernels", default=None,
+                   help="--compile-sm90: only kernels whose name starts with one of these (e.g. dkdv,fwd[band])")
+    p.add_argument("--configs", default=None,
+                   help="--compile-sm90: these configs instead of the autotune lists (e.g. 64x64w4s3,128x64w8s2)")
     p.add_argument("--probe-hopper", action="store_true",
                    help="sm_90 compile of a TMA + warp_specialize variant of the base-stream loop")
     args = p.parse_args(argv)
@@ -610,7 +715,10 @@ def main(argv=None) -> int:
         print(json.dumps(hopper_probe(args.head_dim), indent=1))
         return 0
     if args.compile_sm90:
-        rows = compile_sm90(args)
+        try:
+            rows = compile_sm90(args)
+        except ValueError as exc:  # a malformed --configs entry
+            p.error(str(exc))
         if args.json:
             print(json.dumps(rows, indent=1))
         return 0 if all(not r.get("error") for r in rows) else 1

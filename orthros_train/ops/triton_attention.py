@@ -61,6 +61,42 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+def _interpreter_index_fix() -> bool:
+    """Let triton 3.6's interpreter take tensor loop bounds again under numpy >= 2.4.
+
+    The interpreter holds every scalar as a one-element array and gives tensors ``__index__`` as
+    ``int(data)``; numpy 2.4 refuses ``int()`` of a 1-d array, so every ``range(lo, hi, step)``
+    with a tensor bound (all of the kernels' loops: their bounds are loaded or reduced values)
+    raised "only 0-dimensional arrays can be converted to Python scalars". Newer triton reads
+    ``int(data.squeeze())`` (triton-lang/triton#9171); this applies that same definition on the
+    releases that lack it. The compiled (GPU) path is untouched: only the interpreter's patch
+    hook is wrapped, and only when its ``int(data)`` is what fails.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1, dtype=np.int32))
+        return False  # numpy still converts one-element arrays: nothing to fix
+    except TypeError:
+        pass
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_orthros_index_fix", False):
+        return False
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._orthros_index_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
+if INTERPRET:
+    _interpreter_index_fix()
+
+
 # --------------------------------------------------------------------------------------------
 # autotune configs (one config when interpreting: the interpreter cannot benchmark)
 # --------------------------------------------------------------------------------------------
@@ -485,6 +521,56 @@ def _attn_bwd_dkdv_kernel(
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _bwd_delta_kernel(
+    OUT, DO, DLSE, DELTA, stride_om, stride_oh, stride_dom, stride_doh, n_q,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """``DELTA[h, i] = sum_d DO[i, h, d] * OUT[i, h, d] - DLSE[h, i]`` in fp32 (DLSE, DELTA: [Hq, Nq]).
+
+    The FlashAttention-2 backward's preprocess: tiles are upcast in registers, so no fp32 copy
+    of the output (or of its gradient) is ever materialised.
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_q
+    mask = row_ok[:, None] & (offs_d < D)[None, :]
+    rows64 = rows.to(tl.int64)
+    o = tl.load(OUT + rows64[:, None] * stride_om + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + rows64[:, None] * stride_dom + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + h * n_q + rows64, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + h * n_q + rows64, delta, mask=row_ok)
+
+
+# One fixed launch: a memory-bound row sum (each element read once) has nothing to autotune.
+DELTA_LAUNCH = {"BLOCK_M": 64, "num_warps": 4}
+
+
+def backward_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """``delta [Hq, Nq] fp32 = rowsum(dout * out) - dlse`` through ``_bwd_delta_kernel``."""
+    n_q, h_q, d = out.shape
+    delta = torch.empty((h_q, n_q), dtype=torch.float32, device=out.device)
+    if n_q == 0:
+        return delta
+    # dlse is [Hq, Nq] (D times smaller than out): made contiguous fp32 if it is not already
+    dl = delta if dlse is None else dlse.to(torch.float32).contiguous()  # placeholder when HAS_DLSE is off
+    _bwd_delta_kernel[(triton.cdiv(n_q, DELTA_LAUNCH["BLOCK_M"]), h_q)](
+        out, dout, dl, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), n_q,
+        D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_DLSE=dlse is not None,
+        BLOCK_M=DELTA_LAUNCH["BLOCK_M"], num_warps=DELTA_LAUNCH["num_warps"],
+    )
+    return delta
+
+
+def backward_delta_reference(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """Plain-torch ``backward_delta`` (tests): the same sum through fp32 copies of both tensors."""
+    delta = (dout.float() * out.float()).sum(-1).t()
+    return (delta if dlse is None else delta - dlse.float()).contiguous()
+
+
 def _config_key(cfg: triton.Config) -> tuple[int, int, int, int]:
     return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
@@ -519,7 +605,7 @@ _KERNELS = {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bw
 KERNEL_ARG_TYPES = {
     "PERM": "*i32", "QSTART": "*i32", "QEND": "*i32", "ROWS": "*i32", "NGROUPS": "*i32",
     "COMP_START": "*i64", "COMP_END": "*i64",
-    "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DKA": "*fp32", "DVA": "*fp32",
+    "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DKA": "*fp32", "DVA": "*fp32", "DLSE": "*fp32",
 }
 
 
@@ -552,6 +638,12 @@ def kernel_specs(head_dim: int, group: int, dtype: torch.dtype) -> list[dict]:
                         "kernel": f"{kernel}[{cls}{', atomic dq' if variant else ''}]", "fn": fn, "consts": consts,
                         "autotune": True, "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s},
                     })
+    specs.append({
+        "kernel": "bwd_delta", "fn": _bwd_delta_kernel, "autotune": False, "fixed": True,
+        "consts": {"D": head_dim, "BLOCK_D": block_d, "HAS_DLSE": True, "BLOCK_M": DELTA_LAUNCH["BLOCK_M"]},
+        "config": {"BLOCK_M": DELTA_LAUNCH["BLOCK_M"], "BLOCK_N": block_d, "num_warps": DELTA_LAUNCH["num_warps"],
+                   "num_stages": 3},
+    })
     return specs
 
 
@@ -730,10 +822,7 @@ def attention_backward(
     n_q, h_q, _ = q.shape
     n_k, h_kv, _ = k.shape
     # delta_i = rowsum(dO * O) - dLSE_i  (the lse gradient folds into the same term)
-    delta = (dout.float() * out.float()).sum(-1).t()
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = backward_delta(dout, _contig(out), dlse)
     lse = lse.contiguous()
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, like the fp32 partials
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

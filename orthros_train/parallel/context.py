@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.parallel import collectives
 from orthros_train.model.orthros import AttentionPlan
 from orthros_train.ops.attention import UNBOUNDED, prepare_attention, resolve_backend
 from orthros_train.ops.reference import key_ranges

@@ -13,11 +13,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import OrthrosForCausalLM
+from orthros_train.parallel import collectives
 
 SPLIT_ROWS, SPLIT_COLS, REPLICATE = "rows", "cols", "replicate"
 

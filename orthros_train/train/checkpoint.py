@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.parallel import collectives
 from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, reference_shapes, shard_tensor
 from orthros_train.train.checkpoint_store import (
     CheckpointStore,
