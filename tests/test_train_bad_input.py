@@ -1,0 +1,108 @@
+"""Bad input at the trainer's door: no recipe, a model smaller than the data's vocabulary, a
+truncated ``model.init_from``. Each is refused naming the key or file and the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _recipe(tmp_path: Path, **model) -> dict:
+    return {
+        "model": {"vocab_size": 2048, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "intermediate_size": 64, "sliding_window": 8, "init_from": None,
+                  **model},
+        "data": {"source": "embedded", "corpus": "paul_graham", "tokenizer_vocab_size": 2048,
+                 "cache_dir": str(Path("~/.cache/orthros_train").expanduser())},
+        "trainer": {"max_steps": 1, "run_dir": str(tmp_path / "run"), "device": "cpu", "log_every": 0,
+                    "seed": 0, "eval_every": 0, "micro_batch_size": 1, "seq_len": 32, "progress": False,
+                    "wandb": {"enabled": False}},
+        "parallel": {"zero_stage": 0},
+    }
+
+
+def _trainer(recipe: dict):
+    from orthros_train.parallel.setup import destroy_parallel
+    from orthros_train.train.config import run_config_from_dict
+    from orthros_train.train.trainer import Trainer
+
+    try:
+        return Trainer(run_config_from_dict(recipe), recipe)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("argv", [["trainer.max_steps=1"], ["+trainer.max_steps=1", "+trainer.dry_run=true"]])
+def test_overrides_without_a_recipe_are_refused(monkeypatch, capsys, argv):
+    """Hydra's `+key` advice would otherwise train the dataclass defaults (a 32000-token model)."""
+    from orthros_train.train import cli
+
+    monkeypatch.setattr(sys, "argv", ["orthros-train", *argv])
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    message = str(exc.value.code)
+    assert "need a recipe" in message and "--config-name RECIPE" in message and "tiny_cpu" in message
+
+
+def test_a_model_smaller_than_the_datas_vocabulary_names_both_keys(tmp_path):
+    with pytest.raises(ValueError, match=r"2048 tokens \(data.tokenizer_vocab_size=2048\) but model.vocab_size "
+                                         r"is 1000.*set model.vocab_size=2048"):
+        _trainer(_recipe(tmp_path, vocab_size=1000))
+
+
+def _truncated_checkpoint(directory: Path, keep: float) -> Path:
+    torch.manual_seed(0)
+    cfg = OrthrosConfig(vocab_size=2048, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=64, sliding_window=8)
+    OrthrosForCausalLM(cfg).save_pretrained(directory)
+    weights = next(directory.glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[: int(len(data) * keep)])  # an interrupted copy
+    return weights
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 0.0])
+def test_lazy_checkpoint_names_a_truncated_file(tmp_path, keep):
+    from orthros_train.parallel.state_dict import CorruptWeightsError, LazyCheckpoint
+
+    weights = _truncated_checkpoint(tmp_path / "ckpt", keep)
+    with pytest.raises(CorruptWeightsError, match=rf"{weights.name} \(.* bytes\) is not a readable safetensors file.*"
+                                                  "truncated or corrupt.*copy it again"):
+        LazyCheckpoint(tmp_path / "ckpt")
+
+
+def test_truncated_init_from_is_a_clear_error_at_the_command_line(tmp_path):
+    weights = _truncated_checkpoint(tmp_path / "ckpt", 0.5)
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "orthros_train.train.cli", "--config-name", "tiny_cpu",
+         f"model.init_from={tmp_path / 'ckpt'}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=1",
+         "trainer.progress=false", "trainer.wandb.enabled=false"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"model.init_from={tmp_path / 'ckpt'}" in proc.stderr and str(weights) in proc.stderr
+    assert "truncated or corrupt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_truncated_safetensors_inside_the_file_is_still_refused_with_the_file(tmp_path):
+    """A file whose header is intact but whose data stops early (the size check of safetensors)."""
+    from orthros_train.parallel.state_dict import CorruptWeightsError, LazyCheckpoint
+
+    tensors = {"embed_tokens.weight": torch.ones(64, 8)}
+    path = tmp_path / "ckpt" / "model.safetensors"
+    path.parent.mkdir()
+    safetensors.torch.save_file(tensors, path)
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(CorruptWeightsError, match="model.safetensors"):
+        LazyCheckpoint(path.parent)
