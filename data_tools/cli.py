@@ -19,15 +19,38 @@ import sys
 from orthros_train.data.indexed import DataError
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 workers, shards of 0 records or batches of 0 records
+    cannot make progress; argparse turns the ValueError into a usage error naming the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="json/jsonl(.gz)/txt/parquet/csv/arrow files, directories, globs, or a hub dataset name")
     p.add_argument("--tokenizer", required=True, help="local HF tokenizer directory or tokenizer.json")
     p.add_argument("--output", required=True, metavar="PREFIX",
                    help="output prefix: shards PREFIX_00000.bin/.idx, ..., summary PREFIX.json")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes (default 1)")
-    p.add_argument("--docs-per-shard", type=int, default=100_000, help="raw records per shard (default 100000)")
-    p.add_argument("--batch-size", type=int, default=256, help="records per tokenizer call (default 256)")
+    p.add_argument("--workers", type=_positive_int, default=1, help="tokenizer worker processes (default 1)")
+    p.add_argument("--docs-per-shard", type=_positive_int, default=100_000,
+                   help="raw records per shard (default 100000)")
+    p.add_argument("--batch-size", type=_positive_int, default=256, help="records per tokenizer call (default 256)")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="bad records (malformed JSON, missing fields, empty, non-UTF-8): stop with an error "
                         "(default) or skip and count them in the summary")
@@ -74,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="counts, length histogram, a decoded sample, answer-span coverage")
     ins.add_argument("path", help="output prefix / summary JSON / directory / .bin or .idx prefix")
     ins.add_argument("--tokenizer", default=None, help="tokenizer to decode the sample (default: from the summary)")
-    ins.add_argument("--sample", type=int, default=0, help="which document to decode (default 0)")
+    ins.add_argument("--sample", type=_nonnegative_int, default=0, help="which document to decode (default 0)")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

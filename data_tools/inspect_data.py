@@ -7,6 +7,7 @@ import numpy as np
 from orthros_train.data.indexed import (
     MODE_ANSWER,
     MODE_REFERENCE,
+    DataError,
     load_summary,
     open_indexed,
     read_index_header,
@@ -72,7 +73,10 @@ def inspect_dataset(path: str, tokenizer=None, sample: int = 0, max_chars: int =
             "reference_tokens": ref_tokens,
         }
     if report["documents"]:
-        report["sample"] = _sample(prefixes, headers, sample % report["documents"], tokenizer, max_chars)
+        if not 0 <= sample < report["documents"]:
+            raise DataError(f"--sample {sample}: {path} holds {report['documents']} documents; "
+                            f"choose one of 0..{report['documents'] - 1}")
+        report["sample"] = _sample(prefixes, headers, sample, tokenizer, max_chars)
     return report
 
 

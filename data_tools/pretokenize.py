@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import tempfile
@@ -169,15 +170,51 @@ def _payload(record: Record, opts: TokenizeOptions, policy: BadInputPolicy):
         return None
     if opts.kind == "sft":
         return (record.where, messages)
+    value = record.value or {}
     ref_field = opts.fields.reference
-    reference = (record.value or {}).get(ref_field) if ref_field else None
-    if messages[-1]["role"] == "assistant":  # a chat record: its final answer becomes the reference
-        reference = reference if isinstance(reference, str) else messages[-1]["content"]
+    final_answer = None
+    if messages[-1]["role"] == "assistant":  # a chat record: its final answer is the fallback reference
+        final_answer = messages[-1]["content"]
         messages = messages[:-1]
         if not messages:
             policy.bad("no_prompt", record.where, "only an assistant message, no prompt")
             return None
-    return (record.where, (messages, reference if isinstance(reference, str) else None))
+    if ref_field is None:
+        return (record.where, (messages, final_answer))
+    try:
+        reference = reference_text(value, ref_field, final_answer)
+    except BadRecord as e:
+        policy.bad(e.kind, record.where, str(e))
+        return None
+    return (record.where, (messages, reference))
+
+
+def reference_text(value: dict, field: str, final_answer: str | None = None) -> str:
+    """The reference answer of an RL record's ``field`` as text.
+
+    Numbers are written as JSON writes them (``4`` -> "4", ``2.5`` -> "2.5"): an exact-match or
+    numeric reward compares text with text, and a numeric answer is the commonest kind in math
+    sets, so refusing them would make --reference-field useless there. Booleans, null, lists and
+    objects, NaN/inf and empty text are refused (their text form is ambiguous, or there is nothing
+    to compare with); so is a missing field, unless the record is a chat whose last assistant
+    message then serves as the reference.
+    """
+    if field not in value:
+        if final_answer is not None and final_answer.strip():
+            return final_answer
+        keys = ", ".join(sorted(value)) or "none"
+        raise BadRecord("missing_reference", f"no reference answer field {field!r} (fields: {keys}); "
+                        "choose the field with --reference-field")
+    ref = value[field]
+    if isinstance(ref, bool) or ref is None or not isinstance(ref, (str, int, float)):
+        raise BadRecord("bad_reference", f"reference answer {field!r} is {json.dumps(ref)[:60]} "
+                        f"({type(ref).__name__}); it must be text or a number")
+    if isinstance(ref, float) and not math.isfinite(ref):
+        raise BadRecord("bad_reference", f"reference answer {field!r} is {ref}, not a finite number")
+    text = ref if isinstance(ref, str) else json.dumps(ref)
+    if not text.strip():
+        raise BadRecord("bad_reference", f"reference answer {field!r} is empty")
+    return text
 
 
 def _work_items(records: Iterator[Record], opts: TokenizeOptions, done: set[int], policy: BadInputPolicy):
@@ -359,8 +396,7 @@ def _run(opts: TokenizeOptions) -> dict:
                          "records": n_records, "skipped": skipped}
                 if writer is not None:
                     writer.finish()
-                    entry.update(prefix=os.path.basename(writer.prefix), documents=writer.documents)
-                    entry["tokens"] = writer.tokens
+                    entry.update(prefix=os.path.basename(writer.prefix), **writer.record())
                     writer = None
                 shards[shard] = entry
                 _write_json(out_json, manifest(False))

@@ -204,3 +204,104 @@ def test_token_ids_past_the_vocabulary_are_caught_when_the_data_is_opened(tmp_pa
     message = str(err.value)
     assert f"{prefix}.bin: token id 1030 at token position 163" in message and "document 1" in message
     assert "vocabulary of 1024" in message and "data.tokenizer" in message
+
+
+@pytest.mark.parametrize("flag", ["--workers", "--docs-per-shard", "--batch-size"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_counts_must_be_positive_integers(flag, value, tok_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["tokenize", str(src), "--tokenizer", tok_dir, "--output", str(out), flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and ("positive integer" in err or "is not an integer" in err)
+    assert "Traceback" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_inspect_sample_out_of_range_is_refused(tok_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "one"}, {"text": "two"}])
+    out = str(tmp_path / "out")
+    assert cli_main(["tokenize", str(src), "--tokenizer", tok_dir, "--output", out, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli_main(["inspect", out, "--sample", "1"]) == 0
+    assert cli_main(["inspect", out, "--sample", "2"]) == 2  # used to wrap round to document 0
+    err = capsys.readouterr().err
+    assert "--sample 2: " in err and "holds 2 documents; choose one of 0..1" in err
+    with pytest.raises(SystemExit):
+        cli_main(["inspect", out, "--sample", "-1"])
+
+
+def _rl_rows():
+    return [
+        {"prompt": "2 + 2 = ?", "answer": 4},  # line 1: a number -> "4"
+        {"prompt": "half of 5?", "answer": 2.5},  # line 2: -> "2.5"
+        {"prompt": "capital of France?", "answer": "Paris"},  # line 3
+        {"prompt": "no answer here"},  # line 4: missing
+        {"prompt": "a flag?", "answer": True},  # line 5: bool, refused
+        {"prompt": "nothing?", "answer": "  "},  # line 6: empty, refused
+    ]
+
+
+def test_rl_reference_answers_numbers_are_text_missing_ones_are_named(tok_dir, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from orthros_train.data.rl import PromptSet
+
+    src = write_jsonl(tmp_path / "rl.jsonl", _rl_rows())
+    base = ["rl", str(src), "--tokenizer", tok_dir, "--reference-field", "answer", "--no-progress"]
+    assert cli_main([*base, "--output", str(tmp_path / "strict")]) == 2
+    err = capsys.readouterr().err
+    assert f"{src}:4: no reference answer field 'answer' (fields: prompt)" in err and "--on-error skip" in err
+    assert not (tmp_path / "strict.json").exists() or not json.loads((tmp_path / "strict.json").read_text())["complete"]
+    out = tmp_path / "lenient"
+    assert cli_main([*base, "--output", str(out), "--on-error", "skip"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 documents" in printed and "'missing_reference': 1" in printed and "'bad_reference': 2" in printed
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    prompts = PromptSet([str(out) + "_00000"], 1, 0)
+    refs = sorted(tok.decode(prompts.prompt(i).reference_ids.tolist()) for i in range(len(prompts)))
+    assert refs == ["2.5", "4", "Paris"]
+    summary = json.loads((tmp_path / "lenient.json").read_text())
+    assert "rl.jsonl:5" in summary["skipped_examples"]["bad_reference"]
+    assert "bool" in summary["skipped_examples"]["bad_reference"]
+
+
+def test_empty_assistant_answer_is_refused_not_trained(tok_dir, tmp_path):
+    """An empty answer used to become a trained span holding only the end-of-turn marker."""
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": ""}]},
+        {"prompt": "and now?", "response": "   "},
+    ]
+    src = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(DataError, match=f"{src}:2: assistant message 1 is empty"):
+        run(_opts([src], tok_dir, tmp_path / "a", kind="sft"))
+    summary = run(_opts([src], tok_dir, tmp_path / "b", kind="sft", on_error="skip"))
+    assert summary["documents"] == 1 and summary["skipped"] == {"empty_answer": 2}
+    # train_turns=last: an empty earlier turn is context, only the trained (last) one must say something
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+                          {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}]
+    src = write_jsonl(tmp_path / "last.jsonl", rows)
+    assert run(_opts([src], tok_dir, tmp_path / "c", kind="sft", train_turns="last"))["documents"] == 1
+
+
+def test_out_of_vocabulary_ids_in_a_bin_whose_summary_claims_a_smaller_vocabulary(tok_dir, tmp_path):
+    import numpy as np
+
+    from orthros_train.data.blend import build_blend
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "fine text " * 30}, {"text": "more text " * 30}])
+    out = tmp_path / "out"
+    summary = run(_opts([src], tok_dir, out))
+    assert summary["tokenizer"]["vocab_size"] == 1024
+    prefix = str(out) + "_00000"
+    build_blend([prefix], None, 16, 0, 1024, 0, str(tmp_path / "cache"))  # as written: fine, no scan needed
+    tokens = np.fromfile(prefix + ".bin", dtype=np.uint16)
+    tokens[70] = 5000  # rewritten after orthros-data recorded it (e.g. copied from other data)
+    tokens.tofile(prefix + ".bin")
+    with pytest.raises(DataError) as err:
+        build_blend([prefix], None, 16, 0, 1024, 0, str(tmp_path / "cache"))
+    message = str(err.value)
+    assert f"{prefix}.bin: token id 5000 at token position 70 (byte offset 140" in message
+    assert "summary claims a vocabulary of 1024" in message and "data.tokenizer" in message

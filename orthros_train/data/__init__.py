@@ -87,7 +87,8 @@ def prepare_embedded(cfg: DataConfig) -> tuple[str, object]:
     # files live too: two checkouts (two venvs) of the project share ~/.cache but must not share
     # a tokenized copy recorded with the other's input paths.
     files = corpus_files(cfg.corpus)
-    fingerprint = {"corpus": cfg.corpus, "files": corpus_fingerprint(files), "tokenizer": tokenizer_digest(tokenizer)}
+    fingerprint = {"corpus": cfg.corpus, "files": corpus_fingerprint(files), "tokenizer": tokenizer_digest(tokenizer),
+                   "documents": digest(documents, 64)}  # the documents as read, whatever read them
     folder = _cache(cfg, "embedded", f"{cfg.corpus}-{cfg.tokenizer_vocab_size}-{digest(fingerprint)}")
     note_inputs(_cache(cfg, "embedded"), {"corpus": cfg.corpus, "vocab": cfg.tokenizer_vocab_size,
                                           "paths": [str(p) for p in files]}, fingerprint, folder, "embedded-corpus")

@@ -103,6 +103,10 @@ def render_conversation(
     if not answers:
         raise BadRecord("no_answer", "no assistant message to train on")
     trained = answers if train_turns == "all" else answers[-1:]
+    for i in trained:  # an empty answer would train only the template's end-of-turn marker
+        if not messages[i]["content"].strip():
+            raise BadRecord("empty_answer", f"assistant message {i} is empty (nothing to train on but the "
+                            "end-of-turn marker); fill it in or drop the record")
     full = _render(tokenizer, messages, template, False)
     cuts = []
     for i in trained:

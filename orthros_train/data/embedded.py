@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 from pathlib import Path
 
 CORPORA = {
@@ -22,6 +23,7 @@ CORPORA = {
 # chat corpus -> the text corpus whose BPE renders it (the tiny pretrained model's vocabulary)
 CHAT_CORPORA = {"chatterbot": "paul_graham"}
 EOD_TOKEN = "<|endoftext|>"
+log = logging.getLogger(__name__)
 # The essays' BPE has <|endoftext|> and no chat template; this plain-text one needs no new tokens
 # (the model's vocabulary stays as it is). An assistant turn ends with EOS, which the model learns
 # to emit (the last token of every answer span) and generation stops on:
@@ -57,7 +59,13 @@ def corpus_files(name: str) -> list[Path]:
 
 
 def chat_conversations(name: str) -> list[list[dict]]:
-    """The dialogues of a chat corpus as alternating user/assistant messages (user first)."""
+    """The dialogues of a chat corpus as alternating user/assistant messages (user first).
+
+    Roles follow a turn's place in its dialogue, so an empty turn ends the dialogue there
+    (dropping it would swap the roles of every later turn), and an entry that is not a list of
+    turns (chatterbot's trivia.yml has one plain string) is left out rather than read as one
+    turn per character; both are logged with their file and entry.
+    """
     import yaml
 
     if name not in CHAT_CORPORA:
@@ -67,8 +75,16 @@ def chat_conversations(name: str) -> list[list[dict]]:
         if path.suffix != ".yml":
             continue
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        for conv in data.get("conversations") or []:
-            turns = [str(t).strip() for t in conv if t is not None and str(t).strip()]
+        for k, conv in enumerate(data.get("conversations") or []):
+            if not isinstance(conv, list):
+                log.info("%s: conversation %d is a %s, not a list of turns; left out", path, k, type(conv).__name__)
+                continue
+            turns = []
+            for t in conv:
+                if t is None or not str(t).strip():
+                    log.info("%s: conversation %d has an empty turn; kept up to it", path, k)
+                    break
+                turns.append(str(t).strip())
             if len(turns) >= 2:
                 out.append([{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)])
     return out

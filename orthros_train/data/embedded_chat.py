@@ -53,7 +53,9 @@ def prepare_embedded_chat(cfg) -> tuple[str, object]:
     tokenizer = chat_tokenizer(cfg)
     files = corpus_files(cfg.corpus)
     # keyed by the corpus files' contents and the tokenizer (its chat template included)
-    fingerprint = {"corpus": cfg.corpus, "files": corpus_fingerprint(files), "tokenizer": tokenizer_digest(tokenizer)}
+    conversations = chat_conversations(cfg.corpus)
+    fingerprint = {"corpus": cfg.corpus, "files": corpus_fingerprint(files), "tokenizer": tokenizer_digest(tokenizer),
+                   "conversations": digest(conversations, 64)}  # the parsed dialogues, whatever read them
     root = os.path.join(os.path.expanduser(cfg.cache_dir), "embedded")
     folder = os.path.join(root, f"{cfg.corpus}-sft-{digest(fingerprint)}")
     note_inputs(root, {"corpus": cfg.corpus, "tokenizer": cfg.tokenizer, "vocab": cfg.tokenizer_vocab_size,
@@ -61,7 +63,7 @@ def prepare_embedded_chat(cfg) -> tuple[str, object]:
     tok_dir = save_tokenizer_once(tokenizer, folder)
     output = os.path.join(folder, "conversations")
     source = {"corpus": cfg.corpus, "inputs": [str(p) for p in files], "fingerprint": fingerprint["files"]}
-    summary = write_conversations(chat_conversations(cfg.corpus), tokenizer, tok_dir, output, source)
+    summary = write_conversations(conversations, tokenizer, tok_dir, output, source)
     check_cached(output, summary, folder)
     return output, tokenizer
 

@@ -113,20 +113,48 @@ def read_index_header(prefix: str) -> IndexHeader:
 TOKEN_SCAN_CHUNK = 1 << 26  # token ids per scanned block (128 MiB of uint16)
 
 
+def _shard_entry(prefix: str) -> dict | None:
+    """The summary's entry for shard ``prefix`` (None: no orthros-data summary or no entry)."""
+    try:
+        summary = load_summary(prefix) or {}
+    except (OSError, ValueError):
+        return None
+    name = os.path.basename(prefix)
+    return next((e for e in summary.get("shards", []) if e.get("prefix") == name), None)
+
+
+def recorded_max_token(prefix: str) -> int | None:
+    """The largest token id orthros-data recorded for shard ``prefix``, when its ``.bin`` is still
+    the file it recorded (same size and mtime); None otherwise (the ids must be scanned)."""
+    entry = _shard_entry(prefix)
+    if not entry or entry.get("max_token_id") is None:
+        return None
+    try:
+        st = os.stat(prefix + ".bin")
+    except OSError:
+        return None
+    if entry.get("bin_size") != st.st_size or entry.get("bin_mtime_ns") != st.st_mtime_ns:
+        return None
+    return int(entry["max_token_id"])
+
+
 def check_token_ids(prefix: str, vocab_size: int, header: IndexHeader | None = None) -> None:
     """DataError naming the file, the token position and the document when ``prefix.bin`` holds
     a token id outside ``[0, vocab_size)``: one would index past the embedding (an IndexError on
-    CPU, a device-side assert on a GPU, both mid-run). Shards orthros-data wrote with a vocabulary
-    no larger are trusted from their summary; others are scanned once per open, block by block."""
+    CPU, a device-side assert on a GPU, both mid-run).
+
+    A shard is trusted without reading its tokens only when orthros-data recorded its largest id
+    *and* the ``.bin`` is still the file it recorded (size and mtime): the vocabulary size a
+    summary claims says nothing about a ``.bin`` copied or rewritten since. Others are scanned,
+    block by block, on every open."""
     header = header or read_index_header(prefix)
-    summary = load_summary(prefix) or {}
-    recorded = summary.get("tokenizer", {}).get("vocab_size")
-    if recorded is not None and recorded <= vocab_size:
+    recorded = recorded_max_token(prefix)
+    if recorded is not None and recorded < vocab_size:
         return
     dtype = np.dtype(header.dtype)
     if dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
         return  # the dtype cannot hold an id that large
-    tokens = np.memmap(prefix + ".bin", mode="r", dtype=dtype)
+    tokens = np.memmap(prefix + ".bin", mode="r", dtype=dtype) if os.path.getsize(prefix + ".bin") else ()
     for start in range(0, len(tokens), TOKEN_SCAN_CHUNK):
         block = tokens[start : start + TOKEN_SCAN_CHUNK]
         outside = block >= vocab_size
@@ -137,12 +165,16 @@ def check_token_ids(prefix: str, vocab_size: int, header: IndexHeader | None = N
             position = start + int(bad[0])
             sequence = int(np.searchsorted(np.cumsum(header.sequence_lengths, dtype=np.int64), position, "right"))
             document = int(np.searchsorted(header.document_indices, sequence, "right")) - 1
+            claim = load_summary(prefix) or {}
+            claimed = claim.get("tokenizer", {}).get("vocab_size")
+            note = (f"; its summary claims a vocabulary of {claimed}, so the .bin was changed or copied from other "
+                    "data after orthros-data wrote it" if claimed is not None and claimed <= vocab_size else "")
             raise DataError(
                 f"{prefix}.bin: token id {int(block[bad[0]])} at token position {position} (byte offset "
                 f"{position * dtype.itemsize}, document {document}) is outside the vocabulary of {vocab_size} "
-                f"tokens ({len(bad)} such ids in that block): the data was tokenized with another tokenizer; "
-                "set data.tokenizer to the one that made it, or tokenize again with this one (orthros-data "
-                "tokenize --tokenizer ...)"
+                f"tokens ({len(bad)} such ids in that block){note}: the data was tokenized with another "
+                "tokenizer; set data.tokenizer to the one that made it, or tokenize again with this one "
+                "(orthros-data tokenize --tokenizer ...)"
             )
 
 
@@ -176,6 +208,13 @@ class ShardWriter:
         self.builder = IndexedDatasetBuilder(self.tmp + ".bin", dtype=self.dtype, multimodal=multimodal)
         self.documents = 0
         self.tokens = 0
+        self.max_token_id = -1  # recorded in the summary: readers need not scan the ids again
+
+    def record(self) -> dict:
+        """What a summary records of the finished shard: counts, largest id, the .bin's size/mtime."""
+        st = os.stat(self.prefix + ".bin")
+        return {"documents": self.documents, "tokens": self.tokens, "max_token_id": int(self.max_token_id),
+                "bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns}
 
     def add_document(self, tokens: np.ndarray) -> None:
         """A pretraining document: one sequence."""
@@ -183,6 +222,8 @@ class ShardWriter:
         self.builder.add_document(tokens, [tokens.size])
         self.documents += 1
         self.tokens += tokens.size
+        if tokens.size:
+            self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
     def add_segments(self, segments: Sequence[np.ndarray], modes: Sequence[int]) -> None:
         """A conversation: one document of several segments, each with its mode."""
@@ -194,6 +235,8 @@ class ShardWriter:
         self.builder.add_document(flat, [len(s) for s in segments], modes=[int(m) for m in modes])
         self.documents += 1
         self.tokens += flat.size
+        if flat.size:
+            self.max_token_id = max(self.max_token_id, int(flat.max()))
 
     def finish(self) -> None:
         self.builder.finalize(self.tmp + ".idx")

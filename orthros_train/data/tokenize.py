@@ -159,8 +159,8 @@ def _write_one_shard(output, kind, tokenizer, tokenizer_path, eod_token, source,
         except BaseException:
             writer.abort()
             raise
-        entry = {"index": 0, "prefix": os.path.basename(writer.prefix), "documents": writer.documents,
-                 "tokens": writer.tokens, "records": records, "skipped": {}}
+        entry = {"index": 0, "prefix": os.path.basename(writer.prefix), **writer.record(), "records": records,
+                 "skipped": {}}
         summary = {"kind": kind, "tokenizer": info, "source": source, "complete": True,
                    "documents": writer.documents, "tokens": writer.tokens, "records": records,
                    "skipped": {}, "shards": [entry]}

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.parallel import collectives
 from orthros_train.model.orthros import AttentionPlan
 from orthros_train.ops.attention import UNBOUNDED, prepare_attention, resolve_backend
 from orthros_train.ops.reference import key_ranges
+from orthros_train.parallel import collectives
 from orthros_train.phase.layout import OrthrosLayout
 
 GatherFn = Callable[[torch.Tensor], torch.Tensor]

@@ -438,7 +438,7 @@ class CheckpointManager:
         """Collective over ``group``: agree that every rank's files are written, then rank 0
         writes the manifest (with the hashes each rank took of its files), renames, points
         ``latest`` at it and prunes."""
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
         reports: list[tuple[str | None, dict[str, str]] | None] = collectives.all_gather_object((error, hashes), group)
         failures = [report[0] for report in reports if report is not None and report[0]]
         if not failures and rank == 0:

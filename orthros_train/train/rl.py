@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from orthros_train.data.rl import rl_batch
-from orthros_train.parallel import collectives
 from orthros_train.data.sft import average_per_sequence
+from orthros_train.parallel import collectives
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 from orthros_train.train.config import RLConfig
 from orthros_train.train.global_loss import loss_units
