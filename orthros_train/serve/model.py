@@ -1,0 +1,392 @@
+"""Orthros in vLLM: the model class ``OrthrosForCausalLM`` for what ``orthros-convert to-hf`` exports.
+
+vLLM schedules a flat batch of tokens (``input_ids``, ``positions``) over a paged KV cache; its
+attention metadata carries, per request, the row offsets of this step's tokens
+(``query_start_loc``), the cached length including them (``seq_lens``) and the block table. The
+runner reads logits at the last row of every request (``query_start_loc[1:] - 1``). Orthros
+maps onto that as follows:
+
+* **base stream** ``x``: every scheduled token. Its attention is vLLM's own ``Attention`` with
+  ``per_layer_sliding_window=W``, which writes the K/V. Its KV spec is reported as full
+  attention (``BaseStreamAttention.get_kv_cache_spec``): with vLLM's sliding-window spec the KV
+  manager frees blocks that fall out of the window, but the output stream still reads them.
+* **output stream** ``y``: one token per request per step, a copy of the embedding of the
+  request's last row (in a decode step that is the new token; in a prefill chunk its last prompt
+  token). Its query ``norm_q(y W_q) * gamma + beta`` attends every cached key of the request: a
+  second paged-attention call after the base one, one query per request, no window, no K/V
+  write (``_output_attention``: the CPU backend's own op, or the Triton kernel of
+  ``paged_attention.py`` on GPU).
+* Token-wise work (norms, projections, MLP) runs on ``[x; y]``; the last layer only writes the
+  base stream's K/V (no base attention output, no base MLP), and the model returns hidden
+  states whose request-last rows hold the output stream (the other rows are NaN: nothing may
+  read them).
+
+Tensor parallelism comes from vLLM's layers (QKV/merged column-parallel and row-parallel linears,
+vocab-parallel embedding and LM head); ``gamma``/``beta`` are split by heads in their weight
+loader. What the design cannot serve is refused when the engine builds the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "OrthrosForCausalLM"
+# HF checkpoint name -> (vLLM fused parameter, shard id), as vLLM's own Llama/Qwen load them.
+STACKED = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class OrthrosServeError(ValueError):
+    """A configuration the Orthros vLLM model cannot serve (the message says what to change)."""
+
+
+def check_serving_config(vllm_config: VllmConfig) -> None:
+    """Refuse, at engine start, what two streams on one paged cache cannot do."""
+    if vllm_config.speculative_config is not None:
+        raise OrthrosServeError(
+            "speculative decoding is not supported by Orthros models: a verification step needs an output "
+            "token at every draft position, and Orthros serves one per request per step; drop "
+            "--speculative-config / speculative_config"
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise OrthrosServeError(
+            "pipeline parallelism is not supported by Orthros models (the output stream would have to travel "
+            "between stages with the base stream); use tensor parallelism (--tensor-parallel-size) instead"
+        )
+    hf = vllm_config.model_config.hf_config
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if hf.num_attention_heads % tp:
+        raise OrthrosServeError(
+            f"num_attention_heads={hf.num_attention_heads} is not divisible by --tensor-parallel-size {tp}: gamma/beta "
+            "and the query heads are split by heads; pick a tensor-parallel size that divides the head count"
+        )
+    if int(hf.base_window) < 1:
+        raise OrthrosServeError(f"base_window must be >= 1 in config.json, got {hf.base_window}")
+
+
+class BaseStreamAttention(Attention):
+    """vLLM's attention with the base stream's window, whose KV blocks are never freed early.
+
+    A windowed layer's ``SlidingWindowSpec`` lets the KV manager drop blocks outside the window
+    (wrong tokens under block pressure, since the output stream reads every key); a full-attention
+    spec keeps them and makes prefix caching match whole prefixes.
+    """
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            head_size_v=self.head_size_v,
+            dtype=self.kv_cache_torch_dtype,
+        )
+
+
+@dataclass
+class StepPlan:
+    """Where the output stream sits in this step's flat batch (shared by every layer)."""
+
+    rows: torch.Tensor  # [R] the last row of every request: the output token's base position
+    metadata: object | None  # the attention metadata of the step (None in vLLM's dummy runs)
+    out_query_start_loc: torch.Tensor | None = None  # arange(R + 1): one output query per request
+    cpu_schedule: torch.Tensor | None = None  # the CPU attention op's work split for those queries
+
+
+def _head_split_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """gamma/beta [heads, head_dim]: this tensor-parallel rank keeps its own query heads."""
+    rank, heads = get_tensor_model_parallel_rank(), param.shape[0]
+    if loaded.dim() != 2 or loaded.shape[1] != param.shape[1] or loaded.shape[0] % heads:
+        raise OrthrosServeError(
+            f"gamma/beta in the checkpoint has shape {list(loaded.shape)}; this model expects "
+            f"[num_attention_heads, head_dim] with {heads} heads per rank (re-export with orthros-convert to-hf)"
+        )
+    param.data.copy_(loaded[rank * heads : (rank + 1) * heads])
+
+
+class OrthrosAttention(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        tp = get_tensor_model_parallel_world_size()
+        self.total_heads, self.total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = self.total_heads // tp
+        # Fewer KV heads than ranks: vLLM replicates them, as for its Llama.
+        self.num_kv_heads = max(1, self.total_kv_heads // tp)
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.total_heads, self.total_kv_heads,
+            bias=bool(config.attention_bias), prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, config.hidden_size, bias=False,
+                                        prefix=f"{prefix}.o_proj")
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = get_rope(
+            self.head_dim, max_position=config.max_position_embeddings,
+            rope_parameters=dict(config.rope_parameters), is_neox_style=True,
+        )
+        # The only weights the output stream does not share with the base stream.
+        self.gamma = nn.Parameter(torch.ones(self.num_heads, self.head_dim), requires_grad=False)
+        self.beta = nn.Parameter(torch.zeros(self.num_heads, self.head_dim), requires_grad=False)
+        self.gamma.weight_loader = _head_split_loader
+        self.beta.weight_loader = _head_split_loader
+        self.attn = BaseStreamAttention(
+            self.num_heads, self.head_dim, self.scaling, num_kv_heads=self.num_kv_heads,
+            cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
+            per_layer_sliding_window=int(config.base_window), prefix=f"{prefix}.attn",
+        )
+
+    def _per_head(self, t: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        if norm is None:
+            return t
+        return norm(t.view(*t.shape[:-1], -1, self.head_dim)).view(t.shape)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, n_base: int, plan: StepPlan,
+                base_output: bool) -> torch.Tensor:
+        """``h`` is the normed ``[x; y]`` (``n_base`` base rows); returns the attention output of
+        ``[x; y]``, or of ``y`` alone when nothing reads the base stream's output."""
+        qkv, _ = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self._per_head(q, self.q_norm), self._per_head(k, self.k_norm)
+        q_out = (q[n_base:].view(-1, self.num_heads, self.head_dim) * self.gamma + self.beta).flatten(1)
+        q = torch.cat([q[:n_base], q_out])
+        q, k = self.rotary_emb(positions, q, k)
+        k, v = k[:n_base], v[:n_base]
+        y_attn = self._output_attention_after_write(q[:n_base], k, v, q[n_base:], plan, base_output)
+        return self.o_proj(y_attn)[0]
+
+    def _output_attention_after_write(self, q_base, k, v, q_out, plan: StepPlan, base_output: bool) -> torch.Tensor:
+        if base_output:
+            x_attn = self.attn(q_base, k, v)  # writes the step's K/V, then the windowed attention
+        else:
+            self._write_kv(k, v)
+            x_attn = None
+        y_attn = self._output_attention(q_out, plan)
+        return y_attn if x_attn is None else torch.cat([x_attn, y_attn])
+
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Only the K/V write of the base stream (the last layer needs no base attention output)."""
+        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
+
+        if self.attn.attn_backend.forward_includes_kv_cache_update:
+            # Backends that write inside their attention call: run it and drop the output.
+            self.attn(k.new_zeros(k.shape[0], self.q_size), k, v)
+            return
+        unified_kv_cache_update(k.view(-1, self.num_kv_heads, self.head_dim),
+                                v.view(-1, self.num_kv_heads, self.head_dim), self.attn.layer_name)
+
+    def _output_attention(self, q_out: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Each request's output query against all of its cached keys (window unbounded)."""
+        out = torch.zeros(q_out.shape[0], self.num_heads, self.head_dim, dtype=q_out.dtype, device=q_out.device)
+        md = plan.metadata
+        if md is None:  # vLLM's profiling / warm-up run: no cache yet
+            return out.flatten(1)
+        q3 = q_out.view(-1, self.num_heads, self.head_dim)
+        kv_cache = self.attn.kv_cache
+        if q_out.device.type == "cpu":
+            from vllm import _custom_ops as ops
+
+            num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
+            # The CPU cache packs K and V of a block side by side (as its backend reads them).
+            key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
+            ops.cpu_attention_with_kv_cache(
+                query=q3, key_cache=key_cache, value_cache=value_cache, output=out,
+                query_start_loc=plan.out_query_start_loc, seq_lens=md.seq_lens, scale=self.scaling, causal=True,
+                alibi_slopes=None, sliding_window=-1, block_table=md.block_table, softcap=0,
+                scheduler_metadata=plan.cpu_schedule, s_aux=None, dynamic_causal=None,
+                k_scale=self.attn._k_scale_float, v_scale=self.attn._v_scale_float,
+                kv_cache_dtype=self.attn.kv_cache_dtype,
+            )
+        else:
+            from orthros_train.serve.paged_attention import paged_output_attention
+
+            # FlashAttention-style cache (blocks, heads, block_size, 2 * head_dim) -> K, V views.
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)
+            paged_output_attention(q3, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                                   scale=self.scaling, out=out)
+        return out.flatten(1)
+
+
+class OrthrosMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)[0]))[0]
+
+
+class OrthrosDecoderLayer(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.self_attn = OrthrosAttention(vllm_config, layer_idx, f"{prefix}.self_attn")
+        self.mlp = OrthrosMLP(config.hidden_size, config.intermediate_size, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, y: torch.Tensor, plan: StepPlan,
+                last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        h = torch.cat([x, y])
+        attn = self.self_attn(positions, self.input_layernorm(h), n, plan, base_output=not last)
+        if last:  # the base stream only supplies K/V here
+            y = y + attn
+            return x, y + self.mlp(self.post_attention_layernorm(y))
+        h = h + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h[:n], h[n:]
+
+
+class OrthrosModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            OrthrosDecoderLayer(vllm_config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.dtype = vllm_config.model_config.dtype
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def step_plan(self, num_tokens: int, device: torch.device) -> StepPlan:
+        """Rows of the output stream from the step's metadata (one per request)."""
+        attn = self.layers[0].self_attn
+        raw = get_forward_context().attn_metadata
+        md = raw.get(attn.attn.layer_name) if isinstance(raw, dict) else raw
+        if md is None:
+            return StepPlan(rows=torch.tensor([num_tokens - 1], device=device), metadata=None)
+        qsl = md.query_start_loc
+        # Padded requests repeat the last offset (their row is then a real request's row or -1):
+        # clamping keeps the gather in bounds; their attention output is masked.
+        rows = (qsl[1:] - 1).clamp(min=0).long()
+        n_req = rows.shape[0]
+        out_qsl = torch.arange(n_req + 1, dtype=qsl.dtype, device=qsl.device)
+        plan = StepPlan(rows=rows, metadata=md, out_query_start_loc=out_qsl)
+        if device.type == "cpu":
+            from vllm import _custom_ops as ops
+            from vllm import envs
+
+            plan.cpu_schedule = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=n_req, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                seq_lens=md.seq_lens, dtype=self.dtype, query_start_loc=out_qsl, causal=True,
+                sliding_window_size=-1, isa=attn.attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=None, kv_cache_dtype=attn.attn.kv_cache_dtype,
+            )
+        return plan
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        plan = self.step_plan(x.shape[0], x.device)
+        y = x[plan.rows]  # output token p starts as a copy of input token p
+        both = torch.cat([positions, positions[plan.rows]])  # output token p uses RoPE position p
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, y = layer(both, x, y, plan, last=i == last)
+        # Only the request-last rows are defined: NaN elsewhere makes any other reader (prompt
+        # logprobs) visibly wrong instead of plausibly wrong.
+        hidden = torch.full_like(x, float("nan"))
+        hidden[plan.rows] = self.norm(y)
+        return hidden
+
+
+class OrthrosForCausalLM(nn.Module):
+    """The vLLM model for ``architectures: ["OrthrosForCausalLM"]`` (``model_type: orthros``)."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        check_serving_config(vllm_config)
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = OrthrosModel(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      prefix=f"{prefix}.lm_head" if prefix else "lm_head")
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        logger.info("Orthros model: %d layers, base window %d, %d query heads / %d kv heads",
+                    config.num_hidden_layers, config.base_window, config.num_attention_heads,
+                    config.num_key_value_heads)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # a tied head stored anyway
+            for fused, part, shard in STACKED:
+                if f".{part}." in name:
+                    target = name.replace(f".{part}.", f".{fused}.")
+                    param = self._param(params, target, name)
+                    param.weight_loader(param, tensor, shard)
+                    break
+            else:
+                target = name
+                param = self._param(params, target, name)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
+        missing = sorted(set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))
+        if missing:
+            raise OrthrosServeError(
+                f"the checkpoint lacks {missing[:6]}{' ...' if len(missing) > 6 else ''}: not a complete "
+                "`orthros-convert to-hf` export of this config.json (re-export it)"
+            )
+        return loaded
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:
+        if target not in params:
+            raise OrthrosServeError(
+                f"checkpoint tensor {name!r} has no place in the Orthros model of this config.json: not an "
+                "`orthros-convert to-hf` export, or config.json and weights disagree (re-export it)"
+            )
+        return params[target]
