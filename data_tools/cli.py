@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     logging.getLogger("orthros_data").setLevel(logging.INFO)
+    logging.getLogger("orthros_train.data.cache").setLevel(logging.INFO)  # "waiting for OUTPUT.lock, held by ..."
     try:
         if args.command == "inspect":
             from data_tools.inspect_data import format_report, inspect_dataset

@@ -37,6 +37,7 @@ from data_tools.sources import (
     record_text,
     source_fingerprint,
 )
+from orthros_train.data.cache import BuildLock
 from orthros_train.data.chat import (
     TRAIN_TURNS,
     BadRecord,
@@ -49,7 +50,6 @@ from orthros_train.data.chat import (
 from orthros_train.data.indexed import (
     DataError,
     ShardWriter,
-    file_lock,
     read_index_header,
     shard_prefix,
     summary_path,
@@ -274,10 +274,12 @@ def run(opts: TokenizeOptions) -> dict:
     """Run one ``orthros-data`` build; returns the summary (also written to ``OUTPUT.json``).
 
     Holds ``OUTPUT.lock`` while it runs: a second build of the same output waits, then finds it
-    complete (or resumes it).
+    complete (or resumes it). The lock is an exclusive-create file with a heartbeat
+    (``orthros_train.data.cache.BuildLock``) rather than ``flock``, because outputs usually sit on
+    a file system shared by nodes (NFS, Lustre), where ``flock`` may not exclude another node.
     """
     check_output_writable(opts.output)
-    with file_lock(opts.output + ".lock"):
+    with BuildLock(opts.output + ".lock"):
         return _run(opts)
 
 
@@ -315,9 +317,14 @@ def _run(opts: TokenizeOptions) -> dict:
     }
 
     shards: dict[int, dict] = {}
-    if os.path.exists(out_json) and not opts.overwrite:
-        with open(out_json) as f:
-            old = json.load(f)
+    old = _read_summary(out_json, opts.overwrite) if os.path.exists(out_json) else None
+    # shards of an output being overwritten, removed once the new one is complete (kept in the
+    # manifest until then, so a resumed or repeated run after a crash still removes them)
+    replaced: list[str] = list(old.get("replacing", [])) if old is not None else []
+    if old is not None and opts.overwrite:
+        replaced += [e["prefix"] for e in old.get("shards", []) if isinstance(e, dict) and e.get("prefix")]
+        old = None
+    if old is not None:
         same = all(old.get(k) == v for k, v in identity.items() if k != "tokenizer")
         if not same or old.get("tokenizer", {}).get("vocab_size") != info["vocab_size"]:
             raise DataError(
@@ -348,8 +355,13 @@ def _run(opts: TokenizeOptions) -> dict:
             "skipped_examples": {**late.examples, **policy.examples},
             "seconds_this_run": round(time.time() - t0, 3),
             "shards": entries,
+            **({"replacing": sorted(set(replaced))} if replaced and not complete else {}),
         }
 
+    if opts.overwrite and os.path.exists(out_json):
+        # from the first rewritten shard on, the old output is gone: say so before touching a shard,
+        # so no reader takes half-rewritten shards for the complete old dataset
+        _write_json(out_json, {**identity, "complete": False, "shards": [], "replacing": sorted(set(replaced))})
     records = iter_records(files, opts.txt_sample_by, opts.hub_split, opts.hub_config)
     items = _work_items(records, opts, set(shards), policy)
     pool = None
@@ -413,11 +425,43 @@ def _run(opts: TokenizeOptions) -> dict:
         pool.join()
     summary = manifest(True)
     if summary["documents"] == 0:
-        _write_json(out_json, {**summary, "complete": False})
+        _write_json(out_json, manifest(False))
         raise DataError(f"{', '.join(opts.inputs)}: no usable records (skipped: {summary['skipped']})")
     summary["tokens_per_second_this_run"] = round(progress.tokens / max(time.time() - t0, 1e-9), 1)
     _write_json(out_json, summary)
+    _remove_stale_shards(opts.output, replaced, {e["prefix"] for e in summary["shards"] if e.get("prefix")})
     return summary
+
+
+def _read_summary(path: str, overwrite: bool) -> dict | None:
+    """The summary of an earlier run into the same output; a corrupt one is an error (or, with
+    --overwrite, ignored: the output is rebuilt anyway)."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+        return old
+    except (OSError, ValueError) as e:
+        if overwrite:
+            log.warning("%s: unreadable (%s); rebuilding the output (--overwrite)", path, e)
+            return None
+        raise DataError(f"{path}: unreadable summary of an earlier run ({e}); pass --overwrite to rebuild the "
+                        "output, or choose another --output") from e
+
+
+def _remove_stale_shards(output: str, old: list[str], keep: set[str]) -> None:
+    """Shards of the overwritten output that the new one does not have (it has fewer shards):
+    left on disk they would be read by anyone who points a trainer at the directory."""
+    base = os.path.dirname(os.path.abspath(output))
+    for name in old:
+        if name in keep or os.path.basename(name) != name:
+            continue  # only plain shard names beside the summary, never a path elsewhere
+        for ext in (".bin", ".idx"):
+            path = os.path.join(base, name + ext)
+            if os.path.isfile(path):
+                os.remove(path)
+        log.info("removed %s (a shard of the overwritten output)", os.path.join(base, name))
 
 
 class _Resolved:

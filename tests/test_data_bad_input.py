@@ -305,3 +305,53 @@ def test_out_of_vocabulary_ids_in_a_bin_whose_summary_claims_a_smaller_vocabular
     message = str(err.value)
     assert f"{prefix}.bin: token id 5000 at token position 70 (byte offset 140" in message
     assert "summary claims a vocabulary of 1024" in message and "data.tokenizer" in message
+
+
+def test_overwrite_with_fewer_shards_leaves_no_stale_shard(tok_dir, tmp_path):
+    from orthros_train.data.indexed import resolve_prefixes
+
+    out = tmp_path / "data" / "corpus"
+    first = write_jsonl(tmp_path / "a.jsonl", [{"text": f"document number {i}"} for i in range(3)])
+    assert len(run(_opts([first], tok_dir, out, docs_per_shard=1))["shards"]) == 3
+    second = write_jsonl(tmp_path / "b.jsonl", [{"text": "only one now"}])
+    with pytest.raises(DataError, match="exists for other inputs"):
+        run(_opts([second], tok_dir, out, docs_per_shard=1))
+    summary = run(_opts([second], tok_dir, out, docs_per_shard=1, overwrite=True))
+    assert summary["complete"] and len(summary["shards"]) == 1 and "replacing" not in summary
+    assert sorted(p.name for p in out.parent.iterdir()) == ["corpus.json", "corpus_00000.bin", "corpus_00000.idx"]
+    assert resolve_prefixes(str(out.parent)) == [str(out) + "_00000"]  # a directory reads the new data only
+
+
+def test_unreadable_summary_is_named_and_overwrite_rebuilds(tok_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}])
+    out = tmp_path / "out"
+    (tmp_path / "out.json").write_text('{"kind": "pretr')  # cut short by a full disk
+    args = ["tokenize", str(src), "--tokenizer", tok_dir, "--output", str(out), "--no-progress"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{out}.json: unreadable summary of an earlier run" in err and "--overwrite" in err
+    assert "Traceback" not in err
+    assert cli_main([*args, "--overwrite"]) == 0
+    assert json.loads((tmp_path / "out.json").read_text())["complete"]
+
+
+def test_concurrent_tokenize_into_one_prefix_takes_turns(tok_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"document {i} " * 50} for i in range(400)])
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "data_tools.cli", "-v", "tokenize", str(src), "--tokenizer", tok_dir, "--output",
+           str(out), "--no-progress", "--docs-per-shard", "50"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [r[1][-2000:] for r in results]
+    logs = "".join(r[1] for r in results)
+    assert "is complete; nothing to do" in logs  # the second one waited, then found the work done
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["complete"] and summary["documents"] == 400 and len(summary["shards"]) == 8
+    assert not (tmp_path / "out.lock").exists()
+    assert all(read_index_header(str(tmp_path / s["prefix"])).num_documents == 50 for s in summary["shards"])
