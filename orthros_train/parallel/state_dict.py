@@ -99,6 +99,25 @@ def reference_shapes(cfg: OrthrosConfig) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
+class CorruptWeightsError(ValueError):
+    """A weights file that safetensors cannot read (truncated or not safetensors at all)."""
+
+
+def _open_weights(path: Path):
+    """``safe_open`` with the file, its size and the fix named: the library's own error (e.g.
+    "incomplete metadata, file not fully covered") names neither."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        size = path.stat().st_size if path.is_file() else 0
+        raise CorruptWeightsError(
+            f"{path} ({size:,} bytes) is not a readable safetensors file ({err}): it is truncated or corrupt, "
+            "e.g. an interrupted copy or a save that did not finish; copy it again or point at another checkpoint"
+        ) from err
+
+
 class LazyCheckpoint(Mapping[str, torch.Tensor]):
     """Tensors of a safetensors checkpoint directory, read one at a time on access.
 
@@ -107,13 +126,11 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, directory: str | Path) -> None:
-        from safetensors import safe_open
-
         directory = Path(directory)
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {directory}: not an Orthros checkpoint directory")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._handles = [_open_weights(f) for f in files]
         self._where = {key: h for h in self._handles for key in h.keys()}
 
     def __getitem__(self, key: str) -> torch.Tensor:
