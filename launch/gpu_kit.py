@@ -112,6 +112,12 @@ class Target:
         return req.marker is None or req.marker.evaluate(self.marker_environment(extra))
 
 
+def _shown(req: Requirement) -> str:
+    """The requirement without its marker (already evaluated true for the target)."""
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    return f"{req.name}{extras}{req.specifier}"
+
+
 def read_image(path: Path) -> dict[NormalizedName, Version]:
     """The image's packages: ``name==version`` per line, ``#`` comments, blank lines ignored."""
     image: dict[NormalizedName, Version] = {}
@@ -181,13 +187,13 @@ def resolve(
         name = canonicalize_name(req.name)
         if name in image:
             if not req.specifier.contains(image[name], prereleases=True):
-                problems.append(f"{parent} needs {req} but the image has {name}=={image[name]}")
+                problems.append(f"{parent} needs {_shown(req)} but the image has {name}=={image[name]}")
             continue
         if name not in res.pins:
             found = lookup(name)
             if found is None:
                 problems.append(
-                    f"{parent} needs {req} on Python {target.python_str}, which is neither in the image nor "
+                    f"{parent} needs {_shown(req)} on Python {target.python_str}, which is neither in the image nor "
                     "installed here, so there is no version to pin: install it into this environment"
                 )
                 continue
@@ -196,7 +202,7 @@ def resolve(
         else:
             requires = (lookup(name) or (res.pins[name], []))[1]
         if not req.specifier.contains(res.pins[name], prereleases=True):
-            problems.append(f"{parent} needs {req} but this environment has {name}=={res.pins[name]}")
+            problems.append(f"{parent} needs {_shown(req)} but this environment has {name}=={res.pins[name]}")
             continue
         for extra in ["", *sorted(canonicalize_name(e) for e in req.extras)]:
             if (name, extra) in done:
@@ -296,10 +302,10 @@ def check_kit(
         elif name in image:
             have, where = image[name], "the image"
         else:
-            problems.append(f"{parent} needs {req}: neither the kit nor the image has {name}")
+            problems.append(f"{parent} needs {_shown(req)}: neither the kit nor the image has {name}")
             continue
         if not req.specifier.contains(have, prereleases=True):
-            problems.append(f"{parent} needs {req} but {where} has {name}=={have}")
+            problems.append(f"{parent} needs {_shown(req)} but {where} has {name}=={have}")
         if name not in wheels:
             # The image's own dependencies are its business; extras of an image package are
             # reported because nothing here can tell whether the image installed them.

@@ -1,0 +1,217 @@
+"""The GPU-node kit (launch/gpu_kit.py): its resolver on synthetic kits (fast, offline), its
+refusal when a download fails, and the real kit built from PyPI resolving for CPython 3.12
+against the image's package list (slow: needs the network)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "launch" / "gpu_kit.py"
+IMAGE = REPO / "docker" / "gpu_image_packages.txt"
+
+
+def _load_kit_module():
+    spec = importlib.util.spec_from_file_location("gpu_kit", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_kit"] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+gk = _load_kit_module()
+
+
+def make_wheel(folder: Path, name: str, version: str, requires: list[str] = (), tag: str = "py3-none-any",
+               pad_bytes: int = 0) -> Path:
+    """A minimal wheel: METADATA with Requires-Dist (and optional incompressible padding)."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = folder / f"{dist}-{tag}.whl"
+    meta = "Metadata-Version: 2.1\n" + f"Name: {name}\nVersion: {version}\n"
+    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{dist}.dist-info/METADATA", meta)
+        zf.writestr(f"{dist}.dist-info/WHEEL", f"Wheel-Version: 1.0\nTag: {tag}\n")
+        if pad_bytes:
+            zf.writestr(f"{name}/blob.bin", os.urandom(pad_bytes), compress_type=zipfile.ZIP_STORED)
+    return path
+
+
+def image_of(**pins: str) -> dict:
+    return {canonicalize_name(k): Version(v) for k, v in pins.items()}
+
+
+@pytest.fixture
+def good_kit(tmp_path: Path) -> Path:
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    make_wheel(kit, "alpha", "1.0", ["torch>=2.0", "beta[fast]>=2", "winonly; sys_platform == 'win32'",
+                                      "old-backport; python_version < '3.11'"])
+    make_wheel(kit, "beta", "2.1", ["numpy", "gamma; extra == 'fast'", "never; extra == 'slow'"],
+               tag="cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64")
+    make_wheel(kit, "gamma", "0.5", ["numpy>=2"], tag="cp312-abi3-manylinux_2_28_x86_64")
+    return kit
+
+
+IMAGE_PINS = image_of(torch="2.11.0+cu130", numpy="2.5.0")
+ROOTS = [Requirement("alpha>=1"), Requirement("torch>=2.11")]
+
+
+def test_synthetic_kit_resolves(good_kit: Path):
+    assert gk.check_kit(good_kit, IMAGE_PINS, ROOTS) == []
+
+
+def test_an_extra_pulls_its_requirements(good_kit: Path):
+    (good_kit / "gamma-0.5-cp312-abi3-manylinux_2_28_x86_64.whl").unlink()
+    problems = gk.check_kit(good_kit, IMAGE_PINS, ROOTS)
+    assert problems == ["beta==2.1[fast] needs gamma: neither the kit nor the image has gamma"]
+
+
+def test_markers_are_evaluated_for_python_312_linux(good_kit: Path):
+    # Python 3.10 would need the backport: the check follows the target, not this interpreter.
+    problems = gk.check_kit(good_kit, IMAGE_PINS, ROOTS, target=gk.Target(python=(3, 10)))
+    assert any("old-backport" in p for p in problems)
+    # ...and the cp312 wheels do not install on 3.10
+    assert sum("do not install on CPython 3.10" in p for p in problems) == 2
+
+
+def test_image_version_outside_a_specifier_is_reported(good_kit: Path):
+    problems = gk.check_kit(good_kit, image_of(torch="1.13.1", numpy="2.5.0"), ROOTS)
+    assert "alpha==1.0 needs torch>=2.0 but the image has torch==1.13.1" in problems
+    assert "orthros-train needs torch>=2.11 but the image has torch==1.13.1" in problems
+    problems = gk.check_kit(good_kit, image_of(torch="2.11.0", numpy="1.26.4"), ROOTS)
+    assert problems == ["gamma==0.5 needs numpy>=2 but the image has numpy==1.26.4"]
+
+
+def test_kit_wheel_that_the_image_has_is_refused(good_kit: Path):
+    make_wheel(good_kit, "numpy", "2.4.6", tag="cp312-cp312-manylinux_2_28_x86_64")
+    problems = gk.check_kit(good_kit, IMAGE_PINS, ROOTS)
+    assert problems == ["numpy-2.4.6-cp312-cp312-manylinux_2_28_x86_64.whl: the image has numpy==2.5.0; "
+                        "drop it from the kit"]
+
+
+def test_wrong_platform_or_python_tags_are_refused(good_kit: Path):
+    make_wheel(good_kit, "delta", "1.0", tag="cp311-cp311-manylinux_2_28_x86_64")
+    make_wheel(good_kit, "eps", "1.0", tag="cp312-cp312-macosx_11_0_arm64")
+    make_wheel(good_kit, "zeta", "1.0", tag="cp312-cp312-manylinux_2_34_x86_64")  # newer glibc than the image's
+    problems = gk.check_kit(good_kit, IMAGE_PINS, ROOTS)
+    assert len(problems) == 3 and all("do not install on CPython 3.12 manylinux x86_64" in p for p in problems)
+
+
+def test_duplicate_versions_size_and_bad_files_are_reported(good_kit: Path):
+    make_wheel(good_kit, "beta", "2.0", ["numpy"])
+    problems = gk.check_kit(good_kit, IMAGE_PINS, ROOTS, max_bytes=2**20)
+    assert any("beta is in the kit twice" in p for p in problems)
+    make_wheel(good_kit, "big", "1.0", pad_bytes=2 * 2**20)
+    assert any("over the 1 MiB limit" in p for p in gk.check_kit(good_kit, IMAGE_PINS, ROOTS, max_bytes=2**20))
+    (good_kit / "broken-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    assert any("broken-1.0-py3-none-any.whl is not a valid zip" in p for p in gk.check_kit(good_kit, IMAGE_PINS, ROOTS))
+
+
+def test_version_pinned_in_the_kit_must_satisfy_its_dependants(good_kit: Path):
+    (good_kit / "beta-2.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl").unlink()
+    make_wheel(good_kit, "beta", "1.9", ["numpy", "gamma; extra == 'fast'"])
+    assert gk.check_kit(good_kit, IMAGE_PINS, ROOTS) == ["alpha==1.0 needs beta[fast]>=2 but the kit has beta==1.9"]
+
+
+def test_resolver_pins_what_the_image_lacks_from_the_environment():
+    env = {
+        "alpha": (Version("1.0"), ["torch>=2.0", "beta[fast]>=2", "winonly; sys_platform == 'win32'"]),
+        "beta": (Version("2.1"), ["numpy", "gamma; extra == 'fast'", "never; extra == 'slow'"]),
+        "gamma": (Version("0.5"), ["numpy>=2"]),
+    }
+    res = gk.resolve(ROOTS, IMAGE_PINS, lookup=lambda n: env.get(n))
+    assert res.pins == {"alpha": Version("1.0"), "beta": Version("2.1"), "gamma": Version("0.5")}
+    assert res.needed_by["gamma"] == "beta==2.1[fast]"
+    with pytest.raises(gk.KitError, match=r"beta==2.1\[fast\] needs gamma on Python 3.12, which is neither in the"):
+        gk.resolve(ROOTS, IMAGE_PINS, lookup=lambda n: env.get(n) if n != "gamma" else None)
+    with pytest.raises(gk.KitError, match="orthros-train needs torch>=2.11 but the image has torch==2.6.0"):
+        gk.resolve(ROOTS, image_of(torch="2.6.0", numpy="2.5.0"), lookup=lambda n: env.get(n))
+
+
+def test_image_list_is_read_strictly(tmp_path: Path):
+    image = gk.read_image(IMAGE)
+    for name in ("torch", "triton", "transformers", "safetensors", "tokenizers", "numpy"):
+        assert name in image
+    assert image["torch"] == Version("2.11.0+cu130") and image["transformers"] == Version("5.17.0")
+    for absent in ("megatron-core", "deepspeed", "hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets",
+                   "dill", "multiprocess", "wandb", "gguf", "lm-eval", "hjson", "pydantic"):
+        assert absent not in image, absent
+    bad = tmp_path / "image.txt"
+    bad.write_text("torch==2.11.0\nnumpy>=2\n")
+    with pytest.raises(gk.KitError, match=r"image.txt:2: 'numpy>=2' is not `name==version`"):
+        gk.read_image(bad)
+    bad.write_text("torch==2.11.0\nTorch==2.12\n")
+    with pytest.raises(gk.KitError, match="listed twice"):
+        gk.read_image(bad)
+
+
+def test_optional_packages_are_not_runtime_requirements():
+    names = {canonicalize_name(r.name) for r in gk.project_requirements(REPO / "pyproject.toml")}
+    assert {"torch", "megatron-core", "deepspeed", "hydra-core", "datasets"} <= names
+    assert not names & {"wandb", "gguf", "lm-eval", "accelerate"}
+
+
+def test_pins_match_this_environment(good_kit: Path):
+    """The kit pins the versions this venv runs (so tests run what ships)."""
+    res = gk.resolve(gk.project_requirements(REPO / "pyproject.toml"), gk.read_image(IMAGE))
+    for name, version in res.pins.items():
+        assert version == Version(importlib.metadata.version(name)), name
+    assert {"megatron-core", "deepspeed", "hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets",
+            "hjson", "pydantic"} <= set(res.pins)
+
+
+def test_failed_download_is_an_error_and_keeps_the_previous_kit(tmp_path: Path):
+    out = tmp_path / "gpu_kit"
+    out.mkdir()
+    (out / "previous.whl").write_text("the kit of an earlier build")
+    empty = tmp_path / "no_packages"
+    empty.mkdir()
+    # No index and an empty folder as the only source: every download fails, quickly and offline.
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty), "PIP_CONFIG_FILE": os.devnull}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "gpu_kit: error: downloading" in proc.stderr and "failed (pip exit" in proc.stderr
+    assert "No matching distribution" in proc.stderr and "the previous kit, if any, is unchanged" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["previous.whl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_kit", "no_packages"]  # no staging folder left
+
+
+def test_check_of_a_bad_kit_exits_nonzero(good_kit: Path, tmp_path: Path):
+    image = tmp_path / "image.txt"
+    image.write_text("torch==2.11.0\n")  # no numpy: beta and gamma need it
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--check", str(good_kit), "--image", str(image)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "does not resolve" in proc.stderr and "neither the kit nor the image has numpy" in proc.stderr
+
+
+@pytest.mark.slow
+def test_real_kit_builds_and_resolves_for_python_312(tmp_path: Path):
+    """Downloads the kit from PyPI (~9 MiB) and checks it against the image for CPython 3.12."""
+    out = tmp_path / "gpu_kit"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "python3 -m pip install --no-index --no-deps --target" in proc.stdout and "PYTHONPATH=" in proc.stdout
+    image = gk.read_image(IMAGE)
+    roots = gk.project_requirements(REPO / "pyproject.toml")
+    assert gk.check_kit(out, image, roots) == []
+    assert gk.kit_bytes(out) <= 48 * 2**20
+    wheels = {gk.read_wheel(p).name: gk.read_wheel(p) for p in out.glob("*.whl")}
+    assert not set(wheels) & set(image)
+    assert {"megatron-core", "deepspeed", "hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets", "dill",
+            "multiprocess", "hjson", "pydantic"} <= set(wheels)
+    assert not set(wheels) & {"torch", "triton", "transformers", "wandb", "gguf", "lm-eval"}
+    assert str(wheels["deepspeed"].path.name).endswith("-py3-none-any.whl")  # built without ops
