@@ -17,7 +17,6 @@ both files against the header first and names the file at fault.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import logging
@@ -248,24 +247,6 @@ class ShardWriter:
         for ext in (".bin", ".idx"):
             if os.path.exists(self.tmp + ext):
                 os.remove(self.tmp + ext)
-
-
-@contextlib.contextmanager
-def file_lock(path: str):
-    """An exclusive advisory lock (``flock``) held for the block: two processes that build the same
-    cache (two test workers, two runs of a recipe) take turns instead of writing the same files."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no locking
-            yield
-            return
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------------------------------------

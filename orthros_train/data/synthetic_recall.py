@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 from dataclasses import asdict, dataclass, field, fields
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class RecallMix:
@@ -209,15 +211,21 @@ def prepare_recall_dataset(
     tokens cut from the concatenation) is exactly one document plus the next one's first token:
     no query is ever cut off from its pair.
     """
-    from orthros_train.data.indexed import file_lock
+    from orthros_train.data.cache import BuildLock
+    from orthros_train.data.indexed import DataError, read_index_header
 
     doc_length = mix.length or seq_len
     key = json.dumps({**asdict(mix), "length": doc_length, "vocab": vocab_size, "eod": eod_token_id, "v": 2})
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     prefix = os.path.join(os.path.expanduser(cache_dir), f"recall-{digest}")
-    with file_lock(prefix + ".lock"):
-        if not (os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")):
-            write_recall_dataset(prefix, mix, vocab_size, eod_token_id, doc_length)
+    with BuildLock(prefix + ".lock"):
+        if os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"):
+            try:  # the shard is renamed into place whole; a damaged copy is rebuilt, with a log line
+                read_index_header(prefix)
+                return prefix
+            except DataError as e:
+                log.warning("rebuilding the synthetic recall cache %s: %s", prefix, e)
+        write_recall_dataset(prefix, mix, vocab_size, eod_token_id, doc_length)
     return prefix
 
 
