@@ -114,7 +114,12 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
     use_cuda = torch.cuda.is_available()
     backend = pcfg.backend if pcfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     if use_cuda:
+        # Before any group exists: NCCL's object collectives and barriers run on the current
+        # CUDA device, which must be this rank's own (not cuda:0 on every rank of a node).
         torch.cuda.set_device(env.local_rank)
+    # NCCL groups bound to this rank's device (barriers and object collectives use it, and
+    # torch stops guessing it); gloo takes no device.
+    bind = {"device_id": torch.device("cuda", env.local_rank)} if use_cuda and backend == "nccl" else {}
     if not dist.is_initialized():
         timeout = timedelta(minutes=pcfg.timeout_minutes)
         if env.launched:
@@ -129,7 +134,9 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
                 timeout=timeout,
             )
             store = dist.PrefixStore(f"orthros/attempt_{env.restart_count}", store)
-            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            dist.init_process_group(
+                backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bind
+            )
         else:
             # One process, no launcher: an in-memory store, so no port can be taken by another
             # process between choosing it and binding it.
@@ -143,7 +150,7 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
                 ("MASTER_PORT", str(port)),
             ):
                 os.environ.setdefault(key, value)
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=pcfg.tensor_parallel, context_parallel_size=pcfg.context_parallel
