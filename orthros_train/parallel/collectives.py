@@ -63,10 +63,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
     """Reduce ``tensor`` in place over ``group`` and return it, wherever it lives: a tensor on
     another device than the group's is reduced through a copy on the group's device (then copied
     back), so a host tensor under NCCL works, at the cost of two small copies."""
+    reduce_op = _op(op)
     if not _active():
         return tensor
     placed = place(tensor, group)
-    dist.all_reduce(placed, op=_op(op), group=group)
+    dist.all_reduce(placed, op=reduce_op, group=group)
     if placed is not tensor:
         tensor.copy_(placed)
     return tensor
@@ -75,9 +76,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
 def reduce_floats(values: Sequence[float], op: str = "sum", group: Any = None) -> list[float]:
     """A few host numbers reduced over ``group`` in float64: one tensor on the group's device,
     one collective, one host read."""
+    reduce_op = _op(op)
     stats = place(torch.tensor([float(v) for v in values], dtype=torch.float64), group)
     if _active():
-        dist.all_reduce(stats, op=_op(op), group=group)
+        dist.all_reduce(stats, op=reduce_op, group=group)
     return stats.tolist()
 
 
