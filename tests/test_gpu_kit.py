@@ -215,3 +215,65 @@ def test_real_kit_builds_and_resolves_for_python_312(tmp_path: Path):
             "multiprocess", "hjson", "pydantic"} <= set(wheels)
     assert not set(wheels) & {"torch", "triton", "transformers", "wandb", "gguf", "lm-eval"}
     assert str(wheels["deepspeed"].path.name).endswith("-py3-none-any.whl")  # built without ops
+
+
+# The GPU image has no wandb, gguf or lm_eval: the package must import without them, and the
+# features that need one must say which extra to install.
+OPTIONAL = ("wandb", "gguf", "lm_eval")
+
+
+def test_package_imports_without_the_optional_packages():
+    """Every module imports with wandb/gguf/lm_eval unimportable, but the lm-eval adapter itself and
+    the vLLM plugin (orthros_train.serve: loaded by vLLM, not on the GPU image's training path)."""
+    code = f"""
+import importlib, pkgutil, sys
+for name in {OPTIONAL!r}:
+    sys.modules[name] = None  # import raises ImportError, as where the package is not installed
+import orthros_train, data_tools
+skip = ("orthros_train.eval.lm_eval_adapter", "orthros_train.eval.lm_eval_cli", "orthros_train.serve")
+names = [m.name for pkg in (orthros_train, data_tools)
+         for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".", onerror=lambda name: None)
+         if not m.name.startswith(skip)]
+for name in names:
+    importlib.import_module(name)
+assert not any(sys.modules.get(n) for n in {OPTIONAL!r})
+print(len(names))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) > 40  # the walk found the package's modules
+
+
+def test_wandb_enabled_but_missing_names_the_fix(monkeypatch):
+    from types import SimpleNamespace
+
+    from orthros_train.train.trainer import Trainer
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    off = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(wandb=SimpleNamespace(enabled=False,
+                                                                                           mode="offline"))))
+    assert Trainer._wandb(off) is None  # disabled: wandb is never imported
+    on = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(wandb=SimpleNamespace(enabled=True,
+                                                                                          mode="offline"))))
+    with pytest.raises(ValueError, match=r"trainer.wandb.enabled=true but wandb cannot be imported .*"
+                                         r"orthros-train\[wandb\].*trainer.wandb.enabled=false"):
+        Trainer._wandb(on)
+
+
+def test_gguf_and_lm_eval_missing_name_their_extras(monkeypatch, tmp_path: Path):
+    import orthros_train.convert.gguf as gguf_mod
+    import orthros_train.eval.harness as harness
+    from orthros_train.convert.checkpoint_io import ConversionError
+
+    real_find_spec = importlib.util.find_spec
+    missing = ("gguf", "accelerate", "lm_eval")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in missing else real_find_spec(name, *a))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    with pytest.raises(ConversionError, match=r"needs gguf and accelerate: pip install 'orthros-train\[gguf\]'"):
+        gguf_mod.gguf_to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ImportError, match=r"lm-evaluation-harness: pip install 'orthros-train\[eval\]'"):
+        harness.task_manager(["orthros_recall"])
