@@ -378,6 +378,14 @@ def build(
     out: Path, image_path: Path, pyproject: Path, target: Target = Target(), max_bytes: int = MAX_KIT_BYTES
 ) -> Path:
     """Resolve, download, verify and publish the kit at ``out``; returns ``out``."""
+    out = out.resolve()
+    if out.exists():
+        # The old kit is replaced wholesale: refuse anything that is not one, so a mistyped --out
+        # (a source folder, a file) is never deleted.
+        others = [p.name for p in out.iterdir() if not _is_kit_file(p)] if out.is_dir() else [out.name]
+        if others:
+            raise KitError(f"{out} exists and is not a kit folder (it holds {', '.join(sorted(others)[:5])}): "
+                           "pass another --out, or move it away")
     image = read_image(image_path)
     roots = project_requirements(pyproject)
     res = resolve(roots, image, target=target)
@@ -408,6 +416,10 @@ def build(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _is_kit_file(path: Path) -> bool:
+    return path.is_file() and (path.name.endswith(".whl") or path.name == "requirements.txt")
 
 
 def kit_bytes(kit: Path) -> int:

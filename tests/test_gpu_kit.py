@@ -277,3 +277,14 @@ def test_gguf_and_lm_eval_missing_name_their_extras(monkeypatch, tmp_path: Path)
     assert not (tmp_path / "out").exists()
     with pytest.raises(ImportError, match=r"lm-evaluation-harness: pip install 'orthros-train\[eval\]'"):
         harness.task_manager(["orthros_recall"])
+
+
+def test_out_that_is_not_a_kit_folder_is_refused_untouched(tmp_path: Path):
+    notes = tmp_path / "docs"
+    notes.mkdir()
+    (notes / "keep.md").write_text("not a wheel")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(notes)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert "exists and is not a kit folder (it holds keep.md)" in proc.stderr
+    assert [p.name for p in notes.iterdir()] == ["keep.md"] and sorted(p.name for p in tmp_path.iterdir()) == ["docs"]
