@@ -472,3 +472,74 @@ def test_ppl_takes_the_prefix_orthros_data_printed(ckpt, tmp_path, capsys):
         out = tmp_path / f"ppl_{Path(data).name}"
         assert main(["ppl", str(ckpt), data, "--seq-len", "64", "--output-dir", str(out)]) == 0, data
         assert json.loads((out / "ppl.json").read_text())["tokens"] > 0
+
+
+# -- bad input: named before anything loads, exit status 2 -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["recall", "{ckpt}", "--num-pairs", "0"], "argument --num-pairs: '0': must be a positive integer"),
+        (["recall", "{ckpt}", "--num-samples", "0"], "argument --num-samples: '0': must be a positive integer"),
+        (["recall", "{ckpt}", "--num-pairs", "x"], "argument --num-pairs: not an integer: 'x'"),
+        (["recall", "{ckpt}", "--length", "0"], "argument --length: '0': must be a positive token count"),
+        (["bench-prefill", "tiny", "--repeats", "0"], "argument --repeats: '0': must be a positive integer"),
+        (["bench-prefill", "tiny", "--decode-rounds", "0"], "argument --decode-rounds"),
+        (["bench-prefill", "tiny", "--decode-tokens", "-1"], "argument --decode-tokens: '-1': must be an integer >= 0"),
+        (["lm-eval", "{ckpt}", "--tasks", "pg_lambada", "--max-length", "0"], "argument --max-length: '0'"),
+        (["lm-eval", "{ckpt}", "--tasks", "pg_lambada", "--batch-size", "0"], "argument --batch-size: '0'"),
+        (["lm-eval", "{ckpt}", "--tasks", "pg_lambada", "--limit", "0"], "argument --limit: '0': must be a positive"),
+        (["ppl", "{ckpt}", "embedded:paul_graham", "--seq-len", "0"], "argument --seq-len: '0'"),
+        (["ppl", "{ckpt}", "embedded:paul_graham", "--batch-tokens", "-4k"], "argument --batch-tokens"),
+        (["niah", "{ckpt}", "--batch-size", "0"], "argument --batch-size: '0'"),
+        (["recall", "{ckpt}", "--threads", "0"], "argument --threads: '0'"),
+    ],
+)
+def test_zero_and_negative_sizes_are_refused_by_the_parser(ckpt, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(ckpt=ckpt) for a in args] + ["--output-dir", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--override", "sliding_window=abc"], "sliding_window=abc: sliding_window takes int, got str 'abc'"),
+        (["--override", "tie_word_embeddings=1"], "tie_word_embeddings takes bool, got int 1"),
+        (["--override", "sliding_window=0"], "sliding_window must be >= 1"),
+        (["--override", "windw=4"], "'windw' is not an OrthrosConfig field"),
+        (["--override", "sliding_window"], "must look like key=value"),
+        (["--attention-backend", "flash"], "--attention-backend flash: choose one of auto, reference, sdpa, triton"),
+    ],
+)
+def test_bad_model_overrides_are_named(ckpt, tmp_path, capsys, args, message):
+    rc = main(["recall", str(ckpt), "--format", "tokens", "--length", "256", "--num-samples", "1",
+               "--output-dir", str(tmp_path / "out"), "--no-plot", *args])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "recall.json").exists()
+
+
+def test_triton_backend_on_cpu_is_a_message(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' CPU interpreter would run it
+    assert main(["recall", str(ckpt), "--device", "cpu", "--attention-backend", "triton",
+                 "--output-dir", str(tmp_path)]) == 2  # fmt: skip
+    assert "--attention-backend triton needs a CUDA device" in capsys.readouterr().err
+    assert main(["bench-prefill", "tiny", "--device", "cpu", "--override", "attention_backend=triton",
+                 "--output-dir", str(tmp_path)]) == 2  # fmt: skip
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_bad_lengths_and_unwritable_output_are_named_before_running(ckpt, tmp_path, capsys):
+    assert main(["bench-prefill", "tiny", "--lengths", "0", "--output-dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "bad lengths '0'" in err and "TTFT" not in out  # nothing printed as if it had started
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["recall", str(ckpt), "--output-dir", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--output-dir {blocker / 'out'}: cannot create it" in err and "recall sample" not in err

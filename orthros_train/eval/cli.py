@@ -17,7 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orthros_train.eval.common import parse_depths, parse_lengths, parse_overrides, parse_size, write_json
+from orthros_train.eval.common import (
+    nonnegative_int,
+    nonnegative_size,
+    parse_depths,
+    parse_lengths,
+    parse_overrides,
+    positive_float,
+    positive_int,
+    positive_size,
+    write_json,
+)
 
 
 def _common(p: argparse.ArgumentParser, output: bool = True) -> None:
@@ -28,7 +38,7 @@ def _common(p: argparse.ArgumentParser, output: bool = True) -> None:
     )
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="config field to change at load time, e.g. sliding_window=256 (repeatable)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (CPU)")
     if output:
         p.add_argument("--output-dir", default="eval_results", help="where JSON/PNG go (default: eval_results)")
 
@@ -51,20 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question", default=None)
     p.add_argument("--answer", default=None, help="expected answer (exact match after normalisation)")
     p.add_argument("--answer-prefix", default=None, help="text the model continues after 'Answer:'")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--prefill-chunk-size", type=parse_size, default=None)
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--max-new-tokens", type=positive_int, default=None)
+    p.add_argument("--prefill-chunk-size", type=nonnegative_size, default=None)
     p.add_argument("--no-snap", action="store_true", help="insert at the exact token depth, not at a sentence end")
     p.add_argument("--no-plot", action="store_true")
     _common(p)
 
     p = sub.add_parser("recall", help="multi-query associative recall (MQAR) vs distance")
     p.add_argument("checkpoint")
-    p.add_argument("--length", type=parse_size, default=2048)
-    p.add_argument("--num-pairs", type=int, default=16)
-    p.add_argument("--num-samples", type=int, default=8)
+    p.add_argument("--length", type=positive_size, default=2048)
+    p.add_argument("--num-pairs", type=positive_int, default=16)
+    p.add_argument("--num-samples", type=positive_int, default=8)
     p.add_argument("--format", choices=["auto", "text", "tokens"], default="auto")
-    p.add_argument("--min-distance", type=int, default=1)
+    p.add_argument("--min-distance", type=positive_int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
     _common(p)
@@ -72,19 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ppl", help="perplexity on text files or an indexed dataset, per position bucket")
     p.add_argument("checkpoint")
     p.add_argument("data", nargs="+", help="text files/dirs, embedded:paul_graham, or an indexed dataset prefix")
-    p.add_argument("--seq-len", type=parse_size, default=2048)
-    p.add_argument("--batch-tokens", type=parse_size, default=8192)
-    p.add_argument("--max-tokens", type=parse_size, default=None)
-    p.add_argument("--bucket-window", type=int, default=None, help="bucket width (default: the sliding window)")
+    p.add_argument("--seq-len", type=positive_size, default=2048)
+    p.add_argument("--batch-tokens", type=positive_size, default=8192)
+    p.add_argument("--max-tokens", type=positive_size, default=None)
+    p.add_argument("--bucket-window", type=positive_int, default=None,
+                   help="bucket width (default: the sliding window)")
     _common(p)
 
     p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks through the Orthros adapter")
     p.add_argument("checkpoint")
     p.add_argument("--tasks", required=True, help="comma-separated task names (pg_lambada, pg_passkey, ...)")
-    p.add_argument("--limit", type=float, default=None)
-    p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=parse_size, default=None)
+    p.add_argument("--limit", type=positive_float, default=None,
+                   help="examples per task (>= 1), or a fraction of each task (< 1)")
+    p.add_argument("--num-fewshot", type=nonnegative_int, default=None)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--max-length", type=positive_size, default=None)
     p.add_argument("--include-path", action="append", default=[], help="folder of your own task YAMLs")
     p.add_argument("--tasks-dir", default=None, help="where the example tasks are written (default: ~/.cache)")
     p.add_argument("--seed", type=int, default=1234)
@@ -96,14 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", help="checkpoint dir, config JSON/YAML, or a preset (tiny, 3m, 20m, 1p3b)")
     p.add_argument("--lengths", default="1k..16k", help="1k..64k (powers of two) or 1k,4k,32k")
-    p.add_argument("--decode-tokens", type=int, default=32, help="decode steps per round and model")
-    p.add_argument("--decode-rounds", type=int, default=3, help="rounds the two models take turns (median)")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--prefill-chunk-size", type=parse_size, default=None,
+    p.add_argument("--decode-tokens", type=nonnegative_int, default=32, help="decode steps per round and model")
+    p.add_argument("--decode-rounds", type=positive_int, default=3, help="rounds the two models take turns (median)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="prefill timings per length (best of)")
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--prefill-chunk-size", type=nonnegative_size, default=None,
                    help="prompt tokens per prefill forward (default: each model's own, 0: one forward)")
     p.add_argument("--baseline", choices=["dense", "sliding"], default="dense")
-    p.add_argument("--max-baseline-length", type=parse_size, default=None, help="skip the baselines above this")
+    p.add_argument("--max-baseline-length", type=positive_size, default=None, help="skip the baselines above this")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer (Llama/Qwen3, SDPA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the machine-readable result here")
@@ -124,16 +136,41 @@ def check_device(name: str | None) -> None:
         )
 
 
+BACKENDS = ("auto", "reference", "sdpa", "triton")
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--override`` and ``--attention-backend`` as config fields, checked before anything loads."""
+    overrides = parse_overrides(args.override)
+    if args.attention_backend:
+        overrides["attention_backend"] = args.attention_backend
+    backend = overrides.get("attention_backend")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"--attention-backend {backend}: choose one of {', '.join(BACKENDS)}")
+    if backend == "triton" and _runs_on_cpu(args.device) and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "--attention-backend triton needs a CUDA device, and this run is on the CPU; use "
+            "--attention-backend reference (or auto), or run with --device cuda where a GPU is visible"
+        )
+    return overrides
+
+
+def _runs_on_cpu(device: str | None) -> bool:
+    import torch
+
+    if device in (None, "auto"):
+        return not torch.cuda.is_available()
+    return not str(device).startswith("cuda")
+
+
 def _load(args: argparse.Namespace, tokenizer_required: bool = True):
     from orthros_train.convert.checkpoint_io import check_safetensors_files
     from orthros_train.infer.loading import is_checkpoint, load_model, load_tokenizer
 
     if not is_checkpoint(args.checkpoint):
         raise ValueError(f"{args.checkpoint} is not an Orthros checkpoint directory (no config.json)")
+    overrides = model_overrides(args)
     check_safetensors_files(args.checkpoint)
-    overrides = parse_overrides(args.override)
-    if args.attention_backend:
-        overrides["attention_backend"] = args.attention_backend
     model = load_model(args.checkpoint, device=args.device, dtype=args.dtype, **overrides)
     tokenizer = load_tokenizer(args.checkpoint, required=tokenizer_required)
     return model, tokenizer
@@ -232,12 +269,11 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     from orthros_train.eval.bench import TABLE_HEADER, bench_prefill, format_table
 
-    overrides = parse_overrides(args.override)
-    if args.attention_backend:
-        overrides["attention_backend"] = args.attention_backend
+    overrides = model_overrides(args)
+    lengths = parse_lengths(args.lengths)
     print(TABLE_HEADER.splitlines()[0])
     result = bench_prefill(
-        args.model, parse_lengths(args.lengths), device=args.device, dtype=args.dtype, baseline=args.baseline,
+        args.model, lengths, device=args.device, dtype=args.dtype, baseline=args.baseline,
         decode_tokens=args.decode_tokens, repeats=args.repeats,
         chunk_size="auto" if args.prefill_chunk_size is None else (args.prefill_chunk_size or None),
         batch_size=args.batch_size, max_baseline_length=args.max_baseline_length, seed=args.seed,
@@ -263,6 +299,16 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     return paths
 
 
+def _check_writable(flag: str, folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        why = err.strerror or err
+        raise ValueError(f"{flag} {folder}: cannot create it ({why}); choose a writable folder") from err
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {folder}: not writable; choose a writable folder")
+
+
 def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -278,8 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         check_device(args.device)
+        for flag, folder in (("--output-dir", getattr(args, "output_dir", None)),
+                             ("--json", Path(args.json).parent if getattr(args, "json", None) else None)):
+            if folder is not None:
+                _check_writable(flag, Path(folder))  # before a long run, not when its results are written
         COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, OSError, ImportError) as exc:  # OSError: a missing input, an unwritable --output-dir
         print(f"orthros-eval {args.command}: {exc}", file=sys.stderr)
         return 2
     return 0

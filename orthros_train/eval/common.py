@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,46 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a token count: {text!r} (use e.g. 512, 4k, 1m)")
     value, unit = float(m.group(1)), m.group(2).lower()
     return int(value * {"": 1, "k": 1024, "m": 1024 * 1024}[unit])
+
+
+def _bounded(parse, low: int, what: str):
+    """An argparse ``type``: ``parse`` the text, then refuse values below ``low`` (argparse turns the
+    error into "argument --x: ..." and exit status 2, before any model loads)."""
+
+    def check(text: str) -> int:
+        try:
+            value = parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return value
+
+    check.__name__ = parse.__name__  # argparse names the type in its messages
+    return check
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+
+
+positive_int = _bounded(_int, 1, "a positive integer (>= 1)")
+nonnegative_int = _bounded(_int, 0, "an integer >= 0")
+positive_size = _bounded(lambda t: parse_size(t), 1, "a positive token count (e.g. 512, 4k)")
+nonnegative_size = _bounded(lambda t: parse_size(t), 0, "a token count >= 0 (e.g. 0, 512, 4k)")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number")
+    return value
 
 
 def parse_lengths(text: str | list | tuple) -> list[int]:
@@ -40,7 +83,10 @@ def parse_lengths(text: str | list | tuple) -> list[int]:
             out.append(n)
             n *= 2
         return out
-    return sorted({parse_size(p) for p in text.split(",") if p.strip()})
+    lengths = sorted({parse_size(p) for p in text.split(",") if p.strip()})
+    if not lengths or lengths[0] < 1:
+        raise ValueError(f"bad lengths {text!r}: need one or more token counts >= 1 (e.g. 1k,4k or 1k..16k)")
+    return lengths
 
 
 def parse_depths(text: str | list | tuple) -> list[float]:
@@ -63,17 +109,60 @@ def parse_depths(text: str | list | tuple) -> list[float]:
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """``["sliding_window=256", "attention_backend=reference"]`` -> typed dict (JSON values when they parse)."""
+    """``["sliding_window=256", "attention_backend=reference"]`` -> typed dict (JSON values when they
+    parse), each checked against the type of its ``OrthrosConfig`` field: ``sliding_window=abc``
+    is named here, not a TypeError deep in the model's constructor."""
+    from orthros_train.model.config import OrthrosConfig
+
+    hints = typing.get_type_hints(OrthrosConfig)
     out: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value")
         key, value = item.split("=", 1)
+        key = key.strip()
+        if key not in hints:
+            raise ValueError(f"--override {item}: {key!r} is not an OrthrosConfig field; fields: {sorted(hints)}")
         try:
-            out[key.strip()] = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
-            out[key.strip()] = value
+            parsed = value
+        if not _matches(parsed, hints[key]):
+            raise ValueError(
+                f"--override {item}: {key} takes {_type_name(hints[key])}, got {type(parsed).__name__} {parsed!r}"
+            )
+        out[key] = parsed
     return out
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON-parsed value fits a dataclass field type (int for float fields too; bool is
+    not an int here)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is Any:
+        return True
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    base = origin or hint
+    if base in (dict, list, tuple):
+        return isinstance(value, list if base is tuple else base)
+    return True  # a type this check does not know: OrthrosConfig validates it
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
 def write_json(data: Any, path: str | Path) -> Path:
