@@ -151,3 +151,46 @@ def test_study_pipeline_end_to_end(tmp_path) -> None:
     assert results["summary"] == saved["summary"]
     beside = json.loads((tmp_path / "study" / "study.json").read_text())  # the copy committed with the report
     assert beside["runs"]["dense"][1]["recall"] == saved["runs"]["dense"][1]["recall"]
+
+
+def test_the_report_goes_under_out_unless_report_is_given(tmp_path, monkeypatch) -> None:
+    """`orthros-study --quick` from the repository root must not overwrite the committed docs/study.md."""
+    from orthros_train.study import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "run_study", lambda opts: seen.setdefault("opts", opts))
+    assert cli.main(["--quick", "--out", str(tmp_path / "s")]) == 0
+    assert seen.pop("opts").report == tmp_path / "s" / "study.md"
+    assert cli.main(["--quick", "--out", str(tmp_path / "s"), "--report", str(tmp_path / "r.md")]) == 0
+    assert seen.pop("opts").report == tmp_path / "r.md"
+    assert cli.main(["--quick", "--no-report"]) == 0
+    assert seen.pop("opts").report is None
+    from orthros_train.study import StudyOptions
+
+    assert StudyOptions().report is None  # the library writes no report unless asked
+
+
+def test_skip_train_on_an_empty_folder_names_the_missing_runs(tmp_path, capsys) -> None:
+    from orthros_train.study import cli
+
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["--skip-train", "--out", str(tmp_path / "empty"), "--lrs", "1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "--skip-train evaluates existing runs, but these runs are not trained" in err
+    assert str(tmp_path / "empty" / "orthros") in err and "no metrics.jsonl" in err and "Traceback" not in err
+    assert not (tmp_path / "empty" / "study.json").exists() and not (tmp_path / "empty" / "study.md").exists()
+    assert cli.main(["--report-only", "--out", str(tmp_path / "empty")]) == 2
+    assert "study.json, which does not exist" in capsys.readouterr().err
+    assert cli.main(["--train-archs", "dense", "--out", str(tmp_path / "empty"), "--lrs", "1e-3"]) == 2
+    assert "--train-archs leaves ['orthros', 'sliding'] to --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--jobs", "0"], ["--steps", "0"], ["--recall-documents", "0"],
+                                  ["--prefill-repeats", "-1"], ["--train-threads", "-1"]])
+def test_zero_and_negative_study_sizes_are_refused(tmp_path, capsys, args) -> None:
+    from orthros_train.study import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--out", str(tmp_path / "s"), *args])
+    assert exc.value.code == 2 and f"argument {args[0]}" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

@@ -11,8 +11,9 @@ final checkpoint is evaluated on
 * a passkey probe: one key-value needle 4-8 windows back, in a key-value haystack and in prose,
 
 plus prefill time of Orthros against dense attention on the same weights and transformers' SDPA
-Llama of the same shape, with the FLOP-ratio limit (``eval/bench.py``). ``docs/study.md`` is
-written with tables (mean ± standard deviation over seeds) and PNG figures (``docs/study/``),
+Llama of the same shape, with the FLOP-ratio limit (``eval/bench.py``). The report
+(``<out>/study.md`` by default; the committed one, ``docs/study.md``, only with ``--report``) is
+written with tables (mean ± standard deviation over seeds) and PNG figures (``<stem>/`` beside it),
 plus a JSON of every number (``<out>/study.json``).
 """
 

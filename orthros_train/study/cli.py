@@ -1,4 +1,5 @@
-"""``orthros-study``: run the replication study and write docs/study.md (see ``orthros_train.study``)."""
+"""``orthros-study``: run the replication study and write its report (``<out>/study.md``; the committed one is
+docs/study.md, written only with ``--report docs/study.md``; see ``orthros_train.study``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from orthros_train.eval.common import parse_lengths
+from orthros_train.eval.common import nonnegative_int, parse_lengths, positive_int
 from orthros_train.study.pipeline import ARCHS, StudyOptions, rerender_report, run_study
 
 
@@ -16,13 +17,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="orthros-study",
         description="Train recipes/study/{orthros,dense,sliding}.yaml (same shape, data and tokens): a learning-rate "
         "sweep per model, then several seeds at the kept rate; evaluate essay loss, loss by position, associative "
-        "recall vs distance, a passkey probe and prefill time; write docs/study.md.",
+        "recall vs distance, a passkey probe and prefill time; write <out>/study.md (or --report).",
     )
     p.add_argument("--out", type=Path, default=Path("runs/study"), help="run directories and study.json")
-    p.add_argument("--report", type=Path, default=Path("docs/study.md"),
-                   help="markdown report (figures in <report dir>/<stem>/)")
+    p.add_argument("--report", type=Path, default=None,
+                   help="markdown report (default: <out>/study.md; figures in <report dir>/<stem>/); "
+                   "the committed one is docs/study.md")
     p.add_argument("--no-report", action="store_true", help="only study.json")
-    p.add_argument("--steps", type=int, default=None, help="trainer.max_steps of every run (default: the recipes')")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="trainer.max_steps of every run (default: the recipes')")
     p.add_argument("--quick", action="store_true", help="reduced version: tiny shape, a handful of steps")
     p.add_argument("--seeds", default="1234,1235,1236", help="trainer.seed of the final runs (comma-separated)")
     p.add_argument("--lrs", default="1e-3,3e-3,1e-2",
@@ -35,15 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--archs", default=",".join(ARCHS), help=f"subset of {','.join(ARCHS)}")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every run (repeatable), e.g. trainer.micro_batch_size=4")
-    p.add_argument("--train-threads", type=int, default=1,
+    p.add_argument("--train-threads", type=nonnegative_int, default=1,
                    help="OMP threads per training process (0: inherit the environment's)")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--jobs", type=positive_int, default=1,
                    help="training processes at a time (2 on an otherwise idle 2-core machine)")
-    p.add_argument("--recall-documents", type=int, default=32, help="held-out synthetic documents per run")
-    p.add_argument("--passkey-documents", type=int, default=32, help="passkey probes per run and distance range")
-    p.add_argument("--valid-tokens", type=int, default=None, help="cap on held-out essay tokens")
+    p.add_argument("--recall-documents", type=positive_int, default=32, help="held-out synthetic documents per run")
+    p.add_argument("--passkey-documents", type=positive_int, default=32,
+                   help="passkey probes per run and distance range")
+    p.add_argument("--valid-tokens", type=positive_int, default=None, help="cap on held-out essay tokens")
     p.add_argument("--prefill-lengths", default="1k,4k,16k", help="prompt lengths ('' skips the benchmark)")
-    p.add_argument("--prefill-repeats", type=int, default=1)
+    p.add_argument("--prefill-repeats", type=positive_int, default=1)
     p.add_argument("--notes", type=Path, default=None, help="hand-written analysis to include in the report")
     return p
 
@@ -65,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"orthros-study: unknown --archs {unknown}; choose from {', '.join(ARCHS)}")
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        prefill_lengths = parse_lengths(args.prefill_lengths) if args.prefill_lengths else []
+    except ValueError as exc:
+        raise SystemExit(f"orthros-study: --prefill-lengths: {exc}") from exc
     opts = StudyOptions(
         out=args.out,
-        report=None if args.no_report else args.report,
+        report=None if args.no_report else (args.report or args.out / "study.md"),
         archs=archs,
         steps=args.steps,
         quick=args.quick,
@@ -81,15 +89,21 @@ def main(argv: list[str] | None = None) -> int:
         recall_documents=args.recall_documents,
         passkey_documents=args.passkey_documents,
         valid_tokens=args.valid_tokens,
-        prefill_lengths=parse_lengths(args.prefill_lengths) if args.prefill_lengths else [],
+        prefill_lengths=prefill_lengths,
         prefill_repeats=args.prefill_repeats,
         notes=args.notes,
         command=" ".join(["orthros-study", *map(shlex.quote, argv)]),
     )
-    if args.report_only:
-        rerender_report(opts)
-    else:
-        run_study(opts)
+    if args.notes is not None and not args.notes.is_file():
+        raise SystemExit(f"orthros-study: --notes {args.notes}: no such file")
+    try:
+        if args.report_only:
+            rerender_report(opts)
+        else:
+            run_study(opts)
+    except ValueError as exc:
+        print(f"orthros-study: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

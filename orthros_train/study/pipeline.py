@@ -45,7 +45,9 @@ QUICK_OVERRIDES = [
 @dataclass
 class StudyOptions:
     out: Path = Path("runs/study")  # run directories and study.json
-    report: Path | None = Path("docs/study.md")  # None: no report (figures go beside it, in <stem>/)
+    # None: no report. The CLI's default is <out>/study.md: a study run from the repository root
+    # must not overwrite the committed docs/study.md unless that path is asked for.
+    report: Path | None = None  # figures go beside it, in <stem>/
     archs: tuple[str, ...] = ARCHS
     steps: int | None = None  # trainer.max_steps for every run (None: the recipes')
     quick: bool = False
@@ -76,6 +78,13 @@ class StudyOptions:
             raise ValueError("the study needs at least one learning rate (one: no sweep)")
         if self.jobs < 1:
             raise ValueError(f"jobs must be >= 1, got {self.jobs}")
+        for name in ("recall_documents", "passkey_documents", "prefill_repeats", "prefill_threads", "eval_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "valid_tokens", "train_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
 
 
 def _log(msg: str) -> None:
@@ -140,6 +149,24 @@ def train_run(arch: str, run_dir: Path, overrides: list[str], log: Callable[[str
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_trained(run_dirs: Sequence[Path], why: str) -> None:
+    """Every run the study reads but does not train holds a finished run (metrics, recipe, final
+    checkpoint); otherwise one message names each missing piece and the fix."""
+    missing = []
+    for run_dir in run_dirs:
+        lacks = [name for name in ("metrics.jsonl", "recipe.json", "checkpoints/final/config.json")
+                 if not (Path(run_dir) / name).is_file()]
+        if lacks:
+            missing.append(f"{run_dir} (no {', '.join(lacks)})")
+    if missing:
+        shown = "; ".join(missing[:6]) + (f"; and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ValueError(
+            f"{why}, but these runs are not trained: {shown}. Point --out at the folder of a study that trained "
+            "them, train them (drop --skip-train, or list them in --train-archs), or match --archs/--lrs/--seeds "
+            "to the runs that exist"
+        )
 
 
 def held_out_essays(data: dict[str, Any]) -> list[list[int]]:
@@ -386,6 +413,10 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
             for future in [pool.submit(one, job) for job in jobs]:
                 future.result()
 
+    # What is read but not trained must exist before anything trains (a study takes hours).
+    reused = [a for a in opts.archs if a not in train]
+    why = "--skip-train evaluates existing runs" if opts.skip_train else f"--train-archs leaves {reused} to --out"
+    check_trained([out / arch / run_name(lr, opts.seeds[0]) for arch in reused for lr in opts.lrs], why)
     # The sweep of every model first (its runs are independent), then the other seeds at the kept rates.
     train_all([(arch, lr, opts.seeds[0]) for arch in train for lr in opts.lrs])
     for arch in opts.archs:
@@ -398,6 +429,8 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
         results["sweep"][arch] = {"seed": opts.seeds[0], "best_lr": best,
                                   "blend_valid_loss": {f"{lr:g}": loss for lr, loss in sweep.items()}}
         log(f"{arch}: learning rate {best:g} (held-out blend loss {sweep[best]:.3f})")
+    check_trained([out / arch / run_name(results["sweep"][arch]["best_lr"], seed)
+                   for arch in reused for seed in opts.seeds[1:]], why)
     train_all([(arch, results["sweep"][arch]["best_lr"], seed) for arch in train for seed in opts.seeds[1:]])
     results["train_wall_seconds"] = time.perf_counter() - started if train else None
     results["load_average_after_training"] = load_average()
@@ -453,7 +486,14 @@ def rerender_report(opts: StudyOptions) -> dict[str, Any]:
 
     if opts.report is None:
         raise ValueError("--report-only needs a --report path")
-    results = json.loads((Path(opts.out) / "study.json").read_text())
+    source = Path(opts.out) / "study.json"
+    if not source.is_file():
+        raise ValueError(f"--report-only rewrites the report from {source}, which does not exist: point --out at "
+                         "a finished study's folder")
+    try:
+        results = json.loads(source.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{source} is not valid JSON ({err}): rerun the study or restore the file") from err
     write_report(results, Path(opts.report), Path(opts.notes).read_text() if opts.notes else None)
     return results
 
