@@ -135,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             from orthros_train.data.indexed import load_summary
             from orthros_train.data.tokenize import load_tokenizer
 
+            # an explicit --tokenizer must load; the one the summary records may since have moved
             tok_path = args.tokenizer or (load_summary(args.path) or {}).get("tokenizer", {}).get("path")
-            tokenizer = load_tokenizer(tok_path) if tok_path and os.path.exists(tok_path) else None
+            explicit = args.tokenizer is not None
+            tokenizer = load_tokenizer(tok_path) if tok_path and (explicit or os.path.exists(tok_path)) else None
             report = inspect_dataset(args.path, tokenizer, sample=args.sample)
             print(json.dumps(report, indent=2) if args.json else format_report(report))
             return 0
@@ -153,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"orthros-data: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("orthros-data: interrupted; finished shards are kept, run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    except OSError as e:  # disk full, a file system gone read-only mid-run: the file, not a traceback
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"orthros-data: error: {e.strerror or e}{where}; finished shards are kept, fix it and run the "
+              "same command again to resume", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -94,10 +94,26 @@ class TokenizeOptions:
             raise ValueError("docs_per_shard, batch_size and workers must be >= 1")
 
     def template_text(self) -> str | None:
+        """The --chat-template file's text, checked to be a readable, parsable Jinja template
+        (a syntax error would otherwise reject every record one by one, or skip them all)."""
         if self.chat_template is None:
             return None
-        with open(os.path.expanduser(self.chat_template), encoding="utf-8") as f:
-            return f.read()
+        path = os.path.expanduser(self.chat_template)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise DataError(f"--chat-template {self.chat_template}: cannot read it ({reason}); give a "
+                            "UTF-8 Jinja template file") from e
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(text)
+        except jinja2.TemplateSyntaxError as e:
+            raise DataError(f"--chat-template {self.chat_template}:{e.lineno}: not a valid Jinja template "
+                            f"({e.message})") from e
+        return text
 
     def settings(self) -> dict:
         """What determines the output bytes (a resumed run must match it)."""
@@ -302,6 +318,7 @@ def check_output_writable(output: str) -> None:
 def _run(opts: TokenizeOptions) -> dict:
     t0 = time.time()
     files = expand_inputs(opts.inputs)
+    _refuse_output_over_inputs(opts.output, files)
     tok = load_tokenizer(opts.tokenizer)
     eod = eod_token_id(tok, opts.eod_token)
     if opts.kind != "pretrain":
@@ -425,12 +442,32 @@ def _run(opts: TokenizeOptions) -> dict:
         pool.join()
     summary = manifest(True)
     if summary["documents"] == 0:
-        _write_json(out_json, manifest(False))
-        raise DataError(f"{', '.join(opts.inputs)}: no usable records (skipped: {summary['skipped']})")
+        if replaced:  # an overwritten output: keep the list of its old shards for the next run to remove
+            _write_json(out_json, manifest(False))
+        elif os.path.exists(out_json):  # nothing was written: leave no summary that promises a resume
+            os.remove(out_json)
+        what = (f"no usable records (skipped: {summary['skipped']})" if summary["records"]
+                else "no records at all (empty input)")
+        raise DataError(f"{', '.join(opts.inputs)}: {what}; nothing was written")
     summary["tokens_per_second_this_run"] = round(progress.tokens / max(time.time() - t0, 1e-9), 1)
     _write_json(out_json, summary)
     _remove_stale_shards(opts.output, replaced, {e["prefix"] for e in summary["shards"] if e.get("prefix")})
     return summary
+
+
+def _refuse_output_over_inputs(output: str, files: list[str]) -> None:
+    """An --output whose summary or shards would be one of the input files (``--output docs`` for
+    the input ``docs.json``) would overwrite the data being read; refuse it before anything runs."""
+    inputs = {os.path.realpath(f) for f in files if not f.startswith(("hub:", "disk:"))}
+    base = os.path.realpath(os.path.abspath(os.path.expanduser(output)))
+    for f in sorted(inputs):
+        name = os.path.basename(f)
+        if os.path.dirname(f) == os.path.dirname(base) and (
+            name in (os.path.basename(base) + ".json", os.path.basename(base) + ".lock")
+            or (name.startswith(os.path.basename(base) + "_") and name.endswith((".bin", ".idx")))
+        ):
+            raise DataError(f"--output {output} would overwrite the input {f} (its summary is {output}.json); "
+                            "choose another --output (nothing was written)")
 
 
 def _read_summary(path: str, overwrite: bool) -> dict | None:

@@ -355,3 +355,64 @@ def test_concurrent_tokenize_into_one_prefix_takes_turns(tok_dir, tmp_path):
     assert summary["complete"] and summary["documents"] == 400 and len(summary["shards"]) == 8
     assert not (tmp_path / "out.lock").exists()
     assert all(read_index_header(str(tmp_path / s["prefix"])).num_documents == 50 for s in summary["shards"])
+
+
+def test_chat_template_file_problems_are_named_before_any_record(plain_tok_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "hi", "response": "hello"}] * 3)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }}\n{% if")
+    latin1 = tmp_path / "latin1.jinja"
+    latin1.write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    cases = [(tmp_path / "missing.jinja", "cannot read it (No such file or directory)"),
+             (tmp_path, "cannot read it (Is a directory)"),
+             (latin1, "cannot read it ("),
+             (broken, f"--chat-template {broken}:2: not a valid Jinja template")]
+    for template, message in cases:
+        code = cli_main(["sft", str(src), "--tokenizer", plain_tok_dir, "--output", str(tmp_path / "o"),
+                         "--chat-template", str(template), "--no-progress", "--on-error", "skip"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err
+        assert not (tmp_path / "o.json").exists()
+
+
+def test_empty_input_writes_nothing(tok_dir, tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    code = cli_main(["tokenize", str(tmp_path / "empty.jsonl"), "--tokenizer", tok_dir, "--output",
+                     str(tmp_path / "out"), "--no-progress"])
+    assert code == 2 and "no records at all (empty input); nothing was written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]  # no summary promising a resume
+
+
+def test_output_that_would_overwrite_an_input_is_refused(tok_dir, tmp_path, capsys):
+    src = tmp_path / "docs.json"
+    src.write_text('[{"text": "precious"}]')
+    code = cli_main(["tokenize", str(src), "--tokenizer", tok_dir, "--output", str(tmp_path / "docs"),
+                     "--overwrite", "--no-progress"])
+    assert code == 2 and f"would overwrite the input {src}" in capsys.readouterr().err
+    assert src.read_text() == '[{"text": "precious"}]' and sorted(p.name for p in tmp_path.iterdir()) == ["docs.json"]
+
+
+def test_inspect_with_an_explicit_missing_tokenizer_is_an_error(tok_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "one"}])
+    out = str(tmp_path / "out")
+    assert cli_main(["tokenize", str(src), "--tokenizer", tok_dir, "--output", out, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli_main(["inspect", out, "--tokenizer", str(tmp_path / "nope")]) == 2  # used to be ignored silently
+    assert f"{tmp_path / 'nope'}: no such tokenizer" in capsys.readouterr().err
+
+
+def test_interrupt_and_io_errors_end_with_one_line(tok_dir, tmp_path, capsys, monkeypatch):
+    import data_tools.pretokenize as pretokenize
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "one"}])
+    args = ["tokenize", str(src), "--tokenizer", tok_dir, "--output", str(tmp_path / "out"), "--no-progress"]
+    for exc, code, message in [(KeyboardInterrupt(), 130, "interrupted; finished shards are kept"),
+                               (OSError(28, "No space left on device", str(tmp_path / "out_00000.tmp.bin")), 1,
+                                "No space left on device")]:
+        def boom(opts, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(pretokenize, "run", boom)
+        assert cli_main(args) == code
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
