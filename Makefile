@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 TEST_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TRITON_INTERPRET=1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint clean gpu-kit test-image-versions test-gpu-node
+.PHONY: install demo test test-fast lint clean gpu-kit test-image-versions test-gpu-node test-triton36
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -75,6 +75,26 @@ test-gpu-node: $(STAMP) $(NODE_VENV)/.installed
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONPATH=build/node_site:. $(NODE_VENV)/bin/python -m orthros_train.train.cli \
 		--config-name tiny_cpu trainer.max_steps=2 trainer.eval_batches=1 trainer.sample_tokens=2 trainer.progress=false \
 		trainer.wandb.enabled=false trainer.run_dir=build/node_run data.cache_dir=build/node_cache
+
+# The Triton kernels under triton 3.6 (the GPU image's release) in their own venv: the torch 2.13
+# CPU wheel, triton 3.6.0, the package without its dependencies and what the kernel tests import
+# (pytest, hypothesis, numpy). Runs the kernels' interpreter tests, then the sm_90 compile report
+# (triton 3.6 ships its own ptxas): 0 spills and no duplicated dot work for every autotune config.
+TRITON36_VENV ?= .venv-triton36
+TRITON36_TESTS ?= tests/test_triton_attention.py tests/test_triton_decode.py tests/test_backward_delta.py \
+	tests/test_dot_replication.py
+$(TRITON36_VENV)/.installed: pyproject.toml
+	test -x $(TRITON36_VENV)/bin/python || python3 -m venv $(TRITON36_VENV)
+	$(TRITON36_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRITON36_VENV)/bin/python -c "import torch" 2>/dev/null || $(TRITON36_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(TRITON36_VENV)/bin/python -m pip install -q "triton==3.6.0" "numpy>=1.26" "pytest>=8" "hypothesis>=6.100"
+	$(TRITON36_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(TRITON36_VENV)/bin/python -c "import triton; assert triton.__version__ == '3.6.0', triton.__version__"
+	touch $@
+
+test-triton36: $(TRITON36_VENV)/.installed
+	$(TEST_ENV) $(TRITON36_VENV)/bin/python -m pytest -q -m "not slow" $(TRITON36_TESTS) $(PYTEST_ARGS)
+	$(TEST_ENV) $(TRITON36_VENV)/bin/python -m pytest -q tests/test_compile_report.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs outputs .pytest_cache
