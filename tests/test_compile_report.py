@@ -1,8 +1,10 @@
-"""Ahead-of-time sm_90 compile of every kernel config (no GPU needed): 0 spills, fits shared memory.
+"""Ahead-of-time sm_90 compile of every kernel config (no GPU needed): 0 spills, fits shared
+memory, no dot whose warps repeat each other's product.
 
 ``bench/attention.py --compile-sm90 --json`` compiles each config the autotuners may pick the way
-the JIT specialises it for aligned tensors and runs triton's ptxas for registers and spills.
-It needs the real compiler, so it runs in a subprocess without ``TRITON_INTERPRET``.
+the JIT specialises it for aligned tensors, runs triton's ptxas for registers and spills and reads
+each dot's work replication from the compiled layouts (TTGIR). It needs the real compiler, so it
+runs in a subprocess without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_SHARED_BYTES = 227 * 1024
-KEYS = {"kernel", "config", "head_dim", "dtype", "regs", "spill_bytes", "shared_bytes", "autotune"}
+KEYS = {"kernel", "config", "head_dim", "dtype", "regs", "spill_bytes", "shared_bytes", "autotune", "dot_replication",
+        "dots"}
 
 
 def _ptxas_available() -> bool:
@@ -29,10 +32,10 @@ def _ptxas_available() -> bool:
         return False
 
 
-def _report(head_dim: int, dtype: str) -> list[dict]:
+def _report(head_dim: int, dtype: str, *extra: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(ROOT / "bench" / "attention.py"), "--compile-sm90", "--json",
-           "--head-dim", str(head_dim), "--dtype", dtype]
+           "--head-dim", str(head_dim), "--dtype", dtype, *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
@@ -45,7 +48,22 @@ def _report(head_dim: int, dtype: str) -> list[dict]:
 def test_autotune_configs_have_no_spills_on_sm90(head_dim, dtype):
     rows = _report(head_dim, dtype)
     assert rows and all(KEYS <= set(r) for r in rows)
-    assert {r["kernel"].split("[")[0] for r in rows} == {"fwd", "dq", "dkdv", "decode_split", "decode_combine"}
+    kernels = {r["kernel"].split("[")[0] for r in rows}
+    assert kernels == {"fwd", "dq", "dkdv", "bwd_delta", "decode_split", "decode_combine"}
     launched = [r for r in rows if r["autotune"] or r.get("fixed")]
-    bad = [r for r in launched if r.get("error") or r["spill_bytes"] or r["shared_bytes"] > H100_SHARED_BYTES]
+    bad = [r for r in launched if r.get("error") or r["spill_bytes"] or r["shared_bytes"] > H100_SHARED_BYTES
+           or r["dot_replication"] != 1]
     assert not bad, json.dumps(bad, indent=1)
+    # every kernel but the two reductions has dots, and the reader found them
+    assert all(r["dots"] for r in rows if not r["kernel"].startswith(("bwd_delta", "decode_combine")))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is not installed")
+def test_reader_detects_a_duplicating_config():
+    """64 query rows on 8 warps: the score dot (it feeds P @ V) gets all 8 warps along its 64 rows,
+    so the second warp group repeats the first; the reader must see that in the live TTGIR."""
+    rows = _report(64, "bfloat16", "--kernels", "fwd[band]", "--configs", "64x64w8s3,64x64w4s3")
+    by_warps = {r["config"]["num_warps"]: {d["dot"]: d for d in r["dots"]} for r in rows}
+    assert by_warps[8]["s"]["replication"] == 2 and by_warps[8]["s"]["warpsPerCTA"] == [8, 1]
+    assert all(d["replication"] == 1 for d in by_warps[4].values())

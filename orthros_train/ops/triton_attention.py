@@ -106,31 +106,40 @@ CLASSES = ("band", "full")
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and stream class, chosen from the sm_90
 # ahead-of-time compile report (`python bench/attention.py --compile-sm90`, table in
-# docs/benchmarks.md): every 16-bit config compiles with 0 spill bytes at head_dim 64 and 128 and
-# fits the H100's 227 KB of shared memory. Not timed on a GPU yet. Each kernel is launched once
+# docs/benchmarks.md): every 16-bit config compiles with 0 spill bytes at head_dim 64 and 128,
+# fits the H100's 227 KB of shared memory and has no dot whose warps repeat each other's product
+# (`dot_replication` 1). The last one constrains the shapes: triton lays out a dot whose result
+# feeds another dot (the scores) with all warps along M, 16 rows per warp, so a tile needs at
+# least 16 x num_warps rows there: 64 rows at 4 warps, 128 at 8 (the rows of fwd/dq, the keys
+# (BLOCK_N) of dk/dv). With 8 warps on 64 rows both warp groups computed the same scores.
+# Not timed on a GPU yet. Each kernel is launched once
 # over the windowed queries (the base stream: a band of W keys, where a tile of m queries spans
 # m + W - 1 keys, so smaller tiles waste less; every tile masked, one pipelined loop) and once
 # over the whole-document queries (the output stream: causal-like, large tiles, mask-free
 # interior). In fwd/dq, BLOCK_M counts rows of the dot: queries x the heads packed per program.
 _GPU_CONFIGS = {
     "fwd": {
-        "band": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 8, 3), (128, 32, 8, 3)],
-        "full": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 8, 3)],
+        "band": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3)],
+        "full": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3)],
     },
     "dq": {
-        "band": [(64, 32, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2)],
+        "band": [(64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)],
         "full": [(64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)],
     },
     "dkdv": {  # BLOCK_N keys per program, BLOCK_M queries per step of its loop
-        "band": [(32, 64, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2)],
-        "full": [(32, 64, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2)],
+        "band": [(32, 64, 4, 3), (16, 64, 4, 3), (32, 128, 8, 2)],
+        "full": [(32, 64, 4, 3), (16, 64, 4, 3), (32, 128, 8, 2)],
     },
+    # with atomic dq (a fifth dot and its [BLOCK_M, BLOCK_D] result live in the loop) only the
+    # 16-query step stays free of spills at head_dim 128
+    "dkdv_atomic": {"band": [(16, 64, 4, 3)], "full": [(16, 64, 4, 3)]},
 }
 # fp32 inputs (TF32 dots): twice the bytes per tile, so smaller tiles and fewer stages.
 _GPU_CONFIGS_FP32 = {
     "fwd": {"band": [(64, 32, 4, 2), (32, 32, 4, 2)], "full": [(32, 32, 4, 2), (64, 32, 8, 2)]},
     "dq": {"band": [(32, 32, 4, 2)], "full": [(32, 32, 4, 2), (64, 32, 8, 2)]},
     "dkdv": {"band": [(16, 32, 8, 2), (32, 32, 8, 2)], "full": [(16, 32, 8, 2), (32, 32, 8, 2)]},
+    "dkdv_atomic": {"band": [(16, 32, 8, 2), (32, 32, 8, 2)], "full": [(16, 32, 8, 2), (32, 32, 8, 2)]},
 }
 # The interpreter cannot benchmark: one config per kernel and class.
 _INTERP_BLOCKS = {"band": (16, 16), "full": (32, 32)}
@@ -448,10 +457,12 @@ def _bwd_dkdv_inner(
         pt = tl.math.exp2(st - lse2[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dst = pt * (dpt - delta[None, :])
+        # the softmax scale folds into dS here (one multiply per score), so dk needs no scaling
+        # after the loop and can start from the partial sums of an earlier launch
+        dst = pt * (dpt - delta[None, :]) * sm_scale
         dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=PRECISION) * sm_scale
+            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=PRECISION)
             dq_ptrs = dq_base + qi[:, None] * stride_dqm + offs_d[None, :]
             tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_mask[None, :])
     return dk, dv
@@ -467,8 +478,8 @@ def _attn_bwd_dkdv_kernel(
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dk/dv of one key tile from the sorted rows [ROWS[0], ROWS[1]); with ACCUMULATE, adds the
-    fp32 partial sums DKA/DVA of an earlier launch (same layout as DK/DV) before storing.
+    """dk/dv of one key tile from the sorted rows [ROWS[0], ROWS[1]); with ACCUMULATE, starts
+    from the fp32 partial sums DKA/DVA of an earlier launch (same layout as DK/DV).
 
     One masked, pipelined loop over the query tiles that see the key tile: a mask-free interior
     loop (as in the forward) would need its own registers per loop and made every 16-bit config
@@ -488,8 +499,16 @@ def _attn_bwd_dkdv_kernel(
     d_mask = offs_d < D
     k = _load_rows(K + hk * stride_kh, cols64, stride_kn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
     v = _load_rows(V + hk * stride_vh, cols64, stride_vn, offs_d, col_ok, d_mask, EVEN_D, UPCAST)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    out_mask = col_ok[:, None] & d_mask[None, :]
+    if ACCUMULATE:
+        # Start from the band launch's fp32 partial sums: loading them after the loop kept two
+        # more [BLOCK_N, BLOCK_D] fp32 tiles live next to the accumulators (spills at head_dim 128).
+        acc_off = hk * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :]
+        dk = tl.load(DKA + acc_off, mask=out_mask, other=0.0).to(tl.float32)
+        dv = tl.load(DVA + acc_off, mask=out_mask, other=0.0).to(tl.float32)
+    else:
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
     row_lo = tl.load(ROWS)
     row_hi = tl.load(ROWS + 1)
@@ -509,12 +528,6 @@ def _attn_bwd_dkdv_kernel(
                 offs_m, offs_d, d_mask, sm_scale, qk_scale,
                 BLOCK_M, EVEN_D, UPCAST, PRECISION, ATOMIC_DQ,
             )
-    out_mask = col_ok[:, None] & d_mask[None, :]
-    dk = dk * sm_scale
-    if ACCUMULATE:
-        acc_off = hk * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :]
-        dk += tl.load(DKA + acc_off, mask=out_mask, other=0.0).to(tl.float32)
-        dv += tl.load(DVA + acc_off, mask=out_mask, other=0.0).to(tl.float32)
     dk_ptrs = DK + hk * stride_dkh + cols64[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + hk * stride_dvh + cols64[:, None] * stride_dvn + offs_d[None, :]
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_mask)
@@ -577,16 +590,20 @@ def _config_key(cfg: triton.Config) -> tuple[int, int, int, int]:
 
 def _autotuned(kernel: str, fn, key: list[str], **kw) -> dict:
     """One autotuner per stream class (each class keeps its own best config); the prune keeps
-    the configs listed for the input dtype (fp32 tiles need twice the shared memory)."""
+    the configs listed for the input dtype (fp32 tiles need twice the shared memory) and, for
+    dk/dv, for the dq variant (``ATOMIC_DQ``, passed as a keyword: the autotuner hands it over
+    with the other keyword arguments)."""
     out = {}
+    variants = (kernel, f"{kernel}_atomic") if kernel == "dkdv" else (kernel,)
     for cls in CLASSES:
-        half, fp32 = _config_list(kernel, cls, False), _config_list(kernel, cls, True)
-        union = list({_config_key(c): c for c in half + fp32}.values())
+        lists = {(name, fp32): _config_list(name, cls, fp32) for name in variants for fp32 in (False, True)}
+        union = list({_config_key(c): c for cfgs in lists.values() for c in cfgs}.values())
 
-        def prune(configs, named_args, _half=half, _fp32=fp32, **_):
+        def prune(configs, named_args, _lists=lists, **kwargs):
             if INTERPRET:
                 return configs
-            keep = {_config_key(c) for c in (_fp32 if named_args["Q"].dtype == torch.float32 else _half)}
+            name = f"{kernel}_atomic" if kwargs.get("ATOMIC_DQ", named_args.get("ATOMIC_DQ")) else kernel
+            keep = {_config_key(c) for c in _lists[(name, named_args["Q"].dtype == torch.float32)]}
             return [c for c in configs if _config_key(c) in keep]
 
         out[cls] = triton.autotune(configs=union, key=key, prune_configs_by={"early_config_prune": prune}, **kw)(fn)
@@ -626,7 +643,8 @@ def kernel_specs(head_dim: int, group: int, dtype: torch.dtype) -> list[dict]:
     for kernel, fn in _KERNELS.items():
         for cls in CLASSES:
             for variant in ((False, True) if kernel == "dkdv" else (None,)):
-                for cfg in _config_list(kernel, cls, dtype == torch.float32):
+                table = "dkdv_atomic" if variant else kernel
+                for cfg in _config_list(table, cls, dtype == torch.float32):
                     bm, bn, w, s = _config_key(cfg)
                     consts = {"GROUP": group, "D": head_dim, "BLOCK_D": block_d, "EVEN_D": head_dim == block_d,
                               "UPCAST": False, "PRECISION": _precision(dtype), "BLOCK_M": bm, "BLOCK_N": bn}
