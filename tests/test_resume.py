@@ -441,3 +441,46 @@ def test_writers_hash_their_own_files(make_trainer, monkeypatch):
     assert {"model-00001.safetensors", "optimizer-00001.safetensors", "rank_00000.pt"} <= by_writer
     by_rank_0 = [name for name, thread in hashed if thread != "checkpoint-writer"]
     assert not [name for name in by_rank_0 if name.endswith((".safetensors", ".pt"))], by_rank_0
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_step_saves_and_exits_130_without_a_traceback(tmp_path):
+    run = tmp_path / "run"
+    proc = cli("trainer.max_steps=100000", f"trainer.run_dir={run}", cwd=tmp_path)
+    wait_for_step(run, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    rc, out, err = finish(proc)
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    said = [line for line in err.splitlines() if line.startswith("orthros-train:")]
+    assert len(said) == 1 and "Ctrl-C: finishing step" in said[0], err[-3000:]
+    stopped = [line for line in out.splitlines() if line.startswith("stopped by Ctrl-C")]
+    assert len(stopped) == 1, out[-3000:]
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert verify_checkpoint(run / "checkpoints" / latest) is None
+    assert int(latest.split("_")[1]) == max(losses(run))  # the step it finished is the one saved
+    assert not (run / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_at_once_and_the_previous_checkpoint_still_verifies(tmp_path):
+    run = tmp_path / "run"
+    proc = cli("trainer.max_steps=100000", "trainer.save_every=2", f"trainer.run_dir={run}", cwd=tmp_path)
+    wait_for_step(run, 3, proc)  # step 2's checkpoint is published
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    start = time.time()
+    rc, out, err = finish(proc, timeout=60)
+    assert time.time() - start < 30
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "second Ctrl-C: exiting at once without saving" in err
+    checkpoints = run / "checkpoints"
+    published = CheckpointManager(run).complete_checkpoints()
+    assert published and all(verify_checkpoint(p) is None for p in published)
+    assert verify_checkpoint(checkpoints / (checkpoints / "latest").read_text().strip()) is None
+    # The next launch resumes from it (a half-written save, if any, stays invisible).
+    step = int((checkpoints / "latest").read_text().strip().split("_")[1])
+    rc, out, err = finish(cli(f"trainer.max_steps={step + 1}", f"trainer.run_dir={run}", cwd=tmp_path))
+    assert rc == 0 and f"at step {step}" in out, err[-3000:]
