@@ -72,3 +72,31 @@ def test_sft_tiny_cpu_prepares_its_own_data(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "checkpoints" / "final").is_dir()
     assert list((tmp_path / "cache" / "embedded").glob("chatterbot-sft-*/conversations.json"))
+
+
+def test_chat_corpus_entries_keep_their_roles(tmp_path, monkeypatch):
+    """An entry that is a plain string used to become one turn per character, and an empty turn
+    used to be dropped, which swapped the roles of every later turn."""
+    import orthros_train.data.embedded as embedded
+
+    corpus = tmp_path / "talk.yml"
+    corpus.write_text(
+        "conversations:\n"
+        "- - What is two plus two?\n  - Four.\n"
+        "- Just a sentence, not a dialogue\n"
+        "- - First question?\n  - First answer.\n  - ''\n  - This answer must not become a question.\n"
+    )
+    monkeypatch.setattr(embedded, "corpus_files", lambda name: [corpus])
+    convs = embedded.chat_conversations("chatterbot")
+    assert convs == [
+        [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}],
+        [{"role": "user", "content": "First question?"}, {"role": "assistant", "content": "First answer."}],
+    ]
+
+
+def test_the_real_chat_corpus_has_no_single_character_turns():
+    from orthros_train.data.embedded import chat_conversations
+
+    convs = chat_conversations("chatterbot")
+    assert convs and all(len(m["content"]) > 1 or m["content"].isalnum() for c in convs for m in c)
+    assert not any(c[0]["content"] == "I" and c[1]["content"] == "n" for c in convs)
