@@ -610,3 +610,10 @@ def test_failed_write_leaves_no_destination_and_unwritable_is_named(hf_dirs, tmp
         ro.chmod(0o500)
         assert convert_main(["from-hf", str(hf_dirs["llama"]), str(ro / "dst")]) == 2
         assert "cannot create destination" in capsys.readouterr().err
+
+
+def test_verify_with_the_directories_swapped_is_named(hf_dirs, tmp_path, capsys):
+    convert_from_hf(hf_dirs["llama"], tmp_path / "o", sliding_window=W)
+    assert convert_main(["verify", str(tmp_path / "o"), str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "has no model_type: HF_DIR must be a Hugging Face model directory" in err and "Traceback" not in err

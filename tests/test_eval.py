@@ -543,3 +543,20 @@ def test_bad_lengths_and_unwritable_output_are_named_before_running(ckpt, tmp_pa
     assert main(["recall", str(ckpt), "--output-dir", str(blocker / "out")]) == 2
     err = capsys.readouterr().err
     assert f"--output-dir {blocker / 'out'}: cannot create it" in err and "recall sample" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["niah", "{ckpt}", "--depths", "0..200:3"], "depth 200.0 outside 0..100"),
+        (["niah", "{ckpt}", "--depths", "0..100:x"], "bad depths '0..100:x'"),
+        (["niah", "{ckpt}", "--depths", "0..100:0"], "the count after ':' must be >= 1"),
+        (["niah", "{ckpt}", "--lengths", "0"], "bad lengths '0'"),
+        (["lm-eval", "{ckpt}", "--tasks", ","], "--tasks ',' names no task"),
+        (["recall", "{ckpt}", "--device", "tpu"], "--device tpu: not a device"),
+    ],
+)
+def test_bad_depths_tasks_and_devices_are_named(ckpt, tmp_path, capsys, args, message):
+    assert main([a.format(ckpt=ckpt) for a in args] + ["--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -79,6 +79,11 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
     orthros = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
     window = orthros.config.sliding_window
     hf_type = read_json(hf_dir / "config.json", "verify takes an HF directory").get("model_type")
+    if not hf_type:
+        raise ConversionError(
+            f"{hf_dir / 'config.json'} has no model_type: HF_DIR must be a Hugging Face model directory (the source "
+            "of from-hf or the output of to-hf), ORTHROS_DIR the Orthros checkpoint"
+        )
     length = tokens or window
     checked_window = window
     if hf_type != "orthros" and length > window and orthros.config.attention_type == "orthros":
@@ -93,9 +98,12 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
             )
         orthros = OrthrosForCausalLM.from_pretrained(orthros_dir, sliding_window=length).eval()
         checked_window = length
-    hf = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, trust_remote_code=hf_type == "orthros"
-    ).eval()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, trust_remote_code=hf_type == "orthros"
+        ).eval()
+    except (ValueError, OSError, KeyError) as err:  # transformers' own "Unrecognized model", missing files
+        raise ConversionError(f"transformers cannot load {hf_dir} ({err})") from err
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, orthros.config.vocab_size, (batch, length), generator=gen)
     with torch.no_grad():

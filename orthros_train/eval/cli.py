@@ -128,6 +128,11 @@ def check_device(name: str | None) -> None:
     """``--device cuda`` on a machine torch sees no GPU on: say so before anything loads."""
     import torch
 
+    if name and name != "auto":
+        try:
+            torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
     if name and name.startswith("cuda") and not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
         raise ValueError(
@@ -179,13 +184,14 @@ def _load(args: argparse.Namespace, tokenizer_required: bool = True):
 def cmd_niah(args: argparse.Namespace) -> dict[str, Any]:
     from orthros_train.eval.niah import Needle, run_niah, save_niah
 
+    lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)  # before the model loads
     model, tokenizer = _load(args)
     needle = Needle()
     for field in ("needle", "question", "answer", "answer_prefix"):
         if getattr(args, field) is not None:
             setattr(needle, field, getattr(args, field))
     result = run_niah(
-        model, tokenizer, parse_lengths(args.lengths), parse_depths(args.depths), needle,
+        model, tokenizer, lengths, depths, needle,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         prefill_chunk_size=args.prefill_chunk_size, snap_to_sentence=not args.no_snap,
     )  # fmt: skip
@@ -243,8 +249,10 @@ def _looks_indexed(spec: str) -> bool:
 def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
     from orthros_train.eval.harness import run_lm_eval
 
-    model, tokenizer = _load(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError(f"--tasks {args.tasks!r} names no task; e.g. --tasks pg_lambada,pg_passkey")
+    model, tokenizer = _load(args)
     try:
         result = run_lm_eval(
             model, tokenizer, tasks, limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,

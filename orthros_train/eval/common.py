@@ -91,20 +91,28 @@ def parse_lengths(text: str | list | tuple) -> list[int]:
 
 def parse_depths(text: str | list | tuple) -> list[float]:
     """Needle depths in percent: ``"0,25,50,75,100"`` or ``"0..100:11"`` (11 evenly spaced)."""
-    if isinstance(text, (list, tuple)):
-        return [float(x) for x in text]
-    text = str(text).strip()
-    if ".." in text:
-        span, _, count = text.partition(":")
-        lo_s, hi_s = span.split("..", 1)
-        lo, hi, n = float(lo_s), float(hi_s), int(count or 11)
-        if n < 2:
-            return [lo]
-        return [round(lo + (hi - lo) * i / (n - 1), 4) for i in range(n)]
-    depths = [float(p) for p in text.split(",") if p.strip()]
+    fix = "use e.g. 0,50,100 or 0..100:11 (percent, 0..100)"
+    try:
+        if isinstance(text, (list, tuple)):
+            depths = [float(x) for x in text]
+        elif ".." in str(text):
+            span, _, count = str(text).strip().partition(":")
+            lo_s, hi_s = span.split("..", 1)
+            lo, hi, n = float(lo_s), float(hi_s), int(count or 11)
+            if n < 1:
+                raise ValueError(f"bad depths {text!r}: the count after ':' must be >= 1; {fix}")
+            depths = [lo] if n < 2 else [round(lo + (hi - lo) * i / (n - 1), 4) for i in range(n)]
+        else:
+            depths = [float(p) for p in str(text).split(",") if p.strip()]
+    except ValueError as err:
+        if str(err).startswith("bad depths"):
+            raise
+        raise ValueError(f"bad depths {text!r} ({err}); {fix}") from None
+    if not depths:
+        raise ValueError(f"bad depths {text!r}: no depth given; {fix}")
     for d in depths:
-        if not 0 <= d <= 100:
-            raise ValueError(f"depth {d} outside 0..100 (percent)")
+        if not 0 <= d <= 100:  # also catches NaN
+            raise ValueError(f"depth {d} outside 0..100 (percent); {fix}")
     return depths
 
 
