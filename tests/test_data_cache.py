@@ -192,3 +192,21 @@ def test_a_live_holder_keeps_its_lock_while_it_beats(tmp_path):
     finally:
         holder.release()
     assert not os.path.exists(path)
+
+
+def test_an_unwritable_cache_dir_is_named(tmp_path):
+    from orthros_train.data.blend import build_blend
+    from orthros_train.data.indexed import DataError, ShardWriter
+
+    prefix = str(tmp_path / "ds")
+    writer = ShardWriter(prefix, 1000)
+    for _ in range(20):
+        writer.add_document(np.arange(1, 40))
+    writer.finish()
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the cache folder should be")
+    with pytest.raises(DataError, match=f"cannot create the sample-index cache folder {blocker}.*data.cache_dir"):
+        build_blend([prefix], None, 16, 0, 1000, 0, str(blocker))
+    with pytest.raises(DataError, match="x.lock: cannot create its folder .*must be writable"):
+        BuildLock(str(blocker / "x.lock")).acquire()
+    assert blocker.read_text() == "a file where the cache folder should be"

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from orthros_train.data.indexed import DataError
+
 log = logging.getLogger(__name__)
 
 FINGERPRINT_FILE = "fingerprint.json"
@@ -166,7 +168,11 @@ def build_once(folder: str, fingerprint: dict, build: Callable[[str], Any], load
     """
     if read_fingerprint(folder) == fingerprint:
         return load(folder)
-    Path(folder).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        Path(folder).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheError(f"cannot create the {what} cache folder {Path(folder).parent} ({e.strerror or e}); point "
+                         "data.cache_dir at a writable folder") from e
     with BuildLock(folder + ".lock", stale_after=stale_after):
         found = read_fingerprint(folder)
         if found == fingerprint:  # another process built it while we waited
@@ -177,17 +183,26 @@ def build_once(folder: str, fingerprint: dict, build: Callable[[str], Any], load
             log.warning("rebuilding the %s cache %s: %s", what, folder, why)
         tmp = f"{folder}.tmp-{socket.gethostname()}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
         try:
+            os.makedirs(tmp)
             out = build(tmp)
             write_json_atomic(os.path.join(tmp, FINGERPRINT_FILE), fingerprint)
             if os.path.exists(folder):
                 shutil.rmtree(folder)
             os.rename(tmp, folder)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CacheError(f"cannot write the {what} cache {folder} ({e.strerror or e}"
+                             f"{': ' + e.filename if getattr(e, 'filename', None) else ''}); free space or point "
+                             "data.cache_dir at a writable folder") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return out
+
+
+class CacheError(DataError):
+    """A cache that cannot be built (its folder cannot be written); the message names it and the fix."""
 
 
 class CacheLockTimeout(TimeoutError):
@@ -233,6 +248,9 @@ class BuildLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
+        except OSError as e:  # a read-only or foreign folder: say which, not a bare traceback
+            raise CacheError(f"{self.path}: cannot create the lock file ({e.strerror or e}); the folder must be "
+                             "writable (for the trainer's caches: point data.cache_dir at a writable folder)") from e
         info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "token": self.token}
         with os.fdopen(fd, "w") as f:
             json.dump(info, f)
@@ -250,7 +268,11 @@ class BuildLock:
         return False
 
     def acquire(self) -> None:
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CacheError(f"{self.path}: cannot create its folder ({e.strerror or e}); the folder must be "
+                             "writable") from e
         start = time.monotonic()
         seen: tuple | None = None  # (mtime_ns, when we first saw it) of the current holder's file
         announced = False
