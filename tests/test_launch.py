@@ -102,3 +102,37 @@ def test_launchers_honour_python_and_refuse_one_without_the_project(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and "no Python with torch and orthros_train" in proc.stderr
     assert "make install" in proc.stderr
+
+
+def _train(nproc: int, recipe: str, run_dir: Path, *overrides: str) -> list[float]:
+    """Per-step losses of ``launch/torchrun.sh NPROC RECIPE`` (no parallel overrides)."""
+    import json
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    env.pop("MASTER_PORT", None)
+    quiet = ["trainer.progress=false", "trainer.sample_prompt=null", "trainer.wandb.enabled=false",
+             "trainer.log_every=0", f"trainer.run_dir={run_dir}"]  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "torchrun.sh"), str(nproc), recipe, *quiet, *overrides],
+        env=env, capture_output=True, text=True, timeout=900, cwd=run_dir.parent,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recipe_json = json.loads((run_dir / "recipe.json").read_text())
+    assert recipe_json["parallel"]["data_parallel"] == nproc  # derived from the world size
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tiny_cpu_trains_the_same_losses_on_one_and_two_ranks(tmp_path):
+    small = ["trainer.max_steps=4", "trainer.seq_len=64", "trainer.eval_every=0", "model.hidden_size=64"]
+    one = _train(1, "tiny_cpu", tmp_path / "one", *small)
+    two = _train(2, "tiny_cpu", tmp_path / "two", *small)
+    assert len(one) == len(two) == 4
+    # The same 8 sequences per step: 2 accumulated micro batches of 4 on one rank, 1 on each of two.
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
+
+
+@pytest.mark.slow
+def test_rl_tiny_cpu_runs_on_two_ranks_without_parallel_overrides(tmp_path):
+    losses = _train(2, "rl_tiny_cpu", tmp_path / "rl", "trainer.max_steps=2")
+    assert len(losses) == 2
