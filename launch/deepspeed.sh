@@ -3,7 +3,8 @@
 #   launch/deepspeed.sh HOSTFILE RECIPE [hydra overrides ...]
 #   launch/deepspeed.sh hostfile.txt scaling/orthros_2p7b trainer.run_dir=/scratch/runs/2p7b
 # The launcher sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR for every process, which the trainer
-# reads at its entry point; the parallel layout comes from the recipe.
+# reads at its entry point; the parallel layout comes from the recipe, the data-parallel size and
+# the accumulation steps from the world size.
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
   echo "usage: $0 HOSTFILE RECIPE [hydra overrides ...]" >&2

@@ -2,8 +2,9 @@
 # One node, N processes (GPUs, or CPU ranks with gloo):
 #   launch/torchrun.sh NPROC RECIPE [hydra overrides ...]
 #   launch/torchrun.sh 8 pretrain_1p3b trainer.run_dir=/scratch/runs/1p3b
-# The parallel layout comes from the recipe's `parallel` group; NPROC must equal
-# parallel.tensor_parallel x parallel.data_parallel (the trainer checks and names the numbers).
+# The parallel layout comes from the recipe's `parallel` group: NPROC must be a multiple of
+# parallel.tensor_parallel x parallel.context_parallel; the data-parallel size and the accumulation
+# steps follow from NPROC and trainer.global_batch_size (the trainer names what does not divide).
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
   echo "usage: $0 NPROC RECIPE [hydra overrides ...]" >&2
