@@ -333,6 +333,11 @@ def test_trainer_refuses_a_bad_rollouts_file_before_training(tmp_path):
     with pytest.raises(ValueError, match=rf"r.jsonl:4: bad rollout: response_ids holds token id {V + 5}"):
         _train(_recipe(tmp_path, task, rl, steps=1))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    mixed = [Rollout([1], [2], reward=1.0, group=3), Rollout([1], [4], token_rewards=[0.5], group=3)] * 3
+    save_rollouts(tmp_path / "mixed.jsonl", make_rollouts(9, with_old=True)[:4] + mixed)
+    task["rollouts"] = str(tmp_path / "mixed.jsonl")
+    with pytest.raises(ValueError, match=r"mixed.jsonl: group 3 mixes reward \(rollout 5\) and token_rewards"):
+        _train(_recipe(tmp_path, task, rl, steps=1))
     task["rollouts"] = str(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match=r"task.rollouts=.*missing.jsonl: no such file"):
         _train(_recipe(tmp_path, task, rl, steps=1))
@@ -408,7 +413,7 @@ def test_trainer_runs_grpo_on_an_external_engines_rollouts(tmp_path):
     rl = {"group_size": 5, "prompts_per_step": 1, "kl_coef": 0.02}
     with pytest.raises(ValueError, match="2 steps of .* set trainer.max_steps=2"):
         _train(_recipe(tmp_path, task, rl, steps=3))
-    with pytest.raises(ValueError, match="set trainer.micro_batch_size=5"):
+    with pytest.raises(ValueError, match=r"micro_batch_size=4 .*Nearest valid: trainer.micro_batch_size=1 or 5"):
         _train(_recipe(tmp_path, task, rl, micro=4))
     result = _train(_recipe(tmp_path, task, rl, steps=2))
     records = _metrics(tmp_path / "run")

@@ -106,6 +106,17 @@ class FileRollouts:
         self, path: str, cfg: RLConfig, draws: int, dp_rank: int, dp_size: int, vocab_size: int | None = None
     ) -> None:
         self.rollouts = load_rollouts(path, vocab_size)  # checked at read time, not mid-run in the embedding
+        kinds: dict[Any, dict[str, int]] = {}  # group -> reward kind -> first record (1-based)
+        for i, r in enumerate(self.rollouts, 1):
+            if r.advantages is None and r.group is not None:
+                kind = "token_rewards" if r.token_rewards is not None else "reward"
+                kinds.setdefault(r.group, {}).setdefault(kind, i)
+        for group, seen in kinds.items():
+            if len(seen) > 1:  # compute_advantages would stop on it at that group's step, naming no file
+                raise ValueError(
+                    f"{path}: group {group!r} mixes reward (rollout {seen['reward']}) and token_rewards (rollout "
+                    f"{seen['token_rewards']}); a group's baseline needs one kind of reward"
+                )
         self.rows = cfg.prompts_per_step * cfg.group_size
         self.cfg = cfg
         self.dp_rank, self.dp_size = dp_rank, dp_size
