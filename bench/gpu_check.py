@@ -139,13 +139,34 @@ def _version(module: str) -> str | None:
         return None
 
 
-def kill_child(proc: subprocess.Popen | None) -> None:
-    if proc is not None and proc.poll() is None:
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: torchrun puts its workers in sessions of their
+    own, so killing torchrun's process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: its own session
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_child(proc: subprocess.Popen | None) -> None:
+    """SIGKILL ``proc`` and everything it started (a kill -9 of a whole one-process run)."""
+    if proc is None or proc.poll() is not None:
+        return
+    for pid in [*_descendants(proc.pid), proc.pid]:  # gathered first: orphans are re-parented
+        try:
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait()
+    proc.wait()
 
 
 class Guard:
@@ -212,7 +233,7 @@ COMMON = ["trainer.wandb.enabled=false", "trainer.progress=false", "trainer.eval
           "trainer.sample_prompt=null", "model.attention_backend=triton", "trainer.gpu=null",
           "trainer.gpu_memory_gib=null"]  # fmt: skip
 DRY_TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=128",
-            "trainer.seq_len=64", "trainer.micro_batch_size=2"]  # fmt: skip
+            "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.eval_batches=1"]  # fmt: skip
 
 
 def trainer_cmd(recipe: str, overrides: list[str]) -> list[str]:
