@@ -134,6 +134,12 @@ _GPU_CONFIGS = {
     # 16-query step stays free of spills at head_dim 128
     "dkdv_atomic": {"band": [(16, 64, 4, 3)], "full": [(16, 64, 4, 3)]},
 }
+# Triton before 3.9 (3.6 is the GPU image's release) allocates more registers to the dk/dv loop:
+# at head_dim 128 every dk/dv config above spills there; these are the ones that compile with
+# 0 spills and no duplicated dot work under 3.6 (fwd/dq lists are clean under both).
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    _GPU_CONFIGS["dkdv"] = {"band": [(16, 64, 4, 2)], "full": [(16, 64, 4, 2)]}
+    _GPU_CONFIGS["dkdv_atomic"] = {"band": [(16, 128, 8, 3)], "full": [(16, 128, 8, 3)]}
 # fp32 inputs (TF32 dots): twice the bytes per tile, so smaller tiles and fewer stages.
 _GPU_CONFIGS_FP32 = {
     "fwd": {"band": [(64, 32, 4, 2), (32, 32, 4, 2)], "full": [(32, 32, 4, 2), (64, 32, 8, 2)]},
