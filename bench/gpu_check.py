@@ -230,7 +230,7 @@ def _sync() -> None:
 DRY_DEVICE = ["trainer.device=cpu", "trainer.precision=fp32", "parallel.backend=gloo"]
 GPU_DEVICE = ["trainer.device=cuda", "trainer.precision=bf16", "parallel.backend=nccl"]
 COMMON = ["trainer.wandb.enabled=false", "trainer.progress=false", "trainer.eval_every=0",
-          "trainer.sample_prompt=null", "model.attention_backend=triton", "trainer.gpu=null",
+          "trainer.sample_prompt=null", "++model.attention_backend=triton", "trainer.gpu=null",
           "trainer.gpu_memory_gib=null"]  # fmt: skip
 DRY_TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=128",
             "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.eval_batches=1"]  # fmt: skip
@@ -269,9 +269,18 @@ def wait_for(run: Run, proc: subprocess.Popen, guard: Guard, log: Path, until=No
         time.sleep(poll_s)
     run.child = None
     if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-1500:]
-        raise RuntimeError(f"trainer exited with {proc.returncode} (log {log}):\n{tail}")
+        raise RuntimeError(f"trainer exited with {proc.returncode} (log {log}): {log_problem(log)}")
     return 0
+
+
+def log_problem(log: Path) -> str:
+    """The trainer's own error lines from its log, without torchrun's traceback around them."""
+    lines = [
+        line for line in log.read_text(errors="replace").splitlines()
+        if line.strip() and not line.startswith((" ", "Traceback", "[", "E1", "W1", "I1"))
+        and "torch/distributed" not in line and "ChildFailedError" not in line and "====" not in line
+    ]  # fmt: skip
+    return " | ".join(lines[-6:])[-1200:]
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
@@ -424,11 +433,16 @@ def _startup_seconds(records: dict[int, dict]) -> float | None:
 
 
 def generate_export(path: Path, dev: torch.device) -> dict:
-    """The export as a user loads it: transformers' auto classes with the model's own code."""
+    """The trainer's export as a user loads it in transformers: converted by orthros-convert's
+    library call into a remote-code directory, loaded with the auto classes, ``generate``d from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).to(dev).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    from orthros_train.convert.to_hf import convert_to_hf
+
+    hf = path.parent / "final_hf"
+    convert_to_hf(path, hf, overwrite=True)
+    model = AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True).to(dev).eval()
+    tok = AutoTokenizer.from_pretrained(hf, trust_remote_code=False)  # the tokenizer runs no custom code
     ids = tok("The most important thing about startups is", return_tensors="pt").input_ids.to(dev)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
