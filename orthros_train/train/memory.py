@@ -162,7 +162,8 @@ def estimate_memory(
         raise ValueError(f"seq_len={seq_len} is not divisible by parallel.context_parallel={parallel.context_parallel}")
     a = DTYPE_BYTES[precision]
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
-    zero_group = parallel.data_parallel * cp
+    # A layout not yet resolved against a world size (data_parallel None) plans for one DP rank.
+    zero_group = (parallel.data_parallel or 1) * cp
     stage = parallel.zero_stage
     p = params_per_rank(model, tp)
 
