@@ -343,8 +343,8 @@ def run_trainer_section(run: Run) -> None:
                 checkpoint=latest_step(ref_dir),
                 ok=sorted(ref) == list(range(1, steps + 1)),
             )
-            # the first launch pays for imports, NCCL init and Triton's compile + autotune
-            r["startup_s"] = _startup_seconds(ref)
+            # the first launch pays for imports, NCCL init and Triton's compile + autotune: its seconds
+            # against the resumed run's show that cost
         r = row("kill -9 after the first save, resume: bitwise-equal losses")
         with attempt(run, sec, r["item"]):
             t0 = time.monotonic()
@@ -425,11 +425,6 @@ def run_trainer_section(run: Run) -> None:
             r.update(time_1p3b(run, guard, work, logs))
             r["ok"] = bool(r.get("records"))
         sec["skipped"] = guard.skipped
-
-
-def _startup_seconds(records: dict[int, dict]) -> float | None:
-    first = records.get(1, {})
-    return first.get("elapsed_s") or first.get("time_s")
 
 
 def generate_export(path: Path, dev: torch.device) -> dict:
