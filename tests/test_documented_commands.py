@@ -54,6 +54,10 @@ SKIP: list[tuple[str, str]] = [
     (r"^orthros-eval \S+ +CKPT ", "a synopsis with a placeholder checkpoint (tests/test_eval.py)"),
     (r"^orthros-train --config-name sft model\.init_from=checkpoints/", "an 8B-scale SFT on placeholder data"),
     (r"^huggingface-cli download meta-llama/", "downloads 16 GB from the hub"),
+    (r"^make (serve-env|serve-demo|test-serve)$|^\.venv-serve/bin/|^curl -s 127\.0\.0\.1:8000/"
+     r"|^orthros-convert to-hf runs/tiny_cpu/checkpoints/final ",
+     "the vLLM serving environment (.venv-serve, minutes to install) and a server on localhost; make test-serve "
+     "runs these steps"),
     (r"^make gpu-kit$", "downloads wheels from PyPI (tests/test_gpu_kit.py builds the kit, marked slow)"),
     (r"^python3 -m pip install --no-index --no-deps --target ", "on the GPU node (make test-gpu-node rehearses it)"),
     (r"^export PYTHONPATH=", "on the GPU node"),

@@ -55,46 +55,15 @@ import triton
 import triton.language as tl
 
 from orthros_train.ops.reference import check_attention_inputs, key_ranges
+from orthros_train.ops.triton_interpreter import interpreter_index_fix
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
-def _interpreter_index_fix() -> bool:
-    """Let triton 3.6's interpreter take tensor loop bounds again under numpy >= 2.4.
-
-    The interpreter holds every scalar as a one-element array and gives tensors ``__index__`` as
-    ``int(data)``; numpy 2.4 refuses ``int()`` of a 1-d array, so every ``range(lo, hi, step)``
-    with a tensor bound (all of the kernels' loops: their bounds are loaded or reduced values)
-    raised "only 0-dimensional arrays can be converted to Python scalars". Newer triton reads
-    ``int(data.squeeze())`` (triton-lang/triton#9171); this applies that same definition on the
-    releases that lack it. The compiled (GPU) path is untouched: only the interpreter's patch
-    hook is wrapped, and only when its ``int(data)`` is what fails.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    try:
-        int(np.ones(1, dtype=np.int32))
-        return False  # numpy still converts one-element arrays: nothing to fix
-    except TypeError:
-        pass
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_orthros_index_fix", False):
-        return False
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patch_lang_tensor._orthros_index_fix = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    return True
-
-
 if INTERPRET:
-    _interpreter_index_fix()
+    interpreter_index_fix()
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,15 +24,14 @@ import triton
 import triton.language as tl
 
 from orthros_train.ops.reference import check_attention_inputs, key_ranges
+from orthros_train.ops.triton_interpreter import interpreter_index_fix
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 
 if INTERPRET:
     # triton 3.6's interpreter needs the loop-bound fix applied there (tensor bounds of range())
-    from orthros_train.ops.triton_attention import _interpreter_index_fix
-
-    _interpreter_index_fix()  # idempotent: a second call finds the hook already wrapped
+    interpreter_index_fix()  # idempotent: a second call finds the hook already wrapped
 
 
 @triton.jit
