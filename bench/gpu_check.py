@@ -280,7 +280,9 @@ def log_problem(log: Path) -> str:
         if line.strip() and not line.startswith((" ", "Traceback", "[", "E1", "W1", "I1"))
         and "torch/distributed" not in line and "ChildFailedError" not in line and "====" not in line
     ]  # fmt: skip
-    return " | ".join(lines[-6:])[-1200:]
+    # the exception line first (``KeyError: ...``), then the last lines (hydra's, torchrun's summary)
+    raised = [line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception", "Interrupt"))]
+    return " | ".join(dict.fromkeys(raised[-2:] + lines[-4:]))[-1200:]
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
