@@ -173,8 +173,9 @@ def test_tp1_checkpoint_resumes_at_tp2(tmp_path):
 @pytest.mark.slow
 def test_dp2_zero1_checkpoint_resumes_at_dp1_zero2(tmp_path):
     # Same global batch: 2 ranks x 2 sequences, then 1 rank x 4 (the sampler deals the same samples).
-    dp2 = ["parallel.data_parallel=2", "parallel.zero_stage=1", "trainer.micro_batch_size=2"]
-    dp1 = ["parallel.zero_stage=2", "trainer.micro_batch_size=4"]
+    dp2 = ["parallel.data_parallel=2", "parallel.zero_stage=1", "trainer.micro_batch_size=2",
+           "trainer.global_batch_size=4"]
+    dp1 = ["parallel.zero_stage=2", "trainer.micro_batch_size=4", "trainer.global_batch_size=4"]
     straight_then_resumed(tmp_path, dp2, dp1, nproc_first=2, nproc_second=1)
 
 

@@ -182,7 +182,8 @@ class Recorder:
 TINY = [
     "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
     "trainer.wandb.enabled=false", "trainer.wandb.name=test", "model.hidden_size=64", "model.num_hidden_layers=2",
-    "trainer.micro_batch_size=2", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=2",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=null", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=2",
 ]  # fmt: skip
 
 

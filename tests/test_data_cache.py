@@ -81,7 +81,8 @@ def test_retrain_after_retokenize_with_the_same_cache_dir(tok, tmp_path):
                "data.tokenizer_vocab_size=512", "data.split='90,10,0'", "trainer.max_steps=2",
                "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
                "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=1",
-               "trainer.seq_len=64", "trainer.micro_batch_size=2", f"trainer.run_dir={tmp_path / run}"]
+               "trainer.seq_len=64", "trainer.micro_batch_size=2",
+               "trainer.global_batch_size=null", f"trainer.run_dir={tmp_path / run}"]
         return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
     first = train("run1")

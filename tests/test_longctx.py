@@ -107,8 +107,9 @@ def test_bad_schedules_name_the_field():
 TINY = [
     "--config-name", "tiny_cpu", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
     "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=2", "trainer.log_every=0",
-    "trainer.micro_batch_size=2", "trainer.seq_len=64", "optim.schedule=constant", "optim.warmup_steps=0",
-    "trainer.max_steps=5", "+trainer.seq_len_schedule=[[0,32],[2,64]]",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=null", "trainer.seq_len=64", "optim.schedule=constant", "optim.warmup_steps=0",
+    "trainer.max_steps=5", "trainer.seq_len_schedule=[[0,32],[2,64]]",
 ]  # fmt: skip
 
 

@@ -90,7 +90,7 @@ def test_trainer_tp2_sp_and_cp2_losses_equal_tp1(tmp_path):
         "trainer.wandb.enabled=false",
         "model.hidden_size=64",
         "model.num_hidden_layers=2",
-        "trainer.micro_batch_size=2",
+        "trainer.micro_batch_size=2", "trainer.global_batch_size=null",
         "trainer.seq_len=64",
         "model.sliding_window=16",  # windows and documents cross the CP chunks (32 tokens)
     ]

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 SMALL = [
     "trainer.eval_every=0", "trainer.sample_prompt=null", "model.hidden_size=64", "model.num_hidden_layers=2",
-    "trainer.seq_len=64", "trainer.micro_batch_size=2",
+    "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.global_batch_size=null",
 ]  # fmt: skip
 
 

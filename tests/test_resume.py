@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "--config-name", "tiny_cpu", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
     "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=2",
-    "trainer.micro_batch_size=2", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=2",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=null", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=2",
 ]  # fmt: skip
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 

@@ -113,7 +113,8 @@ def test_multirun_job_dirs_are_named_by_their_overrides():
 TINY = [
     "--config-name", "tiny_cpu", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
     "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=2", "trainer.max_steps=2",
-    "trainer.micro_batch_size=2", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=1",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=null", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=1",
 ]  # fmt: skip
 
 

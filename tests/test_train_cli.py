@@ -103,6 +103,7 @@ def test_indexed_blend_example_override_trains_with_one_path(tmp_path):
         "data.split='90,10,0'", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.progress=false",
         "trainer.sample_prompt=null", "trainer.wandb.enabled=false", "model.hidden_size=64",
         "model.num_hidden_layers=1", "trainer.seq_len=64", "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=null",
         f"trainer.run_dir={tmp_path / 'run'}", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

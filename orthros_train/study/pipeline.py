@@ -124,7 +124,7 @@ def train_run(arch: str, run_dir: Path, overrides: list[str], log: Callable[[str
     if run_dir.exists():
         # A leftover run would be resumed (trainer.resume=auto) and its metrics appended to. What
         # a dry run of the recipe leaves (Hydra's .hydra/ and log) counts as a run directory too.
-        ours = {".hydra", "cli.log", "train.log"}
+        ours = {".hydra", "cli.log", "train.log", "run.lock"}  # run.lock: left by a killed run
         if not (run_dir / "recipe.json").is_file() and not {p.name for p in run_dir.iterdir()} <= ours:
             raise FileExistsError(f"{run_dir} exists and is not a study run directory; pick another --out")
         shutil.rmtree(run_dir)
