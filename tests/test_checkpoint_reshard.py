@@ -111,7 +111,8 @@ def test_optimizer_state_of_another_model_is_refused(make_trainer, tmp_path):  #
     from safetensors.torch import save_file
 
     save_file(tensors, path)
-    trainer = make_trainer("trainer.max_steps=3", "parallel.zero_stage=1", "trainer.resume=none")
+    trainer = make_trainer("trainer.max_steps=3", "parallel.zero_stage=1", "trainer.resume=none",
+                           f"trainer.run_dir={tmp_path / 'other'}")  # the first run owns run/
     with pytest.raises(CheckpointError, match=r"up_proj.*another model config|another model config"):
         load_reference_optimizer(trainer.engine, trainer.cfg.model, ckpt / "optimizer")
     # A shard named by index.json but gone: the error names the file.
