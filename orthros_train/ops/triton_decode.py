@@ -35,6 +35,21 @@ if INTERPRET:
 
 
 @triton.jit
+def online_softmax_step(q, kt, v, c_ok, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One key block of a single-query attention split: scores (base 2), masked columns out, the
+    running max / sum / output rescaled. Shared by the decode kernel and the serving layer's paged
+    kernel, which differ only in how they find the keys."""
+    sc = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+    sc = tl.where(c_ok[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    p = tl.math.exp2(sc - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, OP, LP, QSTART, QEND,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -85,14 +100,7 @@ def _decode_split_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        sc = tl.where(c_ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        p = tl.math.exp2(sc - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, kt, v, c_ok, m_i, l_i, acc, qk_scale, PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

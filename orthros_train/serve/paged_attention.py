@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from orthros_train.ops.triton_decode import COMBINE_BLOCK_S, COMBINE_WARPS, INTERPRET, LOG2E, _decode_combine_kernel
+from orthros_train.ops.triton_decode import (
+    COMBINE_BLOCK_S,
+    COMBINE_WARPS,
+    INTERPRET,
+    LOG2E,
+    _decode_combine_kernel,
+    online_softmax_step,
+)
 
 DEFAULT_SPLITS = 16  # programs per (request, kv head): fills an H100/H200 at batch >= 1 on long prompts
 
@@ -81,14 +88,7 @@ def _paged_split_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        sc = tl.where(c_ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        p = tl.math.exp2(sc - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, kt, v, c_ok, m_i, l_i, acc, qk_scale, PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
