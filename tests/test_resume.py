@@ -481,7 +481,8 @@ def test_a_second_ctrl_c_exits_at_once_and_the_previous_checkpoint_still_verifie
     published = CheckpointManager(run).complete_checkpoints()
     assert published and all(verify_checkpoint(p) is None for p in published)
     assert verify_checkpoint(checkpoints / (checkpoints / "latest").read_text().strip()) is None
-    # The next launch resumes from it (a half-written save, if any, stays invisible).
-    step = int((checkpoints / "latest").read_text().strip().split("_")[1])
+    # The next launch resumes from the newest published checkpoint (a half-written save, if any,
+    # stays invisible; one killed between its rename and the `latest` update is published).
+    step = int(CheckpointManager(run).find_latest().name.split("_")[1])
     rc, out, err = finish(cli(f"trainer.max_steps={step + 1}", f"trainer.run_dir={run}", cwd=tmp_path))
     assert rc == 0 and f"at step {step}" in out, err[-3000:]

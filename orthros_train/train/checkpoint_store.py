@@ -116,15 +116,11 @@ class CheckpointStore:
         return sorted((p for p in self.root.glob(f"{PREFIX}*") if p.is_dir()), reverse=True)
 
     def find_latest(self) -> Path | None:
-        """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning."""
-        candidates = self.complete_checkpoints()
-        pointer = self.root / LATEST
-        if pointer.is_file():
-            named = self.root / pointer.read_text().strip()
-            if named in candidates:  # prefer what `latest` names, then anything newer or older
-                candidates.remove(named)
-                candidates.insert(0, named)
-        for path in sorted(candidates, reverse=True):
+        """Newest checkpoint that verifies; corrupt or partial ones are skipped with a warning.
+
+        ``latest`` is not consulted: a save killed between its rename and the pointer update
+        leaves a published, verified checkpoint newer than ``latest``, and that one is resumed."""
+        for path in self.complete_checkpoints():
             problem = verify_checkpoint(path)
             if problem is None:
                 return path
