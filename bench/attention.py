@@ -97,12 +97,13 @@ def flops(pairs: int, heads: int, d: int) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-def orthros_fn(q, k, v, q_index, q_window, cu, deterministic=True):
-    """The kernels as a model calls them: the tile plan prepared once, outside the timed call."""
+def orthros_fn(q, k, v, q_index, q_window, cu, deterministic=True, blocks=None):
+    """The kernels as a model calls them: the tile plan prepared once, outside the timed call.
+    ``blocks``: fixed tile sizes instead of the autotuner's (the interpreter's dry runs)."""
     n_band = int((q_window <= k.shape[0]).sum())  # once, on the host side of the benchmark
-    prepared = ta.prepare_attention(q_index, q_window, cu, k.shape[0], n_band=n_band)
+    prepared = ta.plan_forward(q_index, q_window, cu, k.shape[0], n_band=n_band)
     return lambda: ta.attention_triton(
-        q, k, v, q_index, q_window, cu, deterministic=deterministic, decode=False, prepared=prepared
+        q, k, v, q_index, q_window, cu, deterministic=deterministic, decode=False, prepared=prepared, blocks=blocks
     )[0]
 
 
@@ -286,7 +287,7 @@ def _fmt_row(r: dict) -> str:
 
 def cpu_smoke(args) -> dict:
     h, hkv, d, w = 4, 2, 32, 16
-    ta.set_block_sizes(32, 32)
+    blocks = (32, 32)  # small tiles: the interpreter runs them quickly
     checks, rows = [], []
     for layout in LAYOUTS:
         t = 192
@@ -297,7 +298,7 @@ def cpu_smoke(args) -> dict:
         k = torch.randn(t, hkv, d, generator=g).requires_grad_()
         v = torch.randn(t, hkv, d, generator=g).requires_grad_()
         pairs = unmasked_pairs(qi, qw, cu)
-        o_f, o_b = fwd_bwd_ms(orthros_fn(q, k, v, qi, qw, cu), (q, k, v), False, reps=1)
+        o_f, o_b = fwd_bwd_ms(orthros_fn(q, k, v, qi, qw, cu, blocks=blocks), (q, k, v), False, reps=1)
         ref = functools.partial(attention_reference, q, k, v, qi, qw, cu)
         r_f, r_b = fwd_bwd_ms(lambda ref=ref: ref()[0], (q, k, v), False, reps=1)
         rows.append({"layout": layout, "T": t, "impl": "orthros (interpreter)", "pairs": pairs,
@@ -306,7 +307,7 @@ def cpu_smoke(args) -> dict:
                      "fwd_ms": r_f, "bwd_ms": r_b})
         # correctness: kernel vs reference (out, lse, grads), and the benchmark's Flex mask
         dout = torch.randn(q.shape, generator=g)
-        out, lse = ta.attention_triton(q, k, v, qi, qw, cu, decode=False)
+        out, lse = ta.attention_triton(q, k, v, qi, qw, cu, decode=False, blocks=blocks)
         got = [out, lse, *torch.autograd.grad(out, (q, k, v), dout)]
         out2, lse2 = attention_reference(q, k, v, qi, qw, cu)
         want = [out2, lse2, *torch.autograd.grad(out2, (q, k, v), dout)]
@@ -335,7 +336,6 @@ def cpu_smoke(args) -> dict:
     err = max(float((out - out2).abs().max()), float((lse - lse2).abs().max()))
     checks.append({"check": f"decode (ragged {lens}, split 64): vs reference", "max_abs_err": err, "ok": err < 1e-5,
                    "ms": dec_ms})
-    ta.set_block_sizes(None)
 
     # work proportional to the mask at the real sizes (host mirror of the kernel's tile bounds)
     work = []

@@ -69,10 +69,16 @@ TOTAL_BUDGET_S = 7 * 60  # the whole run, from process start
 ALARM_MARGIN_S = 10  # SIGALRM after the budget plus this: the backstop when a unit overruns
 # Seconds per section (capped by what the whole run has left).
 BUDGET_S = {"trainer": 170, "correctness": 40, "kernels": 130, "inference": 60}
-SHAPE_1P3B = dict(
-    vocab_size=32000, hidden_size=2048, num_attention_heads=32, num_key_value_heads=32, head_dim=64,
-    intermediate_size=5632, sliding_window=128, max_position_embeddings=131072,
-)  # fmt: skip
+
+
+def shape_1p3b() -> dict:
+    """The pretrain_1p3b recipe's model (its one statement, the recipe's model group), for any
+    length up to 128K (imported here, not at the top: the report outlives a failed import)."""
+    from orthros_train.infer.loading import PRESETS
+
+    return {**PRESETS["1p3b"], "max_position_embeddings": 131072}
+
+
 # bf16 tolerances against the fp32 reference on unit-variance inputs: the kernels' error is the
 # bf16 rounding of their inputs/outputs (about 2**-8 relative), scaled by each tensor's size.
 TOL = {"out": 2e-2, "lse": 2e-2, "dq": 5e-2, "dk": 5e-2, "dv": 5e-2}
@@ -456,7 +462,7 @@ def layers_that_fit(device_bytes: int, seq_len: int = 4096) -> tuple[int, dict]:
 
     best, est = 1, None
     for n in range(1, 25):
-        cfg = OrthrosConfig(**{**SHAPE_1P3B, "num_hidden_layers": n})
+        cfg = OrthrosConfig(**{**shape_1p3b(), "num_hidden_layers": n})
         e = estimate_memory(cfg, ParallelConfig(data_parallel=1, world_size=1), seq_len, 1, "bf16", "flash", 1.0)
         if e.total > 0.85 * device_bytes:
             break
@@ -559,61 +565,56 @@ def run_correctness(run: Run) -> None:
         dev = torch.device("cpu" if dry else "cuda")
         guard = Guard(run, BUDGET_S["correctness"])
         dtype = torch.float32 if dry else torch.bfloat16  # the interpreter's bf16 is not the GPU's
-        if dry:
-            ta.set_block_sizes(16, 16)
+        blocks = (16, 16) if dry else None  # the interpreter: small fixed tiles; a GPU: the autotuned ones
         g = torch.Generator().manual_seed(0)
-        try:
-            for c in correctness_cases(dry):
-                if not guard.ok(c["layout"]):
-                    continue
-                with attempt(run, sec, f"{c['layout']} fwd+bwd"):
-                    n_q, t = c["q_index"].numel(), c["T"]
-                    q32 = torch.randn(n_q, c["heads"], c["head_dim"], generator=g)
-                    k32 = torch.randn(t, c["kv_heads"], c["head_dim"], generator=g)
-                    v32 = torch.randn(t, c["kv_heads"], c["head_dim"], generator=g)
-                    dout = torch.randn(q32.shape, generator=g).to(dev)
-                    qi, qw, cu = c["q_index"].to(dev), c["q_window"].to(dev), c["cu"].to(dev)
-                    ins = [x.to(dev, dtype).requires_grad_() for x in (q32, k32, v32)]
-                    out, lse = ta.attention_triton(*ins, qi, qw, cu, decode=False)
-                    got = [out, lse, *torch.autograd.grad(out, ins, dout.to(out.dtype))]
-                    ref_in = [x.detach().float().requires_grad_() for x in ins]  # same rounded inputs, fp32 math
-                    r_out, r_lse = attention_reference(*ref_in, qi, qw, cu)
-                    want = [r_out, r_lse, *torch.autograd.grad(r_out, ref_in, dout.float())]
-                    errs = max_errors(got, want, ["out", "lse", "dq", "dk", "dv"])
-                    sec["rows"].append(
-                        {
-                            "check": f"{c['layout']} fwd+bwd",
-                            "T": t,
-                            "dtype": str(dtype).split(".")[-1],
-                            "max_rel_err": errs,
-                            "ok": all(errs[n] <= TOL[n] for n in errs),
-                        }
-                    )
-            if guard.ok("decode"):
-                with attempt(run, sec, "decode"):  # ragged cache lengths, one base + one output query per row
-                    lens = [70, 17, 1] if dry else [32768, 4099, 1]
-                    heads, kv, d = (2, 1, 16) if dry else (32, 8, 128)
-                    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-                    qi = (cu[1:] - 1).long().repeat_interleave(2)
-                    qw = torch.tensor([128, UNBOUNDED]).repeat(len(lens))
-                    n_k = int(cu[-1])
-                    q, k, v = (torch.randn(n, hh, d, generator=g).to(dev, dtype)
-                               for n, hh in ((qi.numel(), heads), (n_k, kv), (n_k, kv)))  # fmt: skip
-                    out, lse = decode_attention(q, k, v, qi.to(dev), qw.to(dev), cu.to(dev))
-                    r_out, r_lse = attention_reference(q.float(), k.float(), v.float(), qi.to(dev), qw.to(dev),
-                                                       cu.to(dev))  # fmt: skip
-                    errs = max_errors([out, lse], [r_out, r_lse], ["out", "lse"])
-                    sec["rows"].append(
-                        {
-                            "check": f"decode ragged {lens}",
-                            "dtype": str(dtype).split(".")[-1],
-                            "max_rel_err": errs,
-                            "ok": all(errs[n] <= TOL[n] for n in errs),
-                        }
-                    )
-        finally:
-            if dry:
-                ta.set_block_sizes(None)
+        for c in correctness_cases(dry):
+            if not guard.ok(c["layout"]):
+                continue
+            with attempt(run, sec, f"{c['layout']} fwd+bwd"):
+                n_q, t = c["q_index"].numel(), c["T"]
+                q32 = torch.randn(n_q, c["heads"], c["head_dim"], generator=g)
+                k32 = torch.randn(t, c["kv_heads"], c["head_dim"], generator=g)
+                v32 = torch.randn(t, c["kv_heads"], c["head_dim"], generator=g)
+                dout = torch.randn(q32.shape, generator=g).to(dev)
+                qi, qw, cu = c["q_index"].to(dev), c["q_window"].to(dev), c["cu"].to(dev)
+                ins = [x.to(dev, dtype).requires_grad_() for x in (q32, k32, v32)]
+                out, lse = ta.attention_triton(*ins, qi, qw, cu, decode=False, blocks=blocks)
+                got = [out, lse, *torch.autograd.grad(out, ins, dout.to(out.dtype))]
+                ref_in = [x.detach().float().requires_grad_() for x in ins]  # same rounded inputs, fp32 math
+                r_out, r_lse = attention_reference(*ref_in, qi, qw, cu)
+                want = [r_out, r_lse, *torch.autograd.grad(r_out, ref_in, dout.float())]
+                errs = max_errors(got, want, ["out", "lse", "dq", "dk", "dv"])
+                sec["rows"].append(
+                    {
+                        "check": f"{c['layout']} fwd+bwd",
+                        "T": t,
+                        "dtype": str(dtype).split(".")[-1],
+                        "max_rel_err": errs,
+                        "ok": all(errs[n] <= TOL[n] for n in errs),
+                    }
+                )
+        if guard.ok("decode"):
+            with attempt(run, sec, "decode"):  # ragged cache lengths, one base + one output query per row
+                lens = [70, 17, 1] if dry else [32768, 4099, 1]
+                heads, kv, d = (2, 1, 16) if dry else (32, 8, 128)
+                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+                qi = (cu[1:] - 1).long().repeat_interleave(2)
+                qw = torch.tensor([128, UNBOUNDED]).repeat(len(lens))
+                n_k = int(cu[-1])
+                q, k, v = (torch.randn(n, hh, d, generator=g).to(dev, dtype)
+                           for n, hh in ((qi.numel(), heads), (n_k, kv), (n_k, kv)))  # fmt: skip
+                out, lse = decode_attention(q, k, v, qi.to(dev), qw.to(dev), cu.to(dev))
+                r_out, r_lse = attention_reference(q.float(), k.float(), v.float(), qi.to(dev), qw.to(dev),
+                                                   cu.to(dev))  # fmt: skip
+                errs = max_errors([out, lse], [r_out, r_lse], ["out", "lse"])
+                sec["rows"].append(
+                    {
+                        "check": f"decode ragged {lens}",
+                        "dtype": str(dtype).split(".")[-1],
+                        "max_rel_err": errs,
+                        "ok": all(errs[n] <= TOL[n] for n in errs),
+                    }
+                )
         for backend in ("triton", "auto"):  # auto: what a recipe without attention_backend gets
             if guard.ok(f"sync-free layers ({backend})"):
                 with attempt(run, sec, f"sync-free layers ({backend})"):
@@ -630,8 +631,8 @@ def sync_free_check(dev: torch.device, backend: str, dry: bool) -> dict:
     from orthros_train.model.orthros import plan_for_layout
     from orthros_train.phase import pretrain_layout
 
-    shape = {**SHAPE_1P3B, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-             "head_dim": 16, "intermediate_size": 128, "vocab_size": 256} if dry else SHAPE_1P3B  # fmt: skip
+    shape = {**shape_1p3b(), "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "head_dim": 16, "intermediate_size": 128, "vocab_size": 256} if dry else shape_1p3b()  # fmt: skip
     cfg = OrthrosConfig(**{**shape, "num_hidden_layers": 2, "attention_backend": backend})
     model = OrthrosForCausalLM(cfg).to(dev, torch.float32 if dry else torch.bfloat16)
     layout = pretrain_layout(torch.randint(0, cfg.vocab_size, (1, 64 if dry else 2048))).to(dev)
@@ -711,7 +712,6 @@ def run_kernels(run: Run) -> None:
     with section(run, "kernels") as sec:
         import attention as attn_bench
 
-        from orthros_train.ops import triton_attention as ta
 
         dry = run.dry
         dev = torch.device("cpu" if dry else "cuda")
@@ -729,48 +729,43 @@ def run_kernels(run: Run) -> None:
         dtype = torch.float32 if dry else torch.bfloat16
         g = torch.Generator(device=dev).manual_seed(0)
         sec["autotuned_by_T"] = {}
-        if dry:
-            ta.set_block_sizes(16, 16)
-        try:
-            for t in ts:
-                if not guard.ok(f"T={t}"):
+        blocks = (16, 16) if dry else None  # the interpreter: small fixed tiles; a GPU: the autotuned ones
+        for t in ts:
+            if not guard.ok(f"T={t}"):
+                continue
+            known = set(chosen_configs())
+            k = torch.randn(t, hkv, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+            v = torch.randn(t, hkv, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+            for r in (r for r in rows if r["T"] == t):
+                if not guard.ok(f"T={t} {r['case']}"):
                     continue
-                known = set(chosen_configs())
-                k = torch.randn(t, hkv, d, device=dev, dtype=dtype, generator=g).requires_grad_()
-                v = torch.randn(t, hkv, d, device=dev, dtype=dtype, generator=g).requires_grad_()
-                for r in (r for r in rows if r["T"] == t):
-                    if not guard.ok(f"T={t} {r['case']}"):
-                        continue
-                    with attempt(run, sec, f"T={t} {r['case']}"):
-                        if r["case"].startswith("sdpa"):
-                            if dry:
-                                continue  # flash / cuDNN exist on CUDA only
-                            qs = torch.randn(1, h, t, d, device=dev, dtype=dtype, generator=g).requires_grad_()
-                            ks = k.detach().transpose(0, 1).repeat_interleave(h // hkv, 0)[None].requires_grad_()
-                            vs = v.detach().transpose(0, 1).repeat_interleave(h // hkv, 0)[None].requires_grad_()
-                            fn = _sdpa_fn(qs, ks, vs, r["case"].split()[1])
-                            f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (qs, ks, vs), True)
-                        else:
-                            layout, streams = r["case"].split()[1].rstrip("]").split("[")
-                            qi, qw, cu = (x.to(dev) for x in attn_bench.make_queries(layout, t, w, streams))
-                            q = torch.randn(qi.numel(), h, d, device=dev, dtype=dtype, generator=g).requires_grad_()
-                            det = not r["case"].endswith("atomic bwd")
-                            fn = attn_bench.orthros_fn(q, k, v, qi, qw, cu, deterministic=det)
-                            f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (q, k, v), not dry, reps=1 if dry else 3)
-                        r.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_tflops=r["fwd_gflop"] / f_ms,
-                                 bwd_tflops=r["bwd_gflop"] / b_ms)  # fmt: skip
-                        if dry:  # interpreter timings are no measurement
-                            r.update(fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None, ran=True)
-                now = chosen_configs()
-                # the autotuner's key decides whether a length gets its own configs: say so per T
-                sec["autotuned_by_T"][str(t)] = {k_: c for k_, c in now.items() if k_ not in known} or (
-                    "no new key: the configs tuned for a shorter T were reused"
-                )
-                if not dry:
-                    torch.cuda.empty_cache()
-        finally:
-            if dry:
-                ta.set_block_sizes(None)
+                with attempt(run, sec, f"T={t} {r['case']}"):
+                    if r["case"].startswith("sdpa"):
+                        if dry:
+                            continue  # flash / cuDNN exist on CUDA only
+                        qs = torch.randn(1, h, t, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+                        ks = k.detach().transpose(0, 1).repeat_interleave(h // hkv, 0)[None].requires_grad_()
+                        vs = v.detach().transpose(0, 1).repeat_interleave(h // hkv, 0)[None].requires_grad_()
+                        fn = _sdpa_fn(qs, ks, vs, r["case"].split()[1])
+                        f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (qs, ks, vs), True)
+                    else:
+                        layout, streams = r["case"].split()[1].rstrip("]").split("[")
+                        qi, qw, cu = (x.to(dev) for x in attn_bench.make_queries(layout, t, w, streams))
+                        q = torch.randn(qi.numel(), h, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+                        det = not r["case"].endswith("atomic bwd")
+                        fn = attn_bench.orthros_fn(q, k, v, qi, qw, cu, deterministic=det, blocks=blocks)
+                        f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (q, k, v), not dry, reps=1 if dry else 3)
+                    r.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_tflops=r["fwd_gflop"] / f_ms,
+                             bwd_tflops=r["bwd_gflop"] / b_ms)  # fmt: skip
+                    if dry:  # interpreter timings are no measurement
+                        r.update(fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None, ran=True)
+            now = chosen_configs()
+            # the autotuner's key decides whether a length gets its own configs: say so per T
+            sec["autotuned_by_T"][str(t)] = {k_: c for k_, c in now.items() if k_ not in known} or (
+                "no new key: the configs tuned for a shorter T were reused"
+            )
+            if not dry:
+                torch.cuda.empty_cache()
         sec["skipped"] = guard.skipped
 
 
@@ -838,7 +833,7 @@ def run_inference(run: Run) -> None:
         prompts = DRY_PROMPTS if dry else PROMPTS
         shape = (
             {
-                **SHAPE_1P3B,
+                **shape_1p3b(),
                 "hidden_size": 64,
                 "num_attention_heads": 4,
                 "num_key_value_heads": 4,
@@ -848,7 +843,7 @@ def run_inference(run: Run) -> None:
                 "sliding_window": 8,
             }
             if dry
-            else SHAPE_1P3B
+            else shape_1p3b()
         )
         steps = 2 if dry else DECODE_STEPS
         for kind, backend in (("orthros", "triton"), ("dense", "sdpa")):

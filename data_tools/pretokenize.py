@@ -54,7 +54,7 @@ from orthros_train.data.indexed import (
     shard_prefix,
     summary_path,
 )
-from orthros_train.data.tokenize import encode_texts, eod_token_id, load_tokenizer, tokenizer_info
+from orthros_train.data.tokenize import encode_texts, eod_token_id, tokenizer_from_path, tokenizer_info
 
 log = logging.getLogger("orthros_data")
 KINDS = ("pretrain", "sft", "rl")
@@ -136,7 +136,7 @@ class _Encoder:
 
     def __init__(self, opts: TokenizeOptions, tok=None) -> None:
         self.opts = opts
-        self.tok = tok if tok is not None else load_tokenizer(opts.tokenizer)
+        self.tok = tok if tok is not None else tokenizer_from_path(opts.tokenizer)
         self.eod = eod_token_id(self.tok, opts.eod_token)[0] if opts.append_eod and opts.kind == "pretrain" else None
         self.template = opts.template_text()
 
@@ -319,7 +319,7 @@ def _run(opts: TokenizeOptions) -> dict:
     t0 = time.time()
     files = expand_inputs(opts.inputs)
     _refuse_output_over_inputs(opts.output, files)
-    tok = load_tokenizer(opts.tokenizer)
+    tok = tokenizer_from_path(opts.tokenizer)
     eod = eod_token_id(tok, opts.eod_token)
     if opts.kind != "pretrain":
         check_chat_template(tok, opts.template_text())

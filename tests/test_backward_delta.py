@@ -68,14 +68,11 @@ def test_backward_builds_no_fp32_copy_of_the_output():
     q = torch.randn(2 * t, h_q, d, generator=g).bfloat16()
     k = torch.randn(t, h_kv, d, generator=g).bfloat16()
     v = torch.randn(t, h_kv, d, generator=g).bfloat16()
-    ta.set_block_sizes(16, 16)
-    try:
-        out, lse = ta.attention_forward(q, k, v, q_index, q_window, cu, d**-0.5)
-        dout = torch.randn(out.shape, generator=g).bfloat16()
-        dlse = torch.randn(lse.shape, generator=g)
-        with _Fp32Allocations() as seen:
-            ta.attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu, d**-0.5, True)
-    finally:
-        ta.set_block_sizes(None)
+    blocks = (16, 16)
+    out, lse = ta.attention_forward(q, k, v, q_index, q_window, cu, d**-0.5, blocks=blocks)
+    dout = torch.randn(out.shape, generator=g).bfloat16()
+    dlse = torch.randn(lse.shape, generator=g)
+    with _Fp32Allocations() as seen:
+        ta.attention_backward(dout, dlse, q, k, v, out, lse, q_index, q_window, cu, d**-0.5, True, blocks=blocks)
     big = [(op, shape) for op, shape in seen.shapes if torch.Size(shape).numel() >= out.numel()]
     assert not big, f"fp32 tensors of the output's size in the backward: {big}"

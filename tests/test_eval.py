@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from orthros_train.eval.cli import main
-from orthros_train.eval.common import parse_depths, parse_lengths, parse_overrides, parse_size
+from orthros_train.eval.common import parse_depths, parse_lengths, parse_overrides, parse_token_count
 from orthros_train.eval.niah import Needle, build_prompt, normalize, place_needle, score_answer
 from orthros_train.eval.recall import _assemble, distance_buckets, make_token_sample, score_queries, summarize
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
@@ -61,7 +61,7 @@ def model(ckpt):
 
 
 def test_parsers():
-    assert parse_size("4k") == 4096 and parse_size("1m") == 2**20 and parse_size("300") == 300
+    assert parse_token_count("4k") == 4096 and parse_token_count("1m") == 2**20 and parse_token_count("300") == 300
     assert parse_lengths("1k..8k") == [1024, 2048, 4096, 8192]
     assert parse_lengths("4k,1k,1k") == [1024, 4096]
     assert parse_depths("0..100:5") == [0, 25, 50, 75, 100]
@@ -70,7 +70,7 @@ def test_parsers():
         "sliding_window": 256, "attention_backend": "reference",
     }  # fmt: skip
     with pytest.raises(ValueError):
-        parse_size("4x")
+        parse_token_count("4x")
 
 
 # -- needle in a haystack --------------------------------------------------------------------------

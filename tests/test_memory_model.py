@@ -202,7 +202,7 @@ def _recipe(name: str, *overrides: str):
 
 
 def test_longctx_128k_dry_run_memory_fits_and_would_not_without_context_parallel():
-    from orthros_train.train.trainer import plan_summary
+    from orthros_train.train.plan import plan_summary
 
     summary = plan_summary(_recipe("longctx_128k"))
     assert summary["parallel"]["context_parallel"] == 8 and summary["parallel"]["world_size"] == 64
@@ -230,7 +230,7 @@ GPU_RECIPES = [
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_every_gpu_recipe_states_its_gpu_and_fits_it_with_headroom(name):
     from orthros_train.train.memory import HEADROOM_FRACTION
-    from orthros_train.train.trainer import plan_summary
+    from orthros_train.train.plan import plan_summary
 
     cfg = _recipe(name)
     assert cfg.trainer.gpu and cfg.trainer.gpu_memory_gib, f"{name} states no GPU"
@@ -242,7 +242,7 @@ def test_every_gpu_recipe_states_its_gpu_and_fits_it_with_headroom(name):
 
 def test_dry_run_warns_in_red_when_the_estimate_exceeds_the_stated_gpu(capsys):
     from orthros_train.train.cli import warn_memory_fit
-    from orthros_train.train.trainer import plan_summary
+    from orthros_train.train.plan import plan_summary
 
     warn_memory_fit(plan_summary(_recipe("pretrain_1p3b"))["memory_per_gpu"])
     assert capsys.readouterr().err == ""
@@ -253,19 +253,18 @@ def test_dry_run_warns_in_red_when_the_estimate_exceeds_the_stated_gpu(capsys):
     assert "trainer.micro_batch_size" in err
 
 
-def test_a_gpu_run_refuses_a_layout_that_overflows_the_device_unless_told(monkeypatch, capsys):
+def test_a_gpu_run_refuses_a_layout_that_overflows_the_device_unless_told(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from orthros_train.train.trainer import Trainer
+    from orthros_train.train.build import check_memory_fit
 
     cfg = _recipe("pretrain_1p3b", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=4")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Fake GPU")
-    fake = SimpleNamespace(cfg=cfg, device=torch.device("cuda", 0), is_main=True)
+    cuda = torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"140\.3 GiB per GPU exceeds the 80\.0 GiB of Fake GPU.*overflow=true"):
-        Trainer._check_memory_fit(fake)
+        check_memory_fit(cfg, cuda)
     cfg.trainer.allow_memory_overflow = True
-    Trainer._check_memory_fit(fake)  # starts, with a warning
-    assert "starting anyway" in capsys.readouterr().err
-    fits = SimpleNamespace(cfg=_recipe("pretrain_1p3b"), device=torch.device("cuda", 0), is_main=True)
-    Trainer._check_memory_fit(fits)
+    check_memory_fit(cfg, cuda)  # starts, with a warning
+    assert "starting anyway" in caplog.text
+    check_memory_fit(_recipe("pretrain_1p3b"), cuda)

@@ -96,13 +96,6 @@ def _count_layers(model: OrthrosForCausalLM, counter: SyncCounter):
     return handles
 
 
-@pytest.fixture(autouse=True)
-def _small_blocks():
-    ta.set_block_sizes(16, 16)
-    yield
-    ta.set_block_sizes(None)
-
-
 @pytest.mark.parametrize("attention_type", ["orthros", "dense"])
 def test_training_layers_forward_backward_read_no_device_value(attention_type):
     model = _model(attention_type)
@@ -183,7 +176,6 @@ def test_the_counter_sees_a_sync():
 @pytest.mark.gpu
 def test_layer_is_sync_free_on_cuda():
     """CUDA's own detector: any synchronising call inside the layers raises."""
-    ta.set_block_sizes(None)
     model = _model().cuda().to(torch.bfloat16)
     layout = pretrain_layout(torch.randint(0, 64, (2, 256))).to("cuda")
 
@@ -240,7 +232,7 @@ def test_launch_grids_come_from_host_counts():
 def test_prepared_metadata_for_other_queries_is_refused():
     q_index, q_window = torch.arange(10), torch.full((10,), 4)
     cu = torch.tensor([0, 10], dtype=torch.int32)
-    prepared = ta.prepare_attention(q_index, q_window, cu, 10, n_band=10)
+    prepared = ta.plan_forward(q_index, q_window, cu, 10, n_band=10)
     q, k = torch.zeros(8, 2, 16), torch.zeros(10, 1, 16)
     with pytest.raises(ValueError, match="prepare it for this call"):
         ta.attention_triton(q, k, k, q_index[:8], q_window[:8], cu, prepared=prepared)

@@ -193,7 +193,7 @@ def test_corrupt_and_partial_checkpoints_are_skipped(make_trainer, tmp_path, cap
     assert "step_000000003" in caplog.text and "manifest" in caplog.text
 
 
-def test_failed_save_keeps_previous_checkpoint_and_training_state(make_trainer, tmp_path, monkeypatch, capsys):
+def test_failed_save_keeps_previous_checkpoint_and_training_state(make_trainer, tmp_path, monkeypatch, caplog):
     trainer = make_trainer("trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_last_k=0")
     import orthros_train.train.checkpoint as ckpt
 
@@ -212,12 +212,12 @@ def test_failed_save_keeps_previous_checkpoint_and_training_state(make_trainer, 
     assert verify_checkpoint(root / "step_000000002") is None
     assert not list(root.glob(".step_*"))  # no half-written directory left behind
     assert not (root / "step_000000004").exists()
-    assert "No space left on device" in capsys.readouterr().err
+    assert "No space left on device" in caplog.text
     assert trainer.step == 4  # the training state itself is intact
 
 
 def test_nonfinite_steps_are_skipped_then_stop(make_trainer, monkeypatch):
-    from orthros_train.train.trainer import NonFiniteTrainingError
+    from orthros_train.train.health import NonFiniteTrainingError
 
     trainer = make_trainer("trainer.max_steps=10", "trainer.max_nonfinite_steps=3")
     trainer.train_step()  # one healthy step first
@@ -327,7 +327,7 @@ def test_async_save_snapshots_the_step_and_exit_waits(make_trainer, tmp_path, mo
     assert all(verify_checkpoint(p) is None for p in root.glob("step_*"))
 
 
-def test_async_save_failure_is_loud_and_never_published(make_trainer, tmp_path, monkeypatch, capsys):
+def test_async_save_failure_is_loud_and_never_published(make_trainer, tmp_path, monkeypatch, caplog):
     trainer = make_trainer(
         "trainer.max_steps=6", "trainer.save_every=2", "trainer.async_save=true", "trainer.keep_last_k=0"
     )
@@ -341,7 +341,7 @@ def test_async_save_failure_is_loud_and_never_published(make_trainer, tmp_path, 
     monkeypatch.setattr(torch, "save", full_disk)
     trainer.fit()  # the failed background save does not stop training; the final save works
     root = tmp_path / "run" / "checkpoints"
-    err = capsys.readouterr().err
+    err = caplog.text
     assert "ERROR: async save" in err and "No space left on device" in err
     assert not (root / "step_000000004").exists() and not list(root.glob(".step_*"))
     assert (root / "latest").read_text().strip() == "step_000000006"

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,13 +19,13 @@ from orthros_train.train.global_loss import loss_units
 from orthros_train.train.rl import (
     GRPOObjective,
     PatternTask,
+    Policy,
     Rollout,
-    RolloutBatch,
     RolloutGenerator,
+    average_weights,
     compute_advantages,
     grpo_loss,
     load_rollouts,
-    normalizer,
     response_logprobs,
     rollout_layout,
     save_rollouts,
@@ -136,18 +137,14 @@ def objective_step(model, rollouts, cfg: RLConfig, loss_average: str, micro_rows
     """What the trainer does with a step's rollouts: micro batches -> GRPOObjective -> the layout
     loss over the step's units, accumulated; returns the logged GRPO loss and diagnostics."""
     adv = compute_advantages(rollouts)
-    batches = [RolloutBatch.of(rollouts[i : i + micro_rows], adv[i : i + micro_rows])
+    batches = [rollout_layout(rollouts[i : i + micro_rows], adv[i : i + micro_rows])
                for i in range(0, len(rollouts), micro_rows)]
-    units = sum(loss_units(b.layout, loss_average) for b in batches)
-
-    def logprobs(m):
-        return lambda layout: response_logprobs(m, layout).detach()
-
-    objective = GRPOObjective(cfg, loss_average, logprobs(model), logprobs(ref_model) if ref_model else None)
-    layouts, values, stats = objective.prepare(batches, units)
-    for layout in layouts:
+    units = sum(loss_units(b, loss_average) for b in batches)
+    reference = Policy("cpu", module=ref_model) if ref_model else None
+    step = GRPOObjective(cfg, loss_average, Policy("cpu", module=model), reference).prepare(batches, units)
+    for layout in step.layouts:
         model.forward_layout(layout, loss_normalizer=units).loss.backward()
-    return sum(values), stats
+    return sum(step.values), step.stats
 
 
 @pytest.mark.parametrize("loss_average", ["token", "sequence"])
@@ -178,7 +175,7 @@ def test_surrogate_layout_gives_the_grpo_gradient_through_the_plain_layout_loss(
     layout = rollout_layout(rollouts)
     old = torch.tensor([v for r in rollouts for v in r.logprobs], dtype=torch.float64)
     ref = torch.tensor([v for r in rollouts for v in r.ref_logprobs], dtype=torch.float64)
-    w = normalizer(layout, "sequence").double()
+    w = average_weights(layout, "sequence").double()
     objective = dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.1)
 
     logp = response_logprobs(model, layout)
@@ -205,9 +202,10 @@ def test_on_policy_step_is_the_advantage_weighted_layout_loss():
         raise AssertionError("an on-policy step without KL needs no log-probs")
 
     adv = compute_advantages(rollouts)
-    batch = RolloutBatch.of(rollouts, adv)
-    layouts, values, stats = GRPOObjective(RLConfig(), "token", no_forward).prepare([batch], batch.layout.num_outputs)
-    model.forward_layout(layouts[0], loss_normalizer=batch.layout.num_outputs).loss.backward()
+    batch = rollout_layout(rollouts, adv)
+    step = GRPOObjective(RLConfig(), "token", SimpleNamespace(logprobs=no_forward)).prepare([batch], batch.num_outputs)
+    stats = step.stats
+    model.forward_layout(step.layouts[0], loss_normalizer=batch.num_outputs).loss.backward()
     assert stats["ratio_mean"] == 1.0 and stats["clip_fraction"] == 0.0
     got = grads(model)
     model.zero_grad(set_to_none=True)
@@ -490,7 +488,7 @@ def test_sampling_builds_no_second_model(tmp_path, monkeypatch):
         metrics = trainer.train_step()
     finally:
         destroy_parallel()
-    assert math.isfinite(metrics["loss"]) and metrics["objective"]["reward_mean"] >= 0
+    assert math.isfinite(metrics.loss) and metrics.objective["reward_mean"] >= 0
     assert built == [] and gathered == []
 
 

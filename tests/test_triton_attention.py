@@ -20,11 +20,8 @@ from orthros_train.phase.builders import prefill_layout, pretrain_layout, sft_la
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.fixture(autouse=True)
-def _small_blocks():
-    ta.set_block_sizes(16, 16)
-    yield
-    ta.set_block_sizes(None)
+# Small tiles: several tiles per document at these sizes, and quick under the interpreter.
+SMALL = (16, 16)
 
 
 def _queries(t: int, window: int, output_index: torch.Tensor, base: bool = True):
@@ -53,13 +50,14 @@ def _run(fn, q, k, v, q_index, q_window, cu, dout, dlse, **kw):
     return out.detach(), lse.detach(), dq, dk, dv
 
 
-def _check(q_index, q_window, cu, h_q=4, h_kv=2, d=16, dtype=torch.float32, tol=FP32_TOL, seed=0, **kw):
+def _check(q_index, q_window, cu, h_q=4, h_kv=2, d=16, dtype=torch.float32, tol=FP32_TOL, seed=0, blocks=SMALL,
+           **kw):
     n_k = int(cu[-1])
     q, k, v = _tensors(q_index.numel(), n_k, h_q, h_kv, d, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(q.shape, generator=g)
     dlse = torch.randn(h_q, q.shape[0], generator=g)
-    got = _run(ta.attention_triton, q, k, v, q_index, q_window, cu, dout, dlse, **kw)
+    got = _run(ta.attention_triton, q, k, v, q_index, q_window, cu, dout, dlse, blocks=blocks, **kw)
     want = _run(attention_reference, q, k, v, q_index, q_window, cu, dout, dlse)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert a.dtype == b.dtype, name
@@ -104,8 +102,7 @@ def layouts(draw):
 
 def _check_case(case):
     q_index, q_window, cu, h_q, h_kv, d, blocks = case
-    ta.set_block_sizes(*blocks)
-    _check(q_index, q_window, cu, h_q=h_q, h_kv=h_kv, d=d)
+    _check(q_index, q_window, cu, h_q=h_q, h_kv=h_kv, d=d, blocks=blocks)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -168,7 +165,7 @@ def test_naive_mask_agrees_on_a_packed_layout():
     """Cross-check against the dense-mask definition too (not only the chunked reference)."""
     q_index, q_window, cu = _builder_case("pretrain")
     q, k, v = _tensors(q_index.numel(), int(cu[-1]), 4, 2, 16)
-    out, lse = ta.attention_triton(q, k, v, q_index, q_window, cu)
+    out, lse = ta.attention_triton(q, k, v, q_index, q_window, cu, blocks=SMALL)
     out2, lse2 = attention_naive(q, k, v, q_index, q_window, cu)
     torch.testing.assert_close(out, out2, **FP32_TOL)
     torch.testing.assert_close(lse, lse2, **FP32_TOL)
@@ -185,9 +182,9 @@ def test_half_precision_inputs(dtype, tol):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_model_head_dims_with_default_blocks(d):
-    ta.set_block_sizes(None)  # the interpreter's single autotune config per stream class
     q_index, q_window = _queries(40, 16, torch.tensor([3, 30, 39]))
-    _check(q_index, q_window, torch.tensor([0, 40], dtype=torch.int32), h_q=2, h_kv=1, d=d)
+    # blocks=None: the interpreter's single autotune config per stream class
+    _check(q_index, q_window, torch.tensor([0, 40], dtype=torch.int32), h_q=2, h_kv=1, d=d, blocks=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +209,7 @@ def test_gradient_of_out_only():
     """When lse is unused its gradient is None/zero; the op must handle it."""
     q_index, q_window, cu = _builder_case("prefill")
     q, k, v = _tensors(q_index.numel(), int(cu[-1]), 2, 2, 16)
-    out, _ = ta.attention_triton(q, k, v, q_index, q_window, cu)
+    out, _ = ta.attention_triton(q, k, v, q_index, q_window, cu, blocks=SMALL)
     got = torch.autograd.grad(out.square().sum(), (q, k, v))
     out2, _ = attention_reference(q, k, v, q_index, q_window, cu)
     want = torch.autograd.grad(out2.square().sum(), (q, k, v))
@@ -317,7 +314,7 @@ def test_orthros_block_compiles_fullgraph():
 def test_no_queries():
     q, k, v = _tensors(0, 10, 2, 1, 16)
     idx = torch.zeros(0, dtype=torch.long)
-    out, lse = ta.attention_triton(q, k, v, idx, idx, torch.tensor([0, 10]))
+    out, lse = ta.attention_triton(q, k, v, idx, idx, torch.tensor([0, 10]), blocks=SMALL)
     assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
     dk = torch.autograd.grad(out.sum(), k, allow_unused=True)[0]
     assert dk is None or not dk.any()

@@ -66,7 +66,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_size(size: str | int) -> int:
+def parse_byte_size(size: str | int) -> int:
     """``"4GB"``, ``"500MB"``, ``"2GiB"`` or a byte count; anything else (or <= 0) is refused."""
     fix = "use a positive size such as 4GB, 500MB, 2GiB or a byte count (--max-shard-size)"
     if isinstance(size, bool) or not isinstance(size, (int, str)):

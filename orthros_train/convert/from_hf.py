@@ -28,8 +28,8 @@ from orthros_train.convert.checkpoint_io import (
     SafetensorsReader,
     copy_side_files,
     dtype_name,
+    parse_byte_size,
     parse_dtype,
-    parse_size,
     read_json,
     write_destination,
 )
@@ -304,7 +304,7 @@ def convert_from_hf(
     hf = read_json(src / CONFIG_NAME, SRC_FIX)
     config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME))
     cast = parse_dtype(dtype)
-    shard_bytes = parse_size(max_shard_size)  # before anything is created
+    shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
     expected = expected_state(config)
 
     with SafetensorsReader(src, SRC_FIX) as reader:

@@ -29,8 +29,8 @@ from orthros_train.convert.checkpoint_io import (
     SafetensorsReader,
     copy_side_files,
     dtype_name,
+    parse_byte_size,
     parse_dtype,
-    parse_size,
     read_json,
     write_destination,
 )
@@ -120,7 +120,7 @@ def convert_to_hf(
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ConversionError(f"--tokenizer {tokenizer} is not a directory")
     cast = parse_dtype(dtype)
-    shard_bytes = parse_size(max_shard_size)  # before anything is created
+    shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
     expected = expected_state(config)
 
     with SafetensorsReader(src, SRC_FIX) as reader:

@@ -20,14 +20,12 @@ import os
 from dataclasses import dataclass, field
 
 from orthros_train.data.embedded import CHAT_CORPORA, EOD_TOKEN, corpus_documents, corpus_files, train_tokenizer
-
-SOURCES = ("embedded", "indexed")
-KINDS = ("auto", "pretrain", "sft")
+from orthros_train.options import DataKind, DataSource, LossAverage, Overlong
 
 
 @dataclass
 class DataConfig:
-    source: str = "embedded"  # embedded | indexed
+    source: DataSource = DataSource.embedded
     corpus: str = "paul_graham"  # embedded corpus name (paul_graham | shakespeare | chatterbot: SFT chat)
     tokenizer_vocab_size: int = 2048  # BPE trained on the corpus for the embedded source
     cache_dir: str = "~/.cache/orthros_train"  # tokenized embedded corpus, megatron index caches
@@ -37,22 +35,18 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # orthros-data outputs, .bin/.idx prefixes or dirs
     weights: list[float] | None = None  # blend weight per path (None: in proportion to size)
     tokenizer: str | None = None  # tokenizer dir/file (default: the one recorded by orthros-data)
-    kind: str = "auto"  # auto | pretrain | sft (auto: what orthros-data recorded)
+    kind: DataKind = DataKind.auto  # auto: what orthros-data recorded
     split: str = "98,2,0"  # train,valid,test shares of each dataset's documents
     train_samples: int | None = None  # samples to build the blend for (None: about one pass)
     valid_samples: int | None = None
-    overlong: str = "truncate"  # sft: conversations longer than seq_len: truncate | drop
-    loss_average: str = "token"  # sft training loss: token (every answer token counts the same) | sequence
+    overlong: Overlong = Overlong.truncate  # sft: conversations longer than seq_len
+    loss_average: LossAverage = LossAverage.token  # sft: every answer token counts the same, or every sequence
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
-        if self.kind not in KINDS:
-            raise ValueError(f"data.kind must be one of {KINDS}, got {self.kind!r}")
-        if self.overlong not in ("truncate", "drop"):
-            raise ValueError(f"data.overlong must be truncate|drop, got {self.overlong!r}")
-        if self.loss_average not in ("token", "sequence"):
-            raise ValueError(f"data.loss_average must be token|sequence, got {self.loss_average!r}")
+        self.source = DataSource.parse(self.source, "data.source")
+        self.kind = DataKind.parse(self.kind, "data.kind")
+        self.overlong = Overlong.parse(self.overlong, "data.overlong")
+        self.loss_average = LossAverage.parse(self.loss_average, "data.loss_average")
         if self.source == "indexed" and not self.paths:
             raise ValueError("data.source=indexed needs data.paths (orthros-data outputs or .bin/.idx prefixes)")
         if self.weights is not None and len(self.weights) != len(self.paths):
@@ -135,7 +129,7 @@ def _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
     from orthros_train.data.indexed import DataError, load_summary, read_index_header, resolve_prefixes
     from orthros_train.data.pretrain import IndexedPretrainData
     from orthros_train.data.sft import ConversationStore, SFTData
-    from orthros_train.data.tokenize import eod_token_id, load_tokenizer
+    from orthros_train.data.tokenize import eod_token_id, tokenizer_from_path
 
     groups = [resolve_prefixes(p) for p in cfg.paths]
     summaries = [load_summary(os.path.expanduser(p)) or {} for p in cfg.paths]
@@ -143,7 +137,7 @@ def _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
     tok_path = cfg.tokenizer or next((r["path"] for r in recorded if r.get("path")), None)
     if tok_path is None:
         raise DataError("data.tokenizer is needed: the data has no orthros-data summary naming its tokenizer")
-    tokenizer = load_tokenizer(tok_path)
+    tokenizer = tokenizer_from_path(tok_path)
     eod = next((r["eod_token_id"] for r in recorded if "eod_token_id" in r), None)
     if eod is None:
         eod = eod_token_id(tokenizer)[0]

@@ -30,8 +30,8 @@ from orthros_train.data.indexed import resolve_prefixes
 from orthros_train.data.tokenize import (
     check_cached,
     eod_token_id,
-    load_tokenizer,
     save_tokenizer_once,
+    tokenizer_from_path,
     write_conversations,
 )
 
@@ -39,7 +39,7 @@ from orthros_train.data.tokenize import (
 def chat_tokenizer(cfg):
     """The tokenizer the chat corpus is rendered with (``data.tokenizer`` or the paired BPE)."""
     if cfg.tokenizer:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer = tokenizer_from_path(cfg.tokenizer)
     else:
         documents = corpus_documents(CHAT_CORPORA[cfg.corpus])
         tokenizer = train_tokenizer(documents, cfg.tokenizer_vocab_size, cfg.cache_dir)

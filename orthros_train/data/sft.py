@@ -29,11 +29,11 @@ from orthros_train.data.indexed import (
     read_index_header,
 )
 from orthros_train.data.sampler import ResumableSampler
+from orthros_train.options import LossAverage, Overlong
 from orthros_train.phase.builders import sft_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
 log = logging.getLogger(__name__)
-OVERLONG = ("truncate", "drop")
 
 
 class ConversationStore:
@@ -73,7 +73,7 @@ class ConversationStore:
         return [np.array(p) for p in parts], modes[:count]
 
 
-def fit_segments(lengths: np.ndarray, modes: np.ndarray, seq_len: int, overlong: str) -> int:
+def fit_segments(lengths: np.ndarray, modes: np.ndarray, seq_len: int, overlong: Overlong) -> int:
     """How many leading segments of a conversation to keep (0: leave it out).
 
     Reference answers (RL) are not model input and end the kept part.
@@ -85,7 +85,7 @@ def fit_segments(lengths: np.ndarray, modes: np.ndarray, seq_len: int, overlong:
     total = np.cumsum(lengths[:stop])
     if stop and total[-1] <= seq_len:
         keep = stop
-    elif overlong == "drop":
+    elif overlong == Overlong.drop:
         return 0
     else:
         keep = int(np.searchsorted(total, seq_len, side="right"))
@@ -108,9 +108,9 @@ class PackStats:
 class PackedConversations:
     """Rows of whole conversations, a fixed function of (conversations, seq_len, seed, overlong)."""
 
-    def __init__(self, store: ConversationStore, indices: np.ndarray, seq_len: int, seed: int, overlong: str):
-        if overlong not in OVERLONG:
-            raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
+    def __init__(self, store: ConversationStore, indices: np.ndarray, seq_len: int, seed: int,
+                 overlong: Overlong | str):
+        overlong = Overlong.parse(overlong, "overlong")
         self.store, self.seq_len = store, seq_len
         order = np.asarray(indices, dtype=np.int64)[np.random.default_rng([seed, 7]).permutation(len(indices))]
         self.stats = PackStats(conversations=len(order))
@@ -163,13 +163,15 @@ class PackedConversations:
         return np.concatenate(tokens).astype(np.int64), np.concatenate(docs), spans
 
 
-def rows_to_layout(rows: list[tuple[np.ndarray, np.ndarray, list]], loss_average: str = "token") -> OrthrosLayout:
+def rows_to_layout(
+    rows: list[tuple[np.ndarray, np.ndarray, list]], loss_average: LossAverage = LossAverage.token
+) -> OrthrosLayout:
     layout = sft_layout(
         [torch.from_numpy(t) for t, _, _ in rows],
         [spans for _, _, spans in rows],
         document_ids=[torch.from_numpy(d) for _, d, _ in rows],
     )
-    return average_per_sequence(layout) if loss_average == "sequence" else layout
+    return average_per_sequence(layout) if loss_average == LossAverage.sequence else layout
 
 
 def average_per_sequence(layout: OrthrosLayout) -> OrthrosLayout:
@@ -211,12 +213,10 @@ class SFTData:
         dp_rank: int = 0,
         dp_size: int = 1,
         split: str = "98,2,0",
-        overlong: str = "truncate",
-        loss_average: str = "token",
+        overlong: Overlong | str = Overlong.truncate,
+        loss_average: LossAverage | str = LossAverage.token,
     ) -> None:
-        if loss_average not in ("token", "sequence"):
-            raise ValueError(f"loss_average must be token|sequence, got {loss_average!r}")
-        self.loss_average = loss_average
+        self.loss_average = LossAverage.parse(loss_average, "loss_average")
         train_idx, valid_idx = split_conversations(len(store), split)
         self.train = PackedConversations(store, train_idx, seq_len, seed, overlong)
         self.valid = PackedConversations(store, valid_idx, seq_len, seed, overlong) if valid_idx.size else None

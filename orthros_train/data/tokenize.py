@@ -1,6 +1,6 @@
 """Tokenizers and tokenized documents: the part of data preparation the library itself needs.
 
-``load_tokenizer`` / ``eod_token_id`` / ``tokenizer_info`` find and describe a tokenizer;
+``tokenizer_from_path`` / ``eod_token_id`` / ``tokenizer_info`` find and describe a tokenizer;
 ``encode_texts`` turns texts into token ids; ``write_documents`` / ``write_conversations`` write a
 list of documents / chat conversations as a one-shard indexed dataset with the summary JSON that
 ``orthros-data`` writes, so the readers of ``orthros_train.data`` treat both alike. The embedded
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
 
-def load_tokenizer(path: str):
+def tokenizer_from_path(path: str):
     """A ``transformers`` tokenizer from a directory (``from_pretrained``) or a ``tokenizer.json``."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

@@ -16,7 +16,7 @@ import torch
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
 
-def parse_size(text: str) -> int:
+def parse_token_count(text: str) -> int:
     """``"4k"`` -> 4096, ``"1m"`` -> 1048576, ``"300"`` -> 300."""
     m = _SIZE.match(str(text))
     if not m:
@@ -51,8 +51,8 @@ def _int(text: str) -> int:
 
 positive_int = _bounded(_int, 1, "a positive integer (>= 1)")
 nonnegative_int = _bounded(_int, 0, "an integer >= 0")
-positive_size = _bounded(lambda t: parse_size(t), 1, "a positive token count (e.g. 512, 4k)")
-nonnegative_size = _bounded(lambda t: parse_size(t), 0, "a token count >= 0 (e.g. 0, 512, 4k)")
+positive_size = _bounded(lambda t: parse_token_count(t), 1, "a positive token count (e.g. 512, 4k)")
+nonnegative_size = _bounded(lambda t: parse_token_count(t), 0, "a token count >= 0 (e.g. 0, 512, 4k)")
 
 
 def positive_float(text: str) -> float:
@@ -75,7 +75,7 @@ def parse_lengths(text: str | list | tuple) -> list[int]:
     text = str(text).strip()
     if ".." in text:
         lo_s, hi_s = text.split("..", 1)
-        lo, hi = parse_size(lo_s), parse_size(hi_s)
+        lo, hi = parse_token_count(lo_s), parse_token_count(hi_s)
         if lo < 1 or hi < lo:
             raise ValueError(f"bad length range {text!r}: need 1 <= low <= high")
         out, n = [], lo
@@ -83,7 +83,7 @@ def parse_lengths(text: str | list | tuple) -> list[int]:
             out.append(n)
             n *= 2
         return out
-    lengths = sorted({parse_size(p) for p in text.split(",") if p.strip()})
+    lengths = sorted({parse_token_count(p) for p in text.split(",") if p.strip()})
     if not lengths or lengths[0] < 1:
         raise ValueError(f"bad lengths {text!r}: need one or more token counts >= 1 (e.g. 1k,4k or 1k..16k)")
     return lengths

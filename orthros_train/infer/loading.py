@@ -13,9 +13,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from orthros_train.locations import RECIPES_DIR
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import OrthrosForCausalLM
+
+
+def _model_group(name: str, **fixed: Any) -> dict[str, Any] | None:
+    """The shape a recipe model group states (``recipes/model/<name>.yaml``) as preset fields, so
+    the shape is written once. Interpolated keys (the vocabulary follows the data) and what a
+    random-weight benchmark does not use (``init_from``; the recipe's training length as
+    ``max_position_embeddings``) are left out, ``fixed`` fills them in. None without the recipes."""
+    path = RECIPES_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    raw = yaml.safe_load(path.read_text())
+    known = set(OrthrosConfig.__dataclass_fields__) - {"max_position_embeddings"}
+    fields = {k: v for k, v in raw.items() if k in known and not (isinstance(v, str) and "${" in v)}
+    return {**fields, **fixed}
+
 
 # Shapes for benchmarks on random weights (parameter counts with tied embeddings).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -30,17 +47,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=32,
         tie_word_embeddings=True,
     ),
-    # ~4M: the tiny_cpu recipe's shape (vocab 4096)
-    "3m": dict(
-        vocab_size=4096,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=704,
-        sliding_window=64,
-        tie_word_embeddings=True,
-    ),
     # ~22M: the model of the CPU prefill figures in docs/eval.md (W = 128, the paper's default)
     "20m": dict(
         vocab_size=8192,
@@ -52,17 +58,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=128,
         tie_word_embeddings=True,
     ),
-    # 1.3B Orthros (recipes/model/orthros_1p3b.yaml)
-    "1p3b": dict(
-        vocab_size=32000,
-        hidden_size=2048,
-        num_hidden_layers=24,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        intermediate_size=5632,
-        sliding_window=128,
-    ),
 }
+for _name, _fields in (
+    ("3m", _model_group("tiny", vocab_size=4096)),  # ~4M: the tiny_cpu recipe's model (vocab 4096)
+    ("1p3b", _model_group("orthros_1p3b")),  # 1.3B Orthros, the pretrain_1p3b recipe's model
+):
+    if _fields is not None:
+        PRESETS[_name] = _fields
 
 DTYPES = {
     "float32": torch.float32,

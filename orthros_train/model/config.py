@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orthros_train.model.layers import check_rope_scaling
-
-ATTENTION_TYPES = ("orthros", "dense", "sliding")
+from orthros_train.ops.reference import UNBOUNDED
+from orthros_train.options import AttentionType
 
 
 @dataclass
@@ -27,13 +27,14 @@ class OrthrosConfig:
     attention_bias: bool = False  # Qwen2 carries biases on q/k/v
     tie_word_embeddings: bool = False
     sliding_window: int = 128
-    attention_type: str = "orthros"
+    attention_type: AttentionType = AttentionType.orthros
     max_position_embeddings: int = 131072
     initializer_range: float = 0.02
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.attention_type = AttentionType.parse(self.attention_type, "attention_type")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -68,8 +69,6 @@ class OrthrosConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.attention_type not in ATTENTION_TYPES:
-            raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.rms_norm_eps <= 0:
@@ -78,6 +77,12 @@ class OrthrosConfig:
             if not isinstance(self.rope_scaling, dict):
                 raise ValueError(f"rope_scaling must be a mapping or null, got {self.rope_scaling!r}")
             check_rope_scaling(self.rope_scaling)
+
+    @property
+    def base_window(self) -> int:
+        """Keys a base (or baseline) query sees, itself included: ``sliding_window``, or unbounded
+        for the dense baseline."""
+        return UNBOUNDED if self.attention_type == AttentionType.dense else self.sliding_window
 
     @property
     def num_kv_groups(self) -> int:

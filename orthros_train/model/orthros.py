@@ -117,7 +117,7 @@ class AttentionPlan:
 
 def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache | None = None) -> AttentionPlan:
     """Query/key bookkeeping of one forward pass (keys continue the cache rows when given)."""
-    window = UNBOUNDED if config.attention_type == "dense" else config.sliding_window
+    window = config.base_window
     meta: dict = {}
     if cache is None:
         key_index = torch.arange(layout.num_tokens, device=layout.input_ids.device)

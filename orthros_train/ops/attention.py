@@ -53,9 +53,9 @@ def _triton_backend(deterministic: bool) -> AttentionFn:
 
 
 def _prepare_triton(q_index, q_window, cu_seqlens, n_k, **hints):
-    from orthros_train.ops.triton_attention import prepare_attention  # lazy: imports triton
+    from orthros_train.ops.triton_attention import plan_forward  # lazy: imports triton
 
-    return prepare_attention(q_index, q_window, cu_seqlens, n_k, **hints)
+    return plan_forward(q_index, q_window, cu_seqlens, n_k, **hints)
 
 
 # Backends that precompute per-forward metadata (``prepare_attention``), by backend function.

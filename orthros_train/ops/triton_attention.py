@@ -29,8 +29,8 @@ Sparse output positions (SFT/RL) therefore cost ``O(N * T)``, the base stream ``
 Queries are gathered through the sort permutation; nothing is copied or padded.
 
 Host side: ``prepare`` sorts the queries into a ``TilePlan`` without reading any tensor value;
-a model builds it once per forward (``prepare_attention``) and every layer and the backward
-reuse it, with launch grids sized from host-known row counts.
+a model builds it once per forward (``plan_forward``, through ``ops.attention.prepare_attention``)
+and every layer and the backward reuse it, with launch grids sized from host-known row counts.
 
 Numerics: inputs fp32/bf16/fp16, fp32 accumulation, softmax in base 2 with the scale folded in.
 Under ``TRITON_INTERPRET=1`` (CPU tests) tiles are upcast to fp32 right after loading (the
@@ -47,7 +47,6 @@ under ``torch.compile``) and ``OrthrosAttentionFunction`` (the same as a plain
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +54,9 @@ import triton
 import triton.language as tl
 
 from orthros_train.ops.reference import check_attention_inputs, key_ranges
-from orthros_train.ops.triton_interpreter import interpreter_index_fix
+from orthros_train.ops.triton_interpreter import interpreter_index_fix, interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()  # kernels run on CPU tensors in triton's interpreter (tests)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -130,14 +129,18 @@ def _config_list(kernel: str, cls: str, fp32: bool) -> list[triton.Config]:
     ]
 
 
-# Explicit block sizes for tests: when set, kernels run without autotune at these sizes.
-_FORCED_BLOCKS: tuple[int, int] | None = None
+# Explicit tile sizes ``(BLOCK_M, BLOCK_N)`` for every kernel of a call, bypassing autotune (the
+# interpreter's tests and the CPU dry runs use small tiles); None: the autotuned configs. Passed
+# through the custom ops as two ints, 0 meaning None.
+Blocks = tuple[int, int] | None
 
 
-def set_block_sizes(block_m: int | None, block_n: int | None = None) -> None:
-    """Force ``(BLOCK_M, BLOCK_N)`` for every kernel (tests use small tiles); ``None`` resets."""
-    global _FORCED_BLOCKS
-    _FORCED_BLOCKS = None if block_m is None else (int(block_m), int(block_n or block_m))
+def _blocks_args(blocks: Blocks) -> tuple[int, int]:
+    return (0, 0) if blocks is None else (int(blocks[0]), int(blocks[1]))
+
+
+def _blocks_of(block_m: int, block_n: int) -> Blocks:
+    return None if block_m <= 0 else (block_m, block_n if block_n > 0 else block_m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -751,14 +754,13 @@ def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
     }
 
 
-def _launch(kernel, grid_fn, args, meta):
-    """Run an autotuned kernel, or its plain jit function at forced block sizes (tests)."""
-    if _FORCED_BLOCKS is None:
+def _launch(kernel, grid_fn, args, meta, blocks: Blocks = None):
+    """Run an autotuned kernel, or its plain jit function at the given block sizes."""
+    if blocks is None:
         kernel[grid_fn](*args, **meta)
         return
-    bm, bn = _FORCED_BLOCKS
-    blocks = {"BLOCK_M": bm, "BLOCK_N": bn}
-    kernel.fn[grid_fn(blocks)](*args, **meta, **blocks, num_warps=4, num_stages=1 if INTERPRET else 2)
+    sizes = {"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]}
+    kernel.fn[grid_fn(sizes)](*args, **meta, **sizes, num_warps=4, num_stages=1 if INTERPRET else 2)
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -773,7 +775,9 @@ def _contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float, plan: TilePlan | None = None):
+def attention_forward(
+    q, k, v, q_index, q_window, cu_seqlens, scale: float, plan: TilePlan | None = None, blocks: Blocks = None
+):
     """Launch the forward kernel (once per stream class); returns ``(out, lse)``."""
     _check_device(q)
     q, k, v = _contig(q), _contig(k), _contig(v)
@@ -796,12 +800,14 @@ def attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale: float, plan
                 out.stride(0), out.stride(1), n_q, n_k, scale * LOG2E,
             ),
             {**common, "HEAD_PACK": pack, "SPLIT_MASK": cls == "full"},
+            blocks,
         )
     return out, lse
 
 
 def attention_backward(
-    dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic, plan: TilePlan | None = None
+    dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic,
+    plan: TilePlan | None = None, blocks: Blocks = None,
 ):
     """Launch the backward kernels; returns ``(dq, dk, dv)`` in the input dtypes.
 
@@ -847,6 +853,7 @@ def attention_backward(
                 n_q, n_k, scale, scale * LOG2E,
             ),
             {**common, "ATOMIC_DQ": not deterministic, "ACCUMULATE": accumulate},
+            blocks,
         )
     if not deterministic:
         return dq_acc.to(q.dtype), dk, dv
@@ -861,6 +868,7 @@ def attention_backward(
                 n_q, n_k, scale, scale * LOG2E,
             ),
             {**common, "HEAD_PACK": pack, "SPLIT_MASK": cls == "full"},
+            blocks,
         )
     return dq, dk, dv
 
@@ -915,9 +923,9 @@ def _tile_plan(plan, n_band, q_index, q_window, cu_seqlens, n_k) -> TilePlan | N
     return TilePlan.from_tensors(list(plan), n_k, n_band)
 
 
-def _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band):
+def _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band, block_m, block_n):
     tile_plan = _tile_plan(plan, n_band, q_index, q_window, cu_seqlens, k.shape[0])
-    return attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale, tile_plan)
+    return attention_forward(q, k, v, q_index, q_window, cu_seqlens, scale, tile_plan, _blocks_of(block_m, block_n))
 
 
 @torch.library.custom_op("orthros::attention", mutates_args=())
@@ -930,8 +938,10 @@ def _attention_op(
     cu_seqlens: torch.Tensor,
     scale: float,
     deterministic: bool,
+    block_m: int = 0,
+    block_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, [], -1)
+    out, lse = _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, [], -1, block_m, block_n)
     return out, lse
 
 
@@ -947,18 +957,22 @@ def _attention_planned_op(
     deterministic: bool,
     plan: list[torch.Tensor],
     n_band: int,
+    block_m: int = 0,
+    block_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band)
+    out, lse = _attention_impl(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band,
+                               block_m, block_n)
     return out, lse
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic):
+def _attention_fake(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, block_m=0, block_n=0):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @_attention_planned_op.register_fake
-def _attention_planned_fake(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band):
+def _attention_planned_fake(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan, n_band, block_m=0,
+                            block_n=0):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -978,28 +992,37 @@ def _attention_backward_op(
     deterministic: bool,
     plan: list[torch.Tensor],
     n_band: int,
+    block_m: int = 0,
+    block_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tile_plan = _tile_plan(plan, n_band, q_index, q_window, cu_seqlens, k.shape[0])
     return attention_backward(
-        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic, tile_plan
+        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic, tile_plan,
+        _blocks_of(block_m, block_n),
     )
 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, det, plan,
-                             n_band):
+                             n_band, block_m=0, block_n=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _save(ctx, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic, plan=(), n_band=-1):
+def _save(ctx, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, deterministic, plan=(), n_band=-1,
+          block_m=0, block_n=0):
     ctx.save_for_backward(q, k, v, out, lse, q_index, q_window, cu_seqlens, *plan)
     ctx.scale = scale
     ctx.deterministic = deterministic
     ctx.n_band = n_band
+    ctx.blocks = (block_m, block_n)
 
 
 def _setup_context(ctx, inputs, output):
     _save(ctx, *inputs[:3], *output, *inputs[3:])
+
+
+def _setup_context_unplanned(ctx, inputs, output):
+    _save(ctx, *inputs[:3], *output, *inputs[3:8], (), -1, *inputs[8:])
 
 
 def _backward(ctx, dout, dlse):
@@ -1007,17 +1030,19 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.orthros.attention_backward(
-        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, ctx.scale, ctx.deterministic, plan, ctx.n_band
+        dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, ctx.scale, ctx.deterministic, plan, ctx.n_band,
+        *ctx.blocks,
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _backward_planned(ctx, dout, dlse):
+    dq, dk, dv, *_ = _backward(ctx, dout, dlse)
     n_plan = len(ctx.saved_tensors) - 8
-    return (*_backward(ctx, dout, dlse), [None] * n_plan, None)
+    return dq, dk, dv, None, None, None, None, None, [None] * n_plan, None, None, None
 
 
-_attention_op.register_autograd(_backward, setup_context=_setup_context)
+_attention_op.register_autograd(_backward, setup_context=_setup_context_unplanned)
 _attention_planned_op.register_autograd(_backward_planned, setup_context=_setup_context)
 
 
@@ -1032,32 +1057,32 @@ class OrthrosAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse)
+        return _backward(ctx, dout, dlse)[:8]  # no gradient slots for the op's block sizes here
 
 
 @dataclass
-class PreparedAttention:
-    """What the ``triton`` backend precomputes once per forward pass (``prepare_attention``):
+class TritonForwardPlan:
+    """What the ``triton`` backend precomputes once per forward pass (``plan_forward``):
     the tile plan and, for decode steps, the longest key range (sizes the decode grid)."""
 
     plan: TilePlan
     max_range: int | None = None
 
 
-def prepare_attention(
+def plan_forward(
     q_index: torch.Tensor,
     q_window: torch.Tensor,
     cu_seqlens: torch.Tensor,
     n_k: int,
     n_band: int | None = None,
     max_range: int | None = None,
-) -> PreparedAttention:
+) -> TritonForwardPlan:
     """Build the metadata every layer of one forward reuses (no host-device sync).
 
     The caller vouches that the query/key layout is valid (it was validated where it was built):
     calls that pass the result skip the value checks that would each cost a device sync.
     """
-    return PreparedAttention(prepare(q_index, q_window, cu_seqlens, n_k, n_band), max_range)
+    return TritonForwardPlan(prepare(q_index, q_window, cu_seqlens, n_k, n_band), max_range)
 
 
 def attention_triton(
@@ -1070,7 +1095,8 @@ def attention_triton(
     scale: float | None = None,
     deterministic: bool = True,
     decode: bool | None = None,
-    prepared: PreparedAttention | None = None,
+    prepared: TritonForwardPlan | None = None,
+    blocks: Blocks = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``triton`` backend: ``(out, lse)`` with the contract of ``attention_reference``.
 
@@ -1078,7 +1104,7 @@ def attention_triton(
     ``torch.use_deterministic_algorithms(True)`` is on). ``decode`` routes to the
     flash-decoding kernel (``ops/triton_decode.py``); ``None`` does so when no gradient is needed
     and there are at most two queries per document (a decode step). ``prepared`` (from
-    ``prepare_attention`` for these queries and keys) skips the per-call sort and value checks.
+    ``plan_forward`` for these queries and keys) skips the per-call sort and value checks.
     """
     # value checks read tensors (device syncs): only for a standalone call, never in a graph
     values = prepared is None and not torch.compiler.is_compiling()
@@ -1099,9 +1125,10 @@ def attention_triton(
         max_range = None if prepared is None else prepared.max_range
         return decode_attention_op(q, k, v, q_index, q_window, cu_seqlens, scale, max_range, prepared is None)
     if prepared is None:
-        return torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic)
+        return torch.ops.orthros.attention(q, k, v, q_index, q_window, cu_seqlens, scale, deterministic,
+                                           *_blocks_args(blocks))
     plan = prepared.plan
     n_band = -1 if plan.n_band is None else plan.n_band
     return torch.ops.orthros.attention_planned(
-        q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan.tensors(), n_band
+        q, k, v, q_index, q_window, cu_seqlens, scale, deterministic, plan.tensors(), n_band, *_blocks_args(blocks)
     )

@@ -17,16 +17,15 @@ costs the sum of its ranges, not ``batch * max_len``.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from orthros_train.ops.reference import check_attention_inputs, key_ranges
-from orthros_train.ops.triton_interpreter import interpreter_index_fix
+from orthros_train.ops.triton_interpreter import interpreter_index_fix, interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()  # kernels run on CPU tensors in triton's interpreter (tests)
 LOG2E = 1.4426950408889634
 
 if INTERPRET:

@@ -1,10 +1,26 @@
 """What the Triton interpreter (``TRITON_INTERPRET=1``, the CPU test path) needs on some releases.
 
 Shared by the attention and decode kernels, which both apply it when they are imported under the
-interpreter.
+interpreter, and ask ``interpreting()`` whether they are.
 """
 
 from __future__ import annotations
+
+import triton
+
+
+@triton.jit
+def _probe() -> None:
+    pass
+
+
+def interpreting() -> bool:
+    """Whether triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when triton was
+    imported): asked of triton itself, which read the variable once when the kernels were
+    decorated, instead of reading the environment again here."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_probe, InterpretedFunction)
 
 
 def interpreter_index_fix() -> bool:

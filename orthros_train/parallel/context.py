@@ -294,7 +294,7 @@ def context_plan(
         base_key_index=token_global,
         out_key_index=output_global if orthros else output_global[:0],
         key_cu_seqlens=cu,
-        base_window=UNBOUNDED if config.attention_type == "dense" else config.sliding_window,
+        base_window=config.base_window,
         cp=cp,
         rank=rank,
         chunk_len=chunk_len,

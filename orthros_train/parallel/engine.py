@@ -9,6 +9,7 @@ DeepSpeed's FusedAdam/CPUAdam would first JIT-compile C++/CUDA extensions (minut
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Any
 
@@ -87,6 +88,9 @@ def build_engine(
     layer knows nothing of the recipe's ``optim``/``trainer`` groups."""
     import deepspeed
 
+    # DeepSpeed's engine reads LOCAL_RANK from the environment and asserts it is there; torchrun
+    # sets it, and a process started without a launcher is rank 0 of its node.
+    os.environ.setdefault("LOCAL_RANK", "0")
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

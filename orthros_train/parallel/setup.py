@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -12,9 +10,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.options import CommBackend, Recompute
 from orthros_train.parallel.cpu_shims import apply_cpu_shims
-
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass
@@ -29,12 +26,12 @@ class ParallelConfig:
     data_parallel: int | None = None
     zero_stage: int = 1  # DeepSpeed ZeRO stage over the data-parallel group (0-3)
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU memory
-    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
+    backend: CommBackend = CommBackend.auto
     timeout_minutes: int = 30
     # Activation recompute: "none"; "selective" (attention core recomputed in the backward:
     # its inputs are kept, its softmax intermediates are not); "full" (each layer recomputed
     # from its input, megatron's recompute_granularity=full/uniform).
-    recompute: str = "none"
+    recompute: Recompute = Recompute.none
     # The processes the layout is planned for: a dry run plans for it (the memory estimate, the
     # accumulation steps); a launch uses the launcher's count. None: data_parallel (or 1) x TP x CP.
     world_size: int | None = None
@@ -44,15 +41,12 @@ class ParallelConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {value}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"parallel.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        self.recompute = Recompute.parse(self.recompute, "parallel.recompute")
+        self.backend = CommBackend.parse(self.backend, "parallel.backend")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("parallel.offload_optimizer needs parallel.zero_stage >= 1")
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"parallel.backend must be auto|nccl|gloo, got {self.backend!r}")
-
 
 
 def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None = None) -> None:
@@ -86,6 +80,9 @@ def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size
         raise ValueError("impossible parallel layout: " + "; ".join(problems))
 
 
+DEFAULT_MASTER_PORT = 29500  # torchrun's default rendezvous port
+
+
 @dataclass
 class DistributedEnv:
     """What the launcher (torchrun / Slurm) told this process; read at the entry point only."""
@@ -95,15 +92,9 @@ class DistributedEnv:
     local_rank: int = 0
     launched: bool = False  # True under torchrun/srun/deepspeed: rendezvous at master_addr:master_port
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int = DEFAULT_MASTER_PORT
     restart_count: int = 0  # torchrun --max-restarts: which attempt this is
     agent_store: bool = False  # torchrun's agent already serves the store at master_port
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEnv) -> torch.device:
@@ -140,16 +131,6 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
         else:
             # One process, no launcher: an in-memory store, so no port can be taken by another
             # process between choosing it and binding it.
-            port = _free_port()
-            # DeepSpeed insists on finding a launcher's variables; state the trivial layout.
-            for key, value in (
-                ("RANK", "0"),
-                ("LOCAL_RANK", "0"),
-                ("WORLD_SIZE", "1"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", str(port)),
-            ):
-                os.environ.setdefault(key, value)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

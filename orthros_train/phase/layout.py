@@ -11,7 +11,7 @@ sequence whose documents never attend each other, so the attention op sees no pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -30,6 +30,12 @@ class OrthrosLayout:
     loss_weights   [N]   per-output-token weight (1 for pretrain/sft, advantages for rl)
     row_of_output  [N]   which ``[B, T]`` row an output token came from (to unpack logits)
     num_rows             B
+    output_values  name -> [N]  further per-output-token values an objective reads beside the
+                         labels (RL: the sampling policy's and the reference's log-probs)
+    row_values     name -> B numbers per row, for an objective's diagnostics (RL: each rollout's reward)
+
+    Every phase returns this one type (RL's rollouts included), so the trainer's step reads the
+    same batch whatever the objective.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +46,11 @@ class OrthrosLayout:
     loss_weights: torch.Tensor
     row_of_output: torch.Tensor
     num_rows: int = 1
+    output_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    row_values: dict[str, list[float]] = field(default_factory=dict)
+    # Labelled output tokens, counted once by ``validate`` (on the host, where layouts are built):
+    # a count on the device would make every forward wait for the GPU.
+    num_loss_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,13 +63,10 @@ class OrthrosLayout:
     def num_outputs(self) -> int:
         return self.output_index.numel()
 
-    @property
-    def num_loss_tokens(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
-
     def validate(self) -> None:
         t = self.input_ids.numel()
         n = self.output_index.numel()
+        self.num_loss_tokens = int((self.labels != IGNORE_INDEX).sum()) if self.labels.dim() == 1 else 0
         if t == 0:
             raise ValueError("empty layout: a batch needs at least one base token")
         for name in ("input_ids", "positions", "output_index", "labels", "loss_weights"):
@@ -69,6 +77,12 @@ class OrthrosLayout:
         for name in ("labels", "loss_weights", "row_of_output"):
             if getattr(self, name).numel() != n:
                 raise ValueError(f"layout.{name} has {getattr(self, name).numel()} entries, expected {n}")
+        for name, values in self.output_values.items():
+            if values.dim() != 1 or values.numel() != n:
+                raise ValueError(f"layout.output_values[{name!r}] has shape {tuple(values.shape)}, expected ({n},)")
+        for name, values in self.row_values.items():
+            if len(values) != self.num_rows:
+                raise ValueError(f"layout.row_values[{name!r}] has {len(values)} entries for {self.num_rows} rows")
         cu = self.cu_seqlens
         if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t:
             raise ValueError(f"layout.cu_seqlens must run from 0 to {t}")
@@ -88,6 +102,8 @@ class OrthrosLayout:
         for f in fields(self):
             value = getattr(self, f.name)
             setattr(moved, f.name, value.to(device) if isinstance(value, torch.Tensor) else value)
+        moved.output_values = {k: v.to(device) for k, v in self.output_values.items()}
+        moved.row_values = {k: list(v) for k, v in self.row_values.items()}
         return moved
 
     def document_ids(self) -> torch.Tensor:
@@ -97,9 +113,14 @@ class OrthrosLayout:
 
 
 def concat_layouts(layouts: list[OrthrosLayout]) -> OrthrosLayout:
-    """Pack several layouts into one (rows stay separate documents)."""
+    """Pack several layouts into one (rows stay separate documents). Their ``output_values`` and
+    ``row_values`` are packed too; a name must be present in every layout or in none."""
     if not layouts:
         raise ValueError("concat_layouts needs at least one layout")
+    for attr in ("output_values", "row_values"):
+        names = {frozenset(getattr(lay, attr)) for lay in layouts}
+        if len(names) > 1:
+            raise ValueError(f"concat_layouts: the layouts' {attr} carry different names {sorted(map(sorted, names))}")
     offset, row_offset = 0, 0
     cu, out_idx, rows = [layouts[0].cu_seqlens[:1]], [], []
     for lay in layouts:
@@ -117,4 +138,6 @@ def concat_layouts(layouts: list[OrthrosLayout]) -> OrthrosLayout:
         loss_weights=torch.cat([x.loss_weights for x in layouts]),
         row_of_output=torch.cat(rows),
         num_rows=row_offset,
+        output_values={k: torch.cat([x.output_values[k] for x in layouts]) for k in layouts[0].output_values},
+        row_values={k: [v for x in layouts for v in x.row_values[k]] for k in layouts[0].row_values},
     )

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from orthros_train.eval.common import nonnegative_int, parse_lengths, positive_int
+from orthros_train.logging_setup import configure_logging
 from orthros_train.study.pipeline import ARCHS, StudyOptions, rerender_report, run_study
 
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.notes is not None and not args.notes.is_file():
         raise SystemExit(f"orthros-study: --notes {args.notes}: no such file")
+    configure_logging()  # the study's progress lines
     try:
         if args.report_only:
             rerender_report(opts)

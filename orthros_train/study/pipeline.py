@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -87,8 +88,12 @@ class StudyOptions:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
 
 
+logger = logging.getLogger(__name__)
+
+
 def _log(msg: str) -> None:
-    print(f"[orthros-study {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    """The study's progress line (``orthros-study`` shows the package's log on stdout)."""
+    logger.info("[orthros-study %s] %s", time.strftime("%H:%M:%S"), msg)
 
 
 def load_average() -> str:

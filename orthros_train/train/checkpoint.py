@@ -39,7 +39,6 @@ import json
 import logging
 import random
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -51,6 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from orthros_train.logging_setup import RANK_ZERO
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.parallel import collectives
 from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, reference_shapes, shard_tensor
@@ -418,9 +418,7 @@ class CheckpointManager:
             self._publish(tmp, step, error, sink.hashes, group=self._group)
         except CheckpointError as exc:
             self._async_error = str(exc)
-            log.error("async %s", exc)
-            if dist.get_rank() == 0:
-                print(f"ERROR: async save: {exc}", file=sys.stderr, flush=True)
+            log.error("ERROR: async save: %s", exc, extra=RANK_ZERO)
             return
         log.info(
             "async checkpoint of step %d published after %.2fs in the background", step, time.perf_counter() - start

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from orthros_train.locations import RECIPES_DIR as LOCATED_RECIPES
 from orthros_train.train.config import record_geometry, run_config_from_dict
 
 if TYPE_CHECKING:
     from orthros_train.parallel.setup import DistributedEnv
     from orthros_train.train.config import RunConfig
 
-# Recipes live at the repository root (``recipes/``), next to the package in an editable install.
-RECIPES_DIR = str(Path(__file__).resolve().parents[2] / "recipes")
+RECIPES_DIR = str(LOCATED_RECIPES)  # Hydra takes a string
 
 
 def hydra_output_dir(run_dir: str) -> str:
@@ -45,7 +45,7 @@ OmegaConf.register_new_resolver("orthros_hydra_dir", hydra_output_dir, replace=T
 
 def launcher_env() -> "DistributedEnv":
     """What torchrun / srun set for this process (the only place that reads them)."""
-    from orthros_train.parallel.setup import DistributedEnv
+    from orthros_train.parallel.setup import DEFAULT_MASTER_PORT, DistributedEnv
 
     # A world of one needs no rendezvous: it takes the private in-memory store. Launcher variables
     # inherited by a single process (e.g. from a parent that ran a trainer in-process) would
@@ -57,7 +57,7 @@ def launcher_env() -> "DistributedEnv":
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
             launched=True,
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(os.environ.get("MASTER_PORT", 29500)),
+            master_port=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         )
@@ -154,7 +154,8 @@ def _completed(run_cfg: "RunConfig", resolved: dict) -> dict | None:
 def run(cfg: DictConfig) -> dict:
     """Resolve the recipe into typed config, then dry-run or train."""
     from orthros_train.parallel.setup import destroy_parallel
-    from orthros_train.train.trainer import Trainer, plan_summary
+    from orthros_train.train.plan import plan_summary
+    from orthros_train.train.trainer import Trainer
 
     _own_multirun_dir(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -166,12 +167,6 @@ def run(cfg: DictConfig) -> dict:
     record_geometry(resolved, run_cfg)
     if run_cfg.trainer.dry_run:
         summary = plan_summary(run_cfg)
-        if run_cfg.rl is not None:  # an RL recipe: what one step samples and trains on
-            rl = run_cfg.rl
-            rows = rl.prompts_per_step * rl.group_size
-            response = run_cfg.task.response_len if run_cfg.task.name == "pattern" else rl.max_new_tokens
-            summary["rl"] = {"task": run_cfg.task.name, "rollouts_per_step": rows,
-                             "max_response_tokens_per_step": rows * response}
         print(json.dumps(summary, indent=2))
         warn_memory_fit(summary["memory_per_gpu"])
         return summary
@@ -256,14 +251,13 @@ def hydra_main(cfg: DictConfig) -> None:
 
     if not cfg or (HydraConfig.initialized() and HydraConfig.get().job.config_name is None):
         raise SystemExit(f"orthros-train: pick a recipe with --config-name\n\n{usage()}")
-    import logging
-
+    from orthros_train.logging_setup import configure_logging
     from orthros_train.train.checkpoint import CheckpointError
-    from orthros_train.train.trainer import NonFiniteTrainingError
+    from orthros_train.train.health import NonFiniteTrainingError
+    from orthros_train.train.stop_signals import INTERRUPTED_EXIT_CODE
 
     rank = launcher_env().rank
-    if rank != 0:  # logs from rank 0 only; warnings and errors still come from every rank
-        logging.getLogger("orthros_train").setLevel(logging.WARNING)
+    configure_logging(rank)  # rank 0 speaks; warnings and errors still come from every rank
     try:
         result = run(cfg)  # a preempted run (SIGTERM/SIGUSR1) saved and returns normally: exit 0, requeue
     except (ValueError, CheckpointError, NonFiniteTrainingError) as exc:
@@ -272,9 +266,9 @@ def hydra_main(cfg: DictConfig) -> None:
         raise SystemExit(1) from exc
     except KeyboardInterrupt:  # Ctrl-C before training started (the loop itself saves and returns)
         print("orthros-train: interrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     if isinstance(result, dict) and result.get("signal") == signal.SIGINT:
-        raise SystemExit(130)  # Ctrl-C: saved, but the run did not finish (the shell convention, 128 + 2)
+        raise SystemExit(INTERRUPTED_EXIT_CODE)  # Ctrl-C: saved, but the run did not finish
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from orthros_train.data import DataConfig
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.options import Device, LRSchedule, Precision, ResumeChanges, RLTask, WandbMode
 from orthros_train.parallel.setup import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,13 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 100
-    schedule: str = "cosine"  # cosine | linear | constant (after linear warmup)
+    schedule: LRSchedule = LRSchedule.cosine  # after linear warmup
     grad_clip: float = 1.0  # <= 0 disables clipping
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optim: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"optim.schedule must be cosine|linear|constant, got {self.schedule!r}")
+        self.schedule = LRSchedule.parse(self.schedule, "optim.schedule")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
 
@@ -48,11 +48,10 @@ class WandbConfig:
     project: str = "orthros"
     name: str | None = None
     group: str | None = None
-    mode: str = "offline"  # offline | online | disabled
+    mode: WandbMode = WandbMode.offline
 
     def __post_init__(self) -> None:
-        if self.mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"trainer.wandb.mode must be offline|online|disabled, got {self.mode!r}")
+        self.mode = WandbMode.parse(self.mode, "trainer.wandb.mode")
 
 
 @dataclass
@@ -73,8 +72,8 @@ class TrainerConfig:
     # batch (seq_len x micro_batch_size); see orthros_train/data/schedule.py. None: seq_len throughout.
     seq_len_schedule: list[list[int]] | None = None
     total_tokens: int | None = None  # informational: the token budget the recipe was sized for
-    precision: str = "fp32"  # fp32 | bf16 (autocast where the device supports it)
-    device: str = "auto"  # auto | cpu | cuda
+    precision: Precision = Precision.fp32  # bf16: autocast where the device supports it
+    device: Device = Device.auto
     log_every: int = 10
     eval_every: int = 100  # <= 0: only at the end
     eval_batches: int = 4
@@ -95,7 +94,7 @@ class TrainerConfig:
     overwrite: bool = False
     # refuse | allow: resuming with another optimisation (lr, seed, seq_len, tokens per step) than
     # the checkpoint's recipe; another model or data is always refused (orthros_train/train/run_dir.py)
-    resume_changes: str = "refuse"
+    resume_changes: ResumeChanges = ResumeChanges.refuse
     async_save: bool = False  # periodic saves: snapshot to host memory, write/publish in a background thread
     # faults
     max_nonfinite_steps: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
@@ -117,14 +116,11 @@ class TrainerConfig:
                 "trainer.overwrite=true replaces the run in trainer.run_dir with a new one, but trainer.resume=auto "
                 "continues it: pass trainer.resume=none to start afresh (or drop trainer.overwrite)"
             )
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"trainer.precision must be fp32|bf16, got {self.precision!r}")
+        self.precision = Precision.parse(self.precision, "trainer.precision")
+        self.device = Device.parse(self.device, "trainer.device")
+        self.resume_changes = ResumeChanges.parse(self.resume_changes, "trainer.resume_changes")
         if self.save_every < 0 or self.keep_last_k < 0 or self.max_nonfinite_steps < 1:
             raise ValueError("trainer.save_every and trainer.keep_last_k must be >= 0, max_nonfinite_steps >= 1")
-        if self.resume_changes not in ("refuse", "allow"):
-            raise ValueError(f"trainer.resume_changes must be refuse|allow, got {self.resume_changes!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"trainer.device must be auto|cpu|cuda, got {self.device!r}")
         if self.seq_len_schedule is not None:
             from orthros_train.data.schedule import check_seq_len_schedule
 
@@ -136,9 +132,6 @@ class ModelInit:
     """How the model's weights start: random (``init_from=None``) or from a checkpoint dir."""
 
     init_from: str | None = None
-
-
-RL_TASKS = ("pattern", "prompts", "rollouts")
 
 
 @dataclass
@@ -181,7 +174,7 @@ class RLConfig:
 class TaskConfig:
     """Where an RL run's rollouts come from (the ``task`` section of an RL recipe)."""
 
-    name: str = "pattern"  # pattern | prompts | rollouts
+    name: RLTask = RLTask.pattern
     # pattern (toy): prompts of random tokens in [low, model.vocab_size); count up from the last one
     low: int = 2
     prompt_len: int = 8
@@ -194,8 +187,7 @@ class TaskConfig:
     rollouts: str | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in RL_TASKS:
-            raise ValueError(f"task.name must be one of {RL_TASKS}, got {self.name!r}")
+        self.name = RLTask.parse(self.name, "task.name")
         if self.name == "prompts" and not self.reward:
             raise ValueError("task.name=prompts needs task.reward (a reward function 'module:function')")
         if self.name == "rollouts" and not self.rollouts:
@@ -217,6 +209,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         # Every RunConfig carries a resolved geometry; idempotent for one already resolved.
         resolve_batch_geometry(self.trainer, self.parallel, self.parallel.world_size, self.rl)
+        if self.rl is not None and self.task is not None and self.task.name == RLTask.pattern:
+            self.rl.max_new_tokens = self.task.response_len  # the toy task's responses have a fixed length
 
     @property
     def global_batch_size(self) -> int:

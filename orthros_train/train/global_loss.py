@@ -23,26 +23,24 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from orthros_train.options import LossAverage
 from orthros_train.parallel import collectives
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
-LOSS_AVERAGES = ("token", "sequence")
 
-
-def loss_units(layout: OrthrosLayout, loss_average: str) -> int:
+def loss_units(layout: OrthrosLayout, loss_average: LossAverage | str) -> int:
     """What the loss of ``layout`` averages over: labelled output tokens (``token``) or documents
     with at least one labelled token (``sequence``)."""
-    if loss_average not in LOSS_AVERAGES:
-        raise ValueError(f"loss_average must be one of {LOSS_AVERAGES}, got {loss_average!r}")
+    loss_average = LossAverage.parse(loss_average, "loss_average")
     valid = layout.labels != IGNORE_INDEX
-    if loss_average == "token":
+    if loss_average == LossAverage.token:
         return int(valid.sum())
     doc = layout.document_ids()[layout.output_index][valid]
     return int(torch.unique(doc).numel())
 
 
 def global_loss_units(
-    layouts: Sequence[OrthrosLayout], loss_average: str, group: dist.ProcessGroup | None = None
+    layouts: Sequence[OrthrosLayout], loss_average: LossAverage | str, group: dist.ProcessGroup | None = None
 ) -> int:
     """Loss units of a whole step: this rank's micro-batches summed over the data-parallel
     ``group`` (one collective per step)."""
@@ -58,4 +56,4 @@ def micro_batch_normalizer(units: int, grad_accum_steps: int, data_parallel: int
     return max(units, 1) / (grad_accum_steps * data_parallel)
 
 
-__all__ = ["LOSS_AVERAGES", "global_loss_units", "loss_units", "micro_batch_normalizer"]
+__all__ = ["global_loss_units", "loss_units", "micro_batch_normalizer"]

@@ -11,6 +11,8 @@ import torch
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.phase.layout import OrthrosLayout
 
+TERA = 1e12  # FLOP/s per TFLOP/s
+
 
 def model_flops_per_token(cfg: OrthrosConfig, seq_len: int) -> float:
     """Training FLOPs per token of one pretraining sequence of ``seq_len`` (an output token on
@@ -38,7 +40,7 @@ def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = Tru
     n_layers = cfg.num_hidden_layers
     t, n = layout.num_tokens, layout.num_outputs
     base_index = torch.arange(t)
-    window = UNBOUNDED if cfg.attention_type == "dense" else cfg.sliding_window
+    window = cfg.base_window
     start, end = key_ranges(base_index, torch.full((t,), window), layout.cu_seqlens.cpu())
     base_pairs = float((end - start + 1).sum())
     per_pair = 4 * h * hd

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-RESUME_CHANGES = ("refuse", "allow")
+from orthros_train.options import ResumeChanges
 
 # What a run *is*: a checkpoint of another model or data belongs to another run.
 IDENTITY_SECTIONS = ("model.", "data.")
@@ -85,7 +85,7 @@ def saved_recipe(checkpoint: Path) -> dict[str, Any] | None:
         return None
 
 
-def check_resume(checkpoint: Path, current: dict[str, Any], resume_changes: str) -> list[str]:
+def check_resume(checkpoint: Path, current: dict[str, Any], resume_changes: ResumeChanges | str) -> list[str]:
     """Raise ValueError when ``checkpoint`` belongs to another run; returns the lines to log for
     the changes that are accepted."""
     saved = saved_recipe(checkpoint)
@@ -99,7 +99,7 @@ def check_resume(checkpoint: Path, current: dict[str, Any], resume_changes: str)
             + "): that is another run. Give it its own trainer.run_dir (or trainer.resume=none), and "
             f"model.init_from={Path(checkpoint) / 'model'} to start from these weights"
         )
-    if kinds["training"] and resume_changes != "allow":
+    if kinds["training"] and resume_changes != ResumeChanges.allow:
         raise ValueError(
             f"resuming {checkpoint} with a changed recipe ("
             + "; ".join(kinds["training"])

@@ -153,7 +153,7 @@ def measure(run_dir: str, micro: int, accum: int, per_micro_batch: bool = False,
             trainer.data = FixedBatches(weighted, micro, parallel_state.get_data_parallel_rank(), dp)
             captured.clear()
             stats = trainer.train_step()
-            entry = {"loss": stats["loss"], "grads": dict(captured)}
+            entry = {"loss": stats.loss, "grads": dict(captured)}
             if dist.get_rank() == 0 and not per_micro_batch:
                 reference.zero_grad(set_to_none=True)
                 want = direct_loss(reference, rows, average)

@@ -36,7 +36,7 @@ def main() -> None:
     )
     from orthros_train.phase import pretrain_layout, sft_layout
     from orthros_train.train.cli import launcher_env
-    from orthros_train.train.trainer import tensor_parallel_grad_norm
+    from orthros_train.train.step import tensor_parallel_grad_norm
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     variants = [(False, "orthros"), (True, "orthros"), (True, "dense")]

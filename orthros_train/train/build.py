@@ -1,0 +1,164 @@
+"""Building a run's parts, in the order a run needs them: processes and device, the run
+directory's lock, data, model, objective, engine. Each function fails with a message naming the
+recipe key to change, before anything slower is built.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from orthros_train.data.schedule import build_scheduled_data
+from orthros_train.logging_setup import RANK_ZERO
+from orthros_train.model import OrthrosForCausalLM
+from orthros_train.options import CommBackend, DataSource, Device
+from orthros_train.parallel import collectives
+from orthros_train.parallel.model import build_parallel_model
+from orthros_train.parallel.setup import DistributedEnv, init_parallel
+from orthros_train.parallel.state_dict import LazyCheckpoint, load_reference_shards
+from orthros_train.train.config import RunConfig
+from orthros_train.train.memory import GIB, memory_fit_problem, memory_summary
+from orthros_train.train.objective import CrossEntropy, Objective
+from orthros_train.train.rl import GRPOObjective, Policy, build_rollout_data
+from orthros_train.train.run_lock import RunLock
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def start_processes(cfg: RunConfig, env: DistributedEnv) -> torch.device:
+    """torch.distributed and megatron's parallel groups; returns this rank's device."""
+    t, p = cfg.trainer, cfg.parallel
+    if t.device == Device.cuda and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    if t.device == Device.cpu and p.backend == CommBackend.auto:
+        p.backend = CommBackend.gloo
+    device = init_parallel(p, cfg.model, env)
+    return torch.device("cpu") if t.device == Device.cpu else device
+
+
+def check_memory_fit(cfg: RunConfig, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a layout the memory model says overflows this GPU
+    (an out-of-memory error would come minutes later, after the model and data are built)."""
+    if device.type != "cuda":
+        return
+    device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+    peak = memory_summary(cfg)["peak_gib"]
+    problem = memory_fit_problem(peak, device_gib, torch.cuda.get_device_name(device))
+    if problem is None:
+        return
+    if not cfg.trainer.allow_memory_overflow:
+        raise ValueError(f"{problem}; trainer.allow_memory_overflow=true starts anyway")
+    log.warning("WARNING: %s (starting anyway: trainer.allow_memory_overflow=true)", problem, extra=RANK_ZERO)
+
+
+def lock_run_dir(run_dir: Path, job_id: str | None) -> RunLock | None:
+    """Rank 0 takes the run directory's lock (released at exit); every rank learns the outcome,
+    so a refused launch stops on all of them with rank 0's message (collective)."""
+    lock, problem = None, ""
+    if dist.get_rank() == 0:
+        lock = RunLock(run_dir, job_id=job_id)
+        try:
+            lock.acquire()
+            atexit.register(lock.release)  # any normal exit, an error included, frees the directory
+        except ValueError as exc:
+            lock, problem = None, str(exc)
+    problem = collectives.broadcast_object(problem, src=0)
+    if problem:
+        raise ValueError(problem)
+    return lock
+
+
+def build_data(cfg: RunConfig, policy: Policy | None) -> Any:
+    """This data-parallel rank's data: the recipe's corpus through the sequence-length schedule,
+    or, for RL, the task's rollouts sampled with ``policy``."""
+    t = cfg.trainer
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    if cfg.rl is not None:
+        data = build_rollout_data(
+            cfg.rl, cfg.task, cfg.data, vocab_size=cfg.model.vocab_size, init_from=cfg.init.init_from, seed=t.seed,
+            max_steps=t.max_steps, micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
+            policy=policy, dp_rank=dp_rank, dp_size=dp_size,
+        )  # fmt: skip
+    else:
+        data = build_scheduled_data(  # build_data itself unless trainer.seq_len_schedule is set
+            cfg.data, t.seq_len, t.micro_batch_size, t.seq_len_schedule, t.grad_accum_steps, t.seed,
+            dp_rank=dp_rank, dp_size=dp_size,
+        )  # fmt: skip
+    if data.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"the data's tokenizer has {data.vocab_size} tokens ({_data_vocab_key(cfg)}) but "
+            f"model.vocab_size is {cfg.model.vocab_size}: its ids would index past the embedding; set "
+            f"model.vocab_size={data.vocab_size} or more, or use the recipe the data was made for"
+        )
+    return data
+
+
+def _data_vocab_key(cfg: RunConfig) -> str:
+    """The recipe key that fixed the data's vocabulary, for the mismatch message."""
+    if cfg.rl is not None:
+        return "model.init_from / data.tokenizer"
+    if cfg.data.source == DataSource.embedded:
+        return f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size}"
+    named = f", data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer else ""
+    return f"the tokenizer recorded with data.paths{named}"
+
+
+def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
+    """This rank's shard of the model, built directly: random weights drawn from
+    ``trainer.seed`` (the same at every TP size) or, with ``init.init_from``, a checkpoint's
+    read tensor by tensor."""
+    if not cfg.init.init_from:
+        return build_parallel_model(cfg.model, cfg.parallel, seed=cfg.trainer.seed).to(device)
+    try:
+        weights = LazyCheckpoint(cfg.init.init_from)  # opened first: a bad path fails before any build
+    except FileNotFoundError as exc:
+        where = "it does not exist" if not Path(cfg.init.init_from).exists() else str(exc)
+        raise ValueError(
+            f"model.init_from={cfg.init.init_from} holds no *.safetensors weights ({where}):"
+            " run the job that writes it first (a recipe's comment names it; e.g. sft_tiny_cpu starts"
+            " from `orthros-train --config-name tiny_cpu`), point it at a checkpoint's model/ or"
+            " final/ directory, or set model.init_from=null to start from random weights"
+        ) from exc
+    except ValueError as exc:  # a truncated or corrupt weights file, named with its size
+        raise ValueError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
+    model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
+    load_reference_shards(model, weights, cfg.model)
+    return model.to(device)
+
+
+def build_objective(cfg: RunConfig, model: torch.nn.Module, policy: Policy | None, device: torch.device) -> Objective:
+    """Cross entropy, or GRPO on ``policy``. With a KL term the frozen reference is a copy of
+    the initial policy, sharded like it (taken before DeepSpeed partitions or steps it)."""
+    if cfg.rl is None:
+        return CrossEntropy()
+    reference = None
+    if cfg.rl.kl_coef > 0:
+        frozen = build_model(cfg, device)
+        frozen.load_state_dict(model.state_dict())
+        reference = Policy(device, module=frozen.eval().requires_grad_(False))
+    return GRPOObjective(cfg.rl, cfg.data.loss_average, policy, reference, parallel_state.get_data_parallel_group())
+
+
+__all__ = [
+    "build_data",
+    "build_model",
+    "build_objective",
+    "check_memory_fit",
+    "lock_run_dir",
+    "seed_everything",
+    "start_processes",
+]

@@ -1,0 +1,77 @@
+"""What a dry run prints (``trainer.dry_run=true``): the plan of a run, nothing built but a
+meta-device model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from orthros_train.model import OrthrosForCausalLM
+from orthros_train.parallel.setup import check_parallel_layout
+from orthros_train.train.config import RunConfig
+from orthros_train.train.memory import memory_summary
+from orthros_train.train.metrics import PEAK_BF16_TFLOPS, TERA, model_flops_per_token
+
+# The MFU a cluster run is planned at (the figure the plan's expected throughput assumes).
+PLANNED_MFU = 0.40
+
+
+def plan_summary(cfg: RunConfig) -> dict[str, Any]:
+    """Figures a dry run prints: parameters, tokens per step, steps, FLOPs per token."""
+    check_parallel_layout(cfg.parallel, cfg.model)
+    with torch.device("meta"):
+        model = OrthrosForCausalLM(cfg.model)
+    params = sum(p.numel() for p in model.parameters())
+    t = cfg.trainer
+    flops = model_flops_per_token(cfg.model, t.seq_len)
+    summary: dict[str, Any] = {
+        "attention_type": cfg.model.attention_type,
+        "parameters": params,
+        "non_embedding_parameters": params - cfg.model.vocab_size * cfg.model.hidden_size,
+        "parallel": {
+            "tensor_parallel": cfg.parallel.tensor_parallel,
+            "sequence_parallel": cfg.parallel.sequence_parallel,
+            "context_parallel": cfg.parallel.context_parallel,
+            "data_parallel": cfg.parallel.data_parallel,
+            "zero_stage": cfg.parallel.zero_stage,
+            "recompute": cfg.parallel.recompute,
+            "world_size": cfg.parallel.world_size,
+        },
+        # derived from the world size (orthros_train/train/config.py resolve_batch_geometry)
+        "global_batch_size": cfg.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "grad_accum_steps": t.grad_accum_steps,
+        "tokens_per_step": cfg.tokens_per_step,
+        "total_steps": t.max_steps,
+        "total_tokens": t.max_steps * cfg.tokens_per_step,
+        "recipe_token_budget": t.total_tokens,
+        "flops_per_token": flops,
+        "total_flops": flops * t.max_steps * cfg.tokens_per_step,
+        "seq_len": t.seq_len,
+        "sliding_window": cfg.model.sliding_window,
+        "init_from": cfg.init.init_from,
+        # What a cluster would do: H100 bf16 peak (or trainer.peak_tflops) at the planned MFU.
+        "expected_at_40pct_mfu": _expected_throughput(cfg, flops, PLANNED_MFU),
+        "memory_per_gpu": memory_summary(cfg),  # analytic model, per sequence-length stage
+    }
+    if cfg.rl is not None:  # an RL recipe: what one step samples and trains on
+        rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+        summary["rl"] = {"task": cfg.task.name, "rollouts_per_step": rows,
+                         "max_response_tokens_per_step": rows * cfg.rl.max_new_tokens}
+    return summary
+
+
+def _expected_throughput(cfg: RunConfig, flops_per_token: float, mfu: float) -> dict[str, float]:
+    peak = cfg.trainer.peak_tflops or PEAK_BF16_TFLOPS["H100"]
+    tokens_per_s = mfu * peak * TERA * cfg.parallel.world_size / flops_per_token
+    return {
+        "peak_tflops_per_device": peak,
+        "devices": cfg.parallel.world_size,
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": cfg.tokens_per_step / tokens_per_s,
+        "days_for_run": cfg.trainer.max_steps * cfg.tokens_per_step / tokens_per_s / 86400,
+    }
+
+
+__all__ = ["plan_summary"]
