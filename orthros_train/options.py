@@ -25,6 +25,9 @@ class Option(str, Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
+    def __repr__(self) -> str:  # messages quote the word a recipe holds: 'dense', not <AttentionType.dense>
+        return repr(self.value)
+
     @classmethod
     def choices(cls) -> str:
         return "|".join(m.value for m in cls)

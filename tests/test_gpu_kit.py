@@ -245,20 +245,15 @@ print(len(names))
     assert int(proc.stdout.split()[-1]) > 40  # the walk found the package's modules
 
 
-def test_wandb_enabled_but_missing_names_the_fix(monkeypatch):
-    from types import SimpleNamespace
-
-    from orthros_train.train.trainer import Trainer
+def test_wandb_enabled_but_missing_names_the_fix(monkeypatch, tmp_path):
+    from orthros_train.train.config import WandbConfig
+    from orthros_train.train.step_log import start_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)
-    off = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(wandb=SimpleNamespace(enabled=False,
-                                                                                           mode="offline"))))
-    assert Trainer._wandb(off) is None  # disabled: wandb is never imported
-    on = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(wandb=SimpleNamespace(enabled=True,
-                                                                                          mode="offline"))))
+    assert start_wandb(WandbConfig(enabled=False), tmp_path, {}, None) is None  # disabled: never imported
     with pytest.raises(ValueError, match=r"trainer.wandb.enabled=true but wandb cannot be imported .*"
                                          r"orthros-train\[wandb\].*trainer.wandb.enabled=false"):
-        Trainer._wandb(on)
+        start_wandb(WandbConfig(enabled=True), tmp_path, {}, None)
 
 
 def test_gguf_and_lm_eval_missing_name_their_extras(monkeypatch, tmp_path: Path):

@@ -1017,6 +1017,11 @@ def _save(ctx, q, k, v, out, lse, q_index, q_window, cu_seqlens, scale, determin
     ctx.blocks = (block_m, block_n)
 
 
+# The custom ops' autograd leaves out trailing arguments equal to their defaults (the block
+# sizes) from the inputs it expects gradients for: the backward returns one gradient per input in
+# ``ctx.needs_input_grad``, which has that structure.
+
+
 def _setup_context(ctx, inputs, output):
     _save(ctx, *inputs[:3], *output, *inputs[3:])
 
@@ -1033,13 +1038,13 @@ def _backward(ctx, dout, dlse):
         dout, dlse, q, k, v, out, lse, q_index, q_window, cu_seqlens, ctx.scale, ctx.deterministic, plan, ctx.n_band,
         *ctx.blocks,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv, None, None, None, None, None, None, None)[: len(ctx.needs_input_grad)]
 
 
 def _backward_planned(ctx, dout, dlse):
     dq, dk, dv, *_ = _backward(ctx, dout, dlse)
     n_plan = len(ctx.saved_tensors) - 8
-    return dq, dk, dv, None, None, None, None, None, [None] * n_plan, None, None, None
+    return (dq, dk, dv, None, None, None, None, None, [None] * n_plan, None, None, None)[: len(ctx.needs_input_grad)]
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context_unplanned)
@@ -1057,7 +1062,7 @@ class OrthrosAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse)[:8]  # no gradient slots for the op's block sizes here
+        return _backward(ctx, dout, dlse)
 
 
 @dataclass
