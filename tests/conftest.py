@@ -15,7 +15,7 @@ from collections.abc import Callable  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from data_helpers import make_tokenizer  # noqa: E402
-from fixtures import TINY_TEST_RUN, resolved_recipe, trainer_for  # noqa: E402
+from fixtures import LAUNCH_DIR, PARALLEL_TEST_RUN, TINY_TEST_RUN, cli_env, resolved_recipe, trainer_for  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _deterministic_torch():
+def _one_thread_and_seed_zero():
     # One intra-op thread for every test, whatever an earlier one set (orthros-eval and the study
     # set their own): tiny tensors on a busy 2-core machine only lose to OpenMP barrier spins.
     torch.set_num_threads(1)
@@ -124,3 +124,24 @@ def make_trainer(tmp_path):
 
     yield make
     destroy_parallel()
+
+
+# -- command-line runs that several tests read ----------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tp2_sp_launch(tmp_path_factory):
+    """``launch/torchrun.sh 2 tiny_cpu`` with TP = 2 and sequence parallelism (``PARALLEL_TEST_RUN``),
+    the progress bar, log lines and wandb (offline) on as a user has them: test_parallel compares
+    its losses with one process, test_quiet counts the lines it prints. Both tests carry
+    ``xdist_group("tp2_sp_launch")``, so it runs once. Returns (the finished process, its run dir)."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path_factory.mktemp("tp2_sp") / "run"
+    proc = subprocess.run(
+        ["bash", str(LAUNCH_DIR / "torchrun.sh"), "2", "tiny_cpu", *PARALLEL_TEST_RUN, "parallel.tensor_parallel=2",
+         "parallel.sequence_parallel=true", f"trainer.run_dir={run_dir}"],
+        capture_output=True, text=True, timeout=900, cwd=run_dir.parent, env=cli_env(PYTHON=sys.executable),
+    )  # fmt: skip
+    return proc, run_dir

@@ -176,6 +176,9 @@ SMALL_TINY_CPU = (
 # A run that prints and logs nothing beyond its errors and summary (no progress bar, no wandb, no
 # log lines): what tests read is metrics.jsonl.
 QUIET_RUN = ("trainer.progress=false", "trainer.wandb.enabled=false", "trainer.log_every=0")
+# Three steps of the tensor- and context-parallel runs: windows (16) and documents cross the CP
+# chunks (32 tokens at CP = 2).
+PARALLEL_TEST_RUN = (*SMALL_TINY_CPU, "trainer.max_steps=3", "model.sliding_window=16")
 # The tiny_cpu run of the checkpoint, resume and fault tests, in-process (conftest's make_trainer)
 # and on the command line (start_tiny_run): test size, quiet, 2 warmup steps.
 TINY_TEST_RUN = (*SMALL_TINY_CPU, *QUIET_RUN, "optim.warmup_steps=2")
@@ -183,12 +186,19 @@ TINY_TEST_RUN = (*SMALL_TINY_CPU, *QUIET_RUN, "optim.warmup_steps=2")
 # -- the command line in subprocesses ------------------------------------------------------------------
 
 
+# What an in-process trainer leaves in os.environ (DeepSpeed wants a launcher's variables): a
+# command started from a test must not inherit them, as a user's shell has none (a stale
+# MASTER_PORT would pin launch/torchrun.sh's rendezvous to a port another run may hold).
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def cli_env(*, drop: tuple[str, ...] = (), **values: str) -> dict[str, str]:
     """The environment of a command-line subprocess: offline Hugging Face and wandb, one OpenMP
-    thread (two xdist workers already share the two cores), ``values`` set and ``drop`` removed."""
+    thread (two xdist workers already share the two cores), no launcher variables, ``values`` set
+    and ``drop`` removed."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
            "OMP_NUM_THREADS": "1", **values}  # fmt: skip
-    for key in drop:
+    for key in (*LAUNCHER_VARIABLES, *drop):
         env.pop(key, None)
     return env
 

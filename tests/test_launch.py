@@ -111,7 +111,7 @@ def _train(nproc: int, recipe: str, run_dir: Path, *overrides: str) -> list[floa
     quiet = [*QUIET_RUN, "trainer.sample_prompt=null", f"trainer.run_dir={run_dir}"]
     proc = subprocess.run(
         ["bash", str(LAUNCH_DIR / "torchrun.sh"), str(nproc), recipe, *quiet, *overrides],
-        env=cli_env(drop=("MASTER_PORT",)), capture_output=True, text=True, timeout=900, cwd=run_dir.parent,
+        env=cli_env(), capture_output=True, text=True, timeout=900, cwd=run_dir.parent,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     recipe_json = json.loads((run_dir / "recipe.json").read_text())

@@ -8,8 +8,8 @@ import sys
 import pytest
 from fixtures import (
     LAUNCH_DIR,
+    PARALLEL_TEST_RUN,
     QUIET_RUN,
-    SMALL_TINY_CPU,
     cli_env,
     metrics,
     result_of,
@@ -61,31 +61,27 @@ def test_zero_stages_equal_single_process():
 
 
 @pytest.mark.slow
-def test_trainer_tp2_sp_and_cp2_losses_equal_tp1(tmp_path):
-    """The real CLI: TP=2+SP and CP=2 (ZeRO-1 over the data x context group) runs under
-    torchrun log the same losses as a one-process run."""
-    # windows (16) and documents cross the CP chunks (32 tokens)
-    small = [*SMALL_TINY_CPU, *QUIET_RUN, "trainer.max_steps=3", "model.sliding_window=16"]
+@pytest.mark.xdist_group("tp2_sp_launch")
+def test_trainer_tp2_sp_and_cp2_losses_equal_tp1(tp2_sp_launch, tmp_path):
+    """The real CLI: TP=2+SP (conftest's tp2_sp_launch) and CP=2 (ZeRO-1 over the data x context
+    group) runs under torchrun log the same losses as a one-process run."""
+    small = [*PARALLEL_TEST_RUN, *QUIET_RUN]
     single = run_train("--config-name", "tiny_cpu", *small, f"trainer.run_dir={tmp_path / 'tp1'}", cwd=tmp_path)
     assert single.returncode == 0, single.stderr[-4000:]
-    layouts = {
-        "tp2": ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
-        "cp2": ["parallel.context_parallel=2", "parallel.zero_stage=1"],
-    }
-    for run, overrides in layouts.items():
-        # Through the launcher users run (launch/torchrun.sh): 2 CPU ranks with gloo.
-        parallel = subprocess.run(
-            ["bash", str(LAUNCH_DIR / "torchrun.sh"), "2", "tiny_cpu", *small, f"trainer.run_dir={tmp_path / run}",
-             *overrides],
-            capture_output=True, text=True, timeout=900, cwd=tmp_path,
-            env=cli_env(drop=("MASTER_PORT",), PYTHON=sys.executable),
-        )  # fmt: skip
-        assert parallel.returncode == 0, (run, parallel.stderr[-4000:])
+    tp2, tp2_run = tp2_sp_launch
+    assert tp2.returncode == 0, ("tp2", tp2.stderr[-4000:])
+    # Through the launcher users run (launch/torchrun.sh): 2 CPU ranks with gloo.
+    cp2 = subprocess.run(
+        ["bash", str(LAUNCH_DIR / "torchrun.sh"), "2", "tiny_cpu", *small, f"trainer.run_dir={tmp_path / 'cp2'}",
+         "parallel.context_parallel=2", "parallel.zero_stage=1"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=cli_env(PYTHON=sys.executable),
+    )  # fmt: skip
+    assert cp2.returncode == 0, ("cp2", cp2.stderr[-4000:])
 
     a = [r["loss"] for r in metrics(tmp_path / "tp1")]
     assert len(a) == 3
-    for run in layouts:
-        b = [r["loss"] for r in metrics(tmp_path / run)]
+    for run, run_dir in {"tp2": tp2_run, "cp2": tmp_path / "cp2"}.items():
+        b = [r["loss"] for r in metrics(run_dir)]
         assert len(b) == 3
         assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (run, a, b)
 

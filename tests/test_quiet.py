@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from fixtures import LAUNCH_DIR, SMALL_TINY_CPU, TRAIN_CLI, cli_env
+from fixtures import LAUNCH_DIR, TRAIN_CLI, cli_env
 
 
 def test_known_third_party_warnings_are_filtered_and_others_are_not():
@@ -56,11 +56,9 @@ def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_two_rank_tp2_run_prints_a_handful_of_lines(tmp_path):
-    proc = _torchrun(
-        tmp_path, "parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "trainer.max_steps=3",
-        *SMALL_TINY_CPU, f"trainer.run_dir={tmp_path / 'run'}",  # progress bar and wandb as a user has them
-    )  # fmt: skip
+@pytest.mark.xdist_group("tp2_sp_launch")
+def test_two_rank_tp2_run_prints_a_handful_of_lines(tp2_sp_launch):
+    proc, _ = tp2_sp_launch  # 3 steps, progress bar and wandb as a user has them (conftest)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and "train:" not in ln]
     assert len(lines) <= 8, "\n".join(lines)
