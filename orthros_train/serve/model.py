@@ -88,6 +88,9 @@ class StepPlan:
 
     rows: torch.Tensor  # [R] the last row of every request: the output token's base position
     metadata: object | None  # the attention metadata of the step (None in vLLM's dummy runs)
+    # One token per request (a pure decode step): rows == arange(R), so the output stream is a
+    # copy of the whole batch and no row gather or scatter is needed.
+    every_row: bool = False
     out_query_start_loc: torch.Tensor | None = None  # arange(R + 1): one output query per request
     cpu_schedule: torch.Tensor | None = None  # the CPU attention op's work split for those queries
 
@@ -273,7 +276,10 @@ class OrthrosModel(nn.Module):
         rows = (qsl[1:] - 1).clamp(min=0).long()
         n_req = rows.shape[0]
         out_qsl = torch.arange(n_req + 1, dtype=qsl.dtype, device=qsl.device)
-        plan = StepPlan(rows=rows, metadata=md, out_query_start_loc=out_qsl)
+        # R requests of at most one token each holding all of the step's tokens: exactly one each
+        # (read from host-side numbers: no device sync).
+        every_row = n_req == num_tokens and getattr(md, "max_query_len", None) == 1
+        plan = StepPlan(rows=rows, metadata=md, every_row=every_row, out_query_start_loc=out_qsl)
         if device.type == "cpu":
             from vllm import _custom_ops as ops
             from vllm import envs
@@ -291,13 +297,16 @@ class OrthrosModel(nn.Module):
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         n = x.shape[0]
         plan = self.step_plan(n, x.device)
-        h = torch.cat([x, x[plan.rows]])  # output token p starts as a copy of input token p
-        both = torch.cat([positions, positions[plan.rows]])  # output token p uses RoPE position p
+        y0, pos_y = (x, positions) if plan.every_row else (x[plan.rows], positions[plan.rows])
+        h = torch.cat([x, y0])  # output token p starts as a copy of input token p
+        both = torch.cat([positions, pos_y])  # output token p uses RoPE position p
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h, residual = layer(both, h, residual, n, plan, last=i == last)
         y, _ = self.norm(h, residual)
+        if plan.every_row:
+            return y
         # Only the request-last rows are defined: NaN elsewhere makes any other reader visibly
         # wrong instead of plausibly wrong (prompt logprobs, the one such reader, are refused).
         hidden = y.new_full((n, y.shape[1]), float("nan"))
