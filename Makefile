@@ -23,9 +23,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/orthros-train --config-name tiny_cpu
 
-# --dist loadgroup: tests marked with one xdist_group share a module fixture (an expensive
-# reference run) on one worker; every other test is handed out on its own. The float16 compile
-# report is make test-triton36's (tests/test_compile_report.py says why).
+# --dist loadgroup: tests that share an expensive fixture run on one worker (tests/conftest.py:
+# SHARED_FIXTURE_GROUPS); every other test is handed out on its own. The float16 compile report is
+# make test-triton36's (tests/test_compile_report.py says why).
 test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadgroup -m "not fp16_compile_report" $(PYTEST_ARGS)
 

@@ -15,7 +15,15 @@ from collections.abc import Callable  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from data_helpers import make_tokenizer  # noqa: E402
-from fixtures import LAUNCH_DIR, PARALLEL_TEST_RUN, TINY_TEST_RUN, cli_env, resolved_recipe, trainer_for  # noqa: E402
+from fixtures import (  # noqa: E402
+    LAUNCH_DIR,
+    PARALLEL_TEST_RUN,
+    TINY_TEST_RUN,
+    cli_env,
+    resolved_recipe,
+    shared_fixture_group,
+    trainer_for,
+)
 
 torch.set_num_threads(1)
 
@@ -37,6 +45,22 @@ def pytest_configure(config: pytest.Config) -> None:
         "fp16_compile_report: the float16 sm_90 compile report; under triton 3.9 it gives bfloat16's verdicts "
         "(same configs, spills, shared memory and dot replication), so `make test` leaves it to `make test-triton36`",
     )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup``: every test on its own, handed to whichever worker is free, except the
+    groups of ``fixtures.SHARED_FIXTURE_GROUPS``, each sent whole to one worker (before the single
+    tests)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return shared_fixture_group(nodeid) or nodeid
+
+    return SharedFixtureScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -133,8 +157,8 @@ def make_trainer(tmp_path):
 def tp2_sp_launch(tmp_path_factory):
     """``launch/torchrun.sh 2 tiny_cpu`` with TP = 2 and sequence parallelism (``PARALLEL_TEST_RUN``),
     the progress bar, log lines and wandb (offline) on as a user has them: test_parallel compares
-    its losses with one process, test_quiet counts the lines it prints. Both tests carry
-    ``xdist_group("tp2_sp_launch")``, so it runs once. Returns (the finished process, its run dir)."""
+    its losses with one process, test_quiet counts the lines it prints (one worker runs both:
+    ``fixtures.SHARED_FIXTURE_GROUPS``). Returns (the finished process, its run directory)."""
     import subprocess
     import sys
 

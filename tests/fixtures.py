@@ -183,6 +183,25 @@ PARALLEL_TEST_RUN = (*SMALL_TINY_CPU, "trainer.max_steps=3", "model.sliding_wind
 # and on the command line (start_tiny_run): test size, quiet, 2 warmup steps.
 TINY_TEST_RUN = (*SMALL_TINY_CPU, *QUIET_RUN, "optim.warmup_steps=2")
 
+# Tests that read one expensive fixture (a reference run, a launch) go to one xdist worker, so it is
+# computed once (conftest.py's pytest_xdist_make_scheduler): node id without parameters, or a
+# module -> group. xdist's own xdist_group marks cannot do this here: they rename node ids, which
+# pytest 9 no longer lets a plugin do, and would be ignored. test_fixtures.py checks that every
+# entry names a test that exists.
+SHARED_FIXTURE_GROUPS = {
+    "tests/test_resume.py::test_kill_9_two_process_run_resumes_bitwise": "uninterrupted_two_rank_run",
+    "tests/test_parallel.py::test_trainer_tp2_sp_and_cp2_losses_equal_tp1": "tp2_sp_launch",
+    "tests/test_quiet.py::test_two_rank_tp2_run_prints_a_handful_of_lines": "tp2_sp_launch",
+    "tests/test_global_loss.py": "global_loss_splits",
+}
+
+
+def shared_fixture_group(nodeid: str) -> str | None:
+    """The ``SHARED_FIXTURE_GROUPS`` group of a test's node id, if any."""
+    test = nodeid.split("[", 1)[0]
+    return SHARED_FIXTURE_GROUPS.get(test) or SHARED_FIXTURE_GROUPS.get(test.split("::", 1)[0])
+
+
 # -- the command line in subprocesses ------------------------------------------------------------------
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "orthros_train"
 HOME = PACKAGE / "parallel" / "collectives.py"
 

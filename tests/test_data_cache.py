@@ -21,7 +21,6 @@ from data_tools.cli import main as data_main
 from orthros_train.data import DataConfig, build_data
 from orthros_train.data.cache import BuildLock, build_once, read_fingerprint
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = ("apple", "river", "stone", "cloud", "ember", "frost", "grove", "harbor", "island", "jungle")
 
 

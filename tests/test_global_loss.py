@@ -11,8 +11,6 @@ from fixtures import torchrun
 from parallel_scripts import global_loss
 
 CASES = [(kind, average) for kind in ("sft", "rl") for average in ("token", "sequence")]
-# Every test reads the module's `splits` (four in-process trainer steps): one worker computes it once.
-pytestmark = pytest.mark.xdist_group("global_loss_splits")
 
 
 def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

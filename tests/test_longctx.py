@@ -16,8 +16,6 @@ from fixtures import QUIET_RUN, SMALL_TINY_CPU, by_step, run_train, tiny_model
 from orthros_train.data.sampler import ResumableSampler
 from orthros_train.data.schedule import SeqLenScheduledData, check_seq_len_schedule
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 class FakeData:
     """The build_data interface over a synthetic stream: sample i of length L is [i*L, (i+1)*L)."""

@@ -61,7 +61,6 @@ def test_zero_stages_equal_single_process():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tp2_sp_launch")
 def test_trainer_tp2_sp_and_cp2_losses_equal_tp1(tp2_sp_launch, tmp_path):
     """The real CLI: TP=2+SP (conftest's tp2_sp_launch) and CP=2 (ZeRO-1 over the data x context
     group) runs under torchrun log the same losses as a one-process run."""

@@ -56,7 +56,6 @@ def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tp2_sp_launch")
 def test_two_rank_tp2_run_prints_a_handful_of_lines(tp2_sp_launch):
     proc, _ = tp2_sp_launch  # 3 steps, progress bar and wandb as a user has them (conftest)
     assert proc.returncode == 0, proc.stderr[-3000:]

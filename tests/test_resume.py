@@ -31,7 +31,6 @@ def uninterrupted_two_rank_run(tmp_path_factory) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("uninterrupted_two_rank_run")
 @pytest.mark.parametrize("async_save", [False, True])
 def test_kill_9_two_process_run_resumes_bitwise(uninterrupted_two_rank_run, tmp_path, async_save):
     steps = [*KILLED_RUN, f"trainer.async_save={async_save}"]  # async: the kill may land mid background write

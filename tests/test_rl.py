@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures import (
+    TINY_SHAPE,
     by_step,
     finish,
     kill_tree,
@@ -371,8 +372,7 @@ def test_rollout_generator_groups_rewards_and_samples_independently_of_the_batch
 # -- RL through the trainer ------------------------------------------------------------------------
 def _recipe(tmp_path, task: dict, rl: dict, vocab: int = V, steps: int = 2, micro: int = 5, **sections) -> dict:
     return {
-        "model": {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "intermediate_size": 64, "sliding_window": 4, "init_from": None},
+        "model": {"vocab_size": vocab, **TINY_SHAPE, "sliding_window": 4, "init_from": None},
         "optim": {"lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
         "trainer": {"max_steps": steps, "run_dir": str(tmp_path / "run"), "device": "cpu", "log_every": 0,
                     "seed": 0, "eval_every": 0, "micro_batch_size": micro, "progress": False,

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from fixtures import run_train, tiny_model
+from fixtures import TINY_SHAPE, run_train, tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+# One layer on the embedded corpus's 2048-token vocabulary: the model of the recipe below and of
+# the truncated checkpoints.
+ONE_LAYER = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 8}
 
 
 def _recipe(tmp_path: Path, **model) -> dict:
     return {
-        "model": {"vocab_size": 2048, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                  "num_key_value_heads": 1, "intermediate_size": 64, "sliding_window": 8, "init_from": None,
-                  **model},
+        "model": {"vocab_size": 2048, **TINY_SHAPE, **ONE_LAYER, "init_from": None, **model},
         "data": {"source": "embedded", "corpus": "paul_graham", "tokenizer_vocab_size": 2048,
                  "cache_dir": str(Path("~/.cache/orthros_train").expanduser())},
         "trainer": {"max_steps": 1, "run_dir": str(tmp_path / "run"), "device": "cpu", "log_every": 0,
@@ -58,7 +58,7 @@ def test_a_model_smaller_than_the_datas_vocabulary_names_both_keys(tmp_path):
 
 
 def _truncated_checkpoint(directory: Path, keep: float) -> Path:
-    model = tiny_model(2048, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
+    model = tiny_model(2048, **ONE_LAYER)
     model.save_pretrained(directory)
     weights = next(directory.glob("*.safetensors"))
     data = weights.read_bytes()
