@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import by_step, finish, start_tiny_run
 from safetensors.torch import load_file
-from test_resume import cli, finish, losses, make_trainer  # noqa: F401 - make_trainer is a fixture
 
 from orthros_train.train.checkpoint import CheckpointError, load_reference_optimizer
 from orthros_train.train.checkpoint_store import build_manifest, verify_checkpoint
@@ -55,7 +55,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("source,target,precision", [(0, 1, "fp32"), (1, 0, "fp32"), (2, 3, "fp32"), (0, 2, "bf16")])
 def test_resume_across_zero_stages_keeps_adam_moments(
-    make_trainer,  # noqa: F811
+    make_trainer,
     tmp_path,
     monkeypatch,
     source,
@@ -100,7 +100,7 @@ def test_resume_across_zero_stages_keeps_adam_moments(
     assert max_diff(final, final_fresh) > 5 * tol
 
 
-def test_optimizer_state_of_another_model_is_refused(make_trainer, tmp_path):  # noqa: F811
+def test_optimizer_state_of_another_model_is_refused(make_trainer, tmp_path):
     run_in_process(make_trainer, 0, "trainer.max_steps=3")
     ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
     # Truncate one moment: its shape no longer fits the model.
@@ -136,14 +136,15 @@ def straight_then_resumed(
     tmp_path: Path, first: list[str], second: list[str], nproc_first: int, nproc_second: int, control: bool = False
 ) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    rc, _, err = finish(cli(*CLI_STEPS, *first, f"trainer.run_dir={straight}", nproc=nproc_first, cwd=tmp_path))
+    proc = start_tiny_run(*CLI_STEPS, *first, f"trainer.run_dir={straight}", nproc=nproc_first, cwd=tmp_path)
+    rc, _, err = finish(proc)
     assert rc == 0, err[-3000:]
     ckpt = straight / "checkpoints" / "step_000000003"
     resume = [*CLI_STEPS, *second, f"trainer.resume={ckpt}"]
-    rc, out, err = finish(cli(*resume, f"trainer.run_dir={resumed}", nproc=nproc_second, cwd=tmp_path))
+    rc, out, err = finish(start_tiny_run(*resume, f"trainer.run_dir={resumed}", nproc=nproc_second, cwd=tmp_path))
     assert rc == 0, err[-3000:]
     assert "resumed from" in out and "resharded" in out + err, out[-2000:] + err[-2000:]
-    a, b = losses(straight), losses(resumed)
+    a, b = by_step(straight), by_step(resumed)
     assert sorted(b) == [4, 5, 6]
     loss_diff = max(abs(a[s] - b[s]) for s in b)
     weight_diff = max_diff(final_weights(straight), final_weights(resumed))
@@ -152,9 +153,9 @@ def straight_then_resumed(
     if control:  # the same resume with the moments restarting diverges well beyond TOL
         drop_optimizer(ckpt)
         fresh = tmp_path / "fresh"
-        rc, _, err = finish(cli(*resume, f"trainer.run_dir={fresh}", nproc=nproc_second, cwd=tmp_path))
+        rc, _, err = finish(start_tiny_run(*resume, f"trainer.run_dir={fresh}", nproc=nproc_second, cwd=tmp_path))
         assert rc == 0, err[-3000:]
-        c = losses(fresh)
+        c = by_step(fresh)
         fresh_weight_diff = max_diff(final_weights(straight), final_weights(fresh))
         print(f"  without moments: loss {max(abs(a[s] - c[s]) for s in c):.2e}, weights {fresh_weight_diff:.2e}")
         assert fresh_weight_diff > 100 * TOL
@@ -180,7 +181,7 @@ def test_dp2_zero1_checkpoint_resumes_at_dp1_zero2(tmp_path):
     straight_then_resumed(tmp_path, dp2, dp1, nproc_first=2, nproc_second=1)
 
 
-def test_fp32_checkpoint_resumes_in_bf16_stage0(make_trainer, tmp_path):  # noqa: F811
+def test_fp32_checkpoint_resumes_in_bf16_stage0(make_trainer, tmp_path):
     """Stage-0 bf16 keeps fp32 weight copies of its own: they must take the checkpoint's weights
     too, or its first step would write the initial weights back into the model."""
     straight, _ = run_in_process(make_trainer, 0)
@@ -189,7 +190,7 @@ def test_fp32_checkpoint_resumes_in_bf16_stage0(make_trainer, tmp_path):  # noqa
     assert max(abs(resumed[s] - straight[s]) for s in resumed) < 0.01, (straight, resumed)  # bf16 forward
 
 
-def test_checkpoint_of_another_model_config_is_refused_by_name(make_trainer, tmp_path):  # noqa: F811
+def test_checkpoint_of_another_model_config_is_refused_by_name(make_trainer, tmp_path):
     run_in_process(make_trainer, 0, "trainer.max_steps=3")
     ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
     with pytest.raises(ValueError, match=r"written for another model config"):
@@ -197,7 +198,7 @@ def test_checkpoint_of_another_model_config_is_refused_by_name(make_trainer, tmp
         make_trainer("trainer.max_steps=3", *other, f"trainer.resume={ckpt}")
 
 
-def test_checkpoint_of_the_earlier_format_resumes(make_trainer, tmp_path):  # noqa: F811
+def test_checkpoint_of_the_earlier_format_resumes(make_trainer, tmp_path):
     """Format 1 kept DeepSpeed's files in engine/ and, for bf16 runs, the fp32 masters as
     ``<name>.master`` in optimizer/ (model/ held the bf16 weights): it resumes exactly too."""
     from safetensors.torch import save_file

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "orthros_train"
 HOME = PACKAGE / "parallel" / "collectives.py"
 
@@ -179,36 +179,15 @@ class Recorder:
         return wrapper
 
 
-TINY = [
-    "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
-    "trainer.wandb.enabled=false", "trainer.wandb.name=test", "model.hidden_size=64", "model.num_hidden_layers=2",
-    "trainer.micro_batch_size=2",
-    "trainer.global_batch_size=null", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=2",
-]  # fmt: skip
-
-
 @pytest.mark.parametrize("zero_stage", [0, 1])
-def test_the_trainer_communicates_only_tensors_on_the_groups_device(tmp_path, monkeypatch, zero_stage):
+def test_the_trainer_communicates_only_tensors_on_the_groups_device(make_trainer, monkeypatch, zero_stage):
     """Steps, a save, a resume, the final save and export: every collective of the package (the
     non-finite flag, step statistics, stop flag, TP grad norm at ZeRO-0, the optimizer step
     count, checkpoint agreement) passes tensors from collectives.place on the trainer's device."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     from orthros_train.parallel.setup import destroy_parallel
-    from orthros_train.train.config import run_config_from_dict
-    from orthros_train.train.trainer import Trainer
 
-    def make(*overrides: str) -> Trainer:
-        with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
-            cfg = compose(
-                "tiny_cpu",
-                overrides=[*TINY, f"trainer.run_dir={tmp_path / 'run'}", f"parallel.zero_stage={zero_stage}"]
-                + list(overrides),
-            )
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        resolved.pop("hydra", None)
-        return Trainer(run_config_from_dict(resolved), resolved)
+    def make(*overrides: str):
+        return make_trainer(f"parallel.zero_stage={zero_stage}", *overrides)
 
     recorder = Recorder(monkeypatch, required=torch.device("cpu"))
     try:

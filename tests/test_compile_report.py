@@ -43,7 +43,10 @@ def _report(head_dim: int, dtype: str, *extra: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is not installed")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+# float16 compiles the same autotune lists as bfloat16; under triton 3.9 every config gets the same
+# verdict (only decode_combine's register count differs, 72 vs 64, no spills), so `make test` runs
+# bfloat16 and `make test-triton36` both (-m "not fp16_compile_report" in the Makefile).
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.fp16_compile_report)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_autotune_configs_have_no_spills_on_sm90(head_dim, dtype):
     rows = _report(head_dim, dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import tiny_config
 
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import plan_for_layout
@@ -20,15 +21,7 @@ from orthros_train.phase import pretrain_layout, sft_layout
 
 
 def _config(attention_type: str, window: int) -> OrthrosConfig:
-    return OrthrosConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=window,
-        attention_type=attention_type,
-    )
+    return tiny_config(64, num_hidden_layers=1, sliding_window=window, attention_type=attention_type)
 
 
 def _simulated_cp_error(cfg, layout, cp: int, backend: str = "reference", heads=(4, 2), dim=8, grads=False):

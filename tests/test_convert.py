@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from fixtures import TINY_HF_SHAPE, cli_env, spread_hf_norms, tiny_config
 
 from orthros_train.convert.checkpoint_io import ConversionError
 from orthros_train.convert.cli import main as convert_main
@@ -38,17 +39,7 @@ LLAMA3_ROPE = {
 
 
 def _tiny_hf_model(kind: str):
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.15,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = dict(vocab_size=VOCAB, **TINY_HF_SHAPE, bos_token_id=1, eos_token_id=2)
     if kind == "llama":  # Llama-3.1 style: GQA, llama3 RoPE scaling, untied head
         cfg = transformers.LlamaConfig(**common, rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=256)
         model = transformers.LlamaForCausalLM(cfg)
@@ -58,13 +49,7 @@ def _tiny_hf_model(kind: str):
     else:  # Qwen2 style: q/k/v biases
         cfg = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(cfg)
-    with torch.no_grad():  # non-trivial norms and biases, so a dropped tensor shows in the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    return model.eval()
+    return spread_hf_norms(model, biases=True)  # non-trivial norms and biases: a dropped tensor shows
 
 
 @pytest.fixture(scope="module")
@@ -416,13 +401,8 @@ def test_round_trip_keeps_every_hf_tensor(hf_dirs, tmp_path):
 
 
 def test_to_hf_refuses_non_orthros_and_mismatched_checkpoints(tmp_path):
-    cfg = OrthrosConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        attention_type="dense",
+    cfg = tiny_config(
+        VOCAB, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=None, attention_type="dense"
     )
     OrthrosForCausalLM(cfg).save_pretrained(tmp_path / "dense")
     with pytest.raises(ConversionError, match="attention_type='dense'"):
@@ -474,12 +454,10 @@ def test_truncated_or_corrupt_safetensors_is_named_by_the_cli(hf_dirs, tmp_path,
     assert f"{weights}" in capsys.readouterr().err
 
 
-def test_exported_tokenizer_loads_without_custom_code_or_a_prompt(orthros_dir, tmp_path):
+def test_exported_tokenizer_loads_without_custom_code_or_a_prompt(orthros_dir, bpe_tokenizer_dir, tmp_path):
     """A fresh process with no stdin: the documented AutoTokenizer call neither asks nor runs the
     export's code, and encodes as the checkpoint's own tokenizer does."""
-    from data_helpers import make_tokenizer
-
-    tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=VOCAB, chat_template=False)
+    tok_dir = bpe_tokenizer_dir(VOCAB, chat_template=False)
     exported = tmp_path / "hf"
     convert_to_hf(orthros_dir, exported, tokenizer=tok_dir)
     tokenizer_config = json.loads((exported / "tokenizer_config.json").read_text())
@@ -491,7 +469,7 @@ def test_exported_tokenizer_loads_without_custom_code_or_a_prompt(orthros_dir, t
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(exported)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300, env=cli_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr

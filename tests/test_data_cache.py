@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_helpers import make_tokenizer, write_jsonl
+from data_helpers import write_jsonl
+from fixtures import run_train
 
 from data_tools.cli import main as data_main
 from orthros_train.data import DataConfig, build_data
 from orthros_train.data.cache import BuildLock, build_once, read_fingerprint
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = ("apple", "river", "stone", "cloud", "ember", "frost", "grove", "harbor", "island", "jungle")
 
 
@@ -30,9 +30,10 @@ def _corpus(path: Path, n_docs: int, seed: int) -> Path:
     return write_jsonl(path, rows)
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return str(make_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=512, chat_template=False))
+@pytest.fixture
+def tok(bpe_tokenizer_dir) -> str:
+    """A 512-token BPE without a chat template."""
+    return bpe_tokenizer_dir(512, chat_template=False)
 
 
 def _samples(prefix: Path, tok: str, cache: Path, n_batches: int = 30) -> list[list[int]]:
@@ -73,17 +74,16 @@ def test_retrain_after_retokenize_with_the_same_cache_dir(tok, tmp_path):
     prefix = tmp_path / "data" / "corpus"
     args = ["--tokenizer", tok, "--output", str(prefix), "--no-progress"]
     assert data_main(["tokenize", str(_corpus(tmp_path / "a.jsonl", 30, seed=3)), *args]) == 0
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
     def train(run: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "orthros_train.train.cli", "--config-name", "tiny_cpu", "data=indexed_blend",
-               f"data.paths=[{prefix}]", f"data.tokenizer={tok}", f"data.cache_dir={tmp_path / 'cache'}",
-               "data.tokenizer_vocab_size=512", "data.split='90,10,0'", "trainer.max_steps=2",
-               "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
-               "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=1",
-               "trainer.seq_len=64", "trainer.micro_batch_size=2",
-               "trainer.global_batch_size=null", f"trainer.run_dir={tmp_path / run}"]
-        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        return run_train(
+            "--config-name", "tiny_cpu", "data=indexed_blend", f"data.paths=[{prefix}]", f"data.tokenizer={tok}",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer_vocab_size=512", "data.split='90,10,0'",
+            "trainer.max_steps=2", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
+            "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=1",
+            "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.global_batch_size=null",
+            f"trainer.run_dir={tmp_path / run}", cwd=tmp_path,
+        )  # fmt: skip
 
     first = train("run1")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from data_helpers import make_tokenizer
+from fixtures import REPO, cli_env
 
 from orthros_train.data import DataConfig, build_data
 from orthros_train.data.blend import build_blend
@@ -42,33 +41,16 @@ def shards(tmp_path_factory):
     return [_synthetic(root / f"ds{k}", 300, seed=k, base=1 + 100 * k) for k in range(3)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The loader is single-threaded work on small tensors; torch's intra-op threads only add
-    wake-up latency (large on a loaded 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def small_shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("small")
     return [_synthetic(root / f"s{k}", 40, seed=10 + k, base=1 + 100 * k) for k in range(3)]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(make_tokenizer(tmp_path_factory.mktemp("tok"))))
-
-
-def _data(shards, tokenizer, cache, weights=(5, 3, 2), mbs=4, rank=0, world=1, seq=32, samples=None, seed=7):
+def _data(shards, chat_tokenizer, cache, weights=(5, 3, 2), mbs=4, rank=0, world=1, seq=32, samples=None, seed=7):
     splits = build_blend(shards, list(weights) if weights else None, seq, seed, 1024, EOD, str(cache),
                          split="95,5,0", train_samples=samples)
-    return IndexedPretrainData(splits, tokenizer, EOD, seq, mbs, seed, rank, world)
+    return IndexedPretrainData(splits, chat_tokenizer, EOD, seq, mbs, seed, rank, world)
 
 
 def test_blend_hits_requested_proportions(shards, tmp_path):
@@ -87,8 +69,8 @@ def test_blend_hits_requested_proportions(shards, tmp_path):
         assert np.all((body > 100 * item["dataset_id"]) & (body <= 100 * item["dataset_id"] + 50))
 
 
-def test_layout_documents_and_labels(shards, tokenizer, tmp_path):
-    data = _data(shards, tokenizer, tmp_path)
+def test_layout_documents_and_labels(shards, chat_tokenizer, tmp_path):
+    data = _data(shards, chat_tokenizer, tmp_path)
     lay = data.next_batch()
     assert lay.num_rows == 4 and lay.num_tokens == 4 * 32 and lay.num_outputs == 4 * 32
     ids, labels = lay.input_ids, lay.labels
@@ -107,18 +89,18 @@ def test_layout_documents_and_labels(shards, tokenizer, tmp_path):
     assert bool((labels != IGNORE_INDEX).float().mean() > 0.8)
 
 
-def test_resume_at_k_reproduces_the_rest_exactly(small_shards, tokenizer, tmp_path):
+def test_resume_at_k_reproduces_the_rest_exactly(small_shards, chat_tokenizer, tmp_path):
     shards = small_shards
-    small = _data(shards, tokenizer, tmp_path, mbs=8)  # ~100 samples: the run wraps into epoch 2
+    small = _data(shards, chat_tokenizer, tmp_path, mbs=8)  # ~100 samples: the run wraps into epoch 2
     n = small.sampler.num_samples
     steps = n // 8 + 5
     ref = [small.next_batch() for _ in range(steps)]
     for k in (0, 3, steps - 4):
-        fresh = _data(shards, tokenizer, tmp_path, mbs=8)
+        fresh = _data(shards, chat_tokenizer, tmp_path, mbs=8)
         for _ in range(k):
             fresh.next_batch()
         state = json.loads(json.dumps(fresh.state_dict()))  # what a checkpoint stores
-        resumed = _data(shards, tokenizer, tmp_path, mbs=8)
+        resumed = _data(shards, chat_tokenizer, tmp_path, mbs=8)
         resumed.load_state_dict(state)
         for j in range(k, steps):
             got = resumed.next_batch()
@@ -128,14 +110,14 @@ def test_resume_at_k_reproduces_the_rest_exactly(small_shards, tokenizer, tmp_pa
     first = [small.sampler.dataset_index(p) for p in range(n)]
     second = [small.sampler.dataset_index(p) for p in range(n, 2 * n)]
     assert sorted(first) == sorted(second) and first != second
-    other_seed = _data(shards, tokenizer, tmp_path, mbs=8, seed=8)
+    other_seed = _data(shards, chat_tokenizer, tmp_path, mbs=8, seed=8)
     with pytest.raises(ValueError, match="seed"):
         other_seed.load_state_dict(state)
 
 
-def test_two_ranks_see_disjoint_shares_of_the_global_batch(shards, tokenizer, tmp_path):
-    world = [_data(shards, tokenizer, tmp_path, mbs=3, rank=r, world=2) for r in range(2)]
-    single = _data(shards, tokenizer, tmp_path, mbs=6)
+def test_two_ranks_see_disjoint_shares_of_the_global_batch(shards, chat_tokenizer, tmp_path):
+    world = [_data(shards, chat_tokenizer, tmp_path, mbs=3, rank=r, world=2) for r in range(2)]
+    single = _data(shards, chat_tokenizer, tmp_path, mbs=6)
     for _ in range(5):
         idx = [w.sampler.positions() for w in world]
         assert not set(idx[0]) & set(idx[1])
@@ -145,13 +127,13 @@ def test_two_ranks_see_disjoint_shares_of_the_global_batch(shards, tokenizer, tm
         assert torch.equal(a.input_ids.view(3, -1), rows[0::2]) and torch.equal(b.input_ids.view(3, -1), rows[1::2])
     assert world[0].consumed_samples == world[1].consumed_samples == single.consumed_samples == 30
     # a run resumed on another data-parallel size continues the same global stream
-    two = _data(shards, tokenizer, tmp_path, mbs=3, rank=1, world=2)
+    two = _data(shards, chat_tokenizer, tmp_path, mbs=3, rank=1, world=2)
     two.load_state_dict(single.state_dict())
     assert torch.equal(two.next_batch().input_ids.view(3, -1), single.next_batch().input_ids.view(6, -1)[1::2])
 
 
-def test_valid_batches_are_fixed_and_held_out(shards, tokenizer, tmp_path):
-    data = _data(shards, tokenizer, tmp_path)
+def test_valid_batches_are_fixed_and_held_out(shards, chat_tokenizer, tmp_path):
+    data = _data(shards, chat_tokenizer, tmp_path)
     v1, v2 = data.valid_batches(3), data.valid_batches(3)
     assert len(v1) == 3 and all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(v1, v2))
     valid_docs = set()
@@ -170,8 +152,8 @@ def test_sampler_rejects_bad_shapes():
         ResumableSampler(0, 2, 0)
 
 
-def test_build_data_selects_indexed_blend(shards, tmp_path):
-    tok = make_tokenizer(tmp_path / "tok")
+def test_build_data_selects_indexed_blend(shards, chat_tokenizer_dir, tmp_path):
+    tok = chat_tokenizer_dir
     cfg = DataConfig(source="indexed", paths=shards[:2], weights=[3.0, 1.0], tokenizer=str(tok),
                      cache_dir=str(tmp_path / "cache"), split="90,10,0", train_samples=2000)
     data = build_data(cfg, seq_len=16, micro_batch_size=4, seed=1)
@@ -222,11 +204,11 @@ _DIST_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_two_processes_gloo_disjoint_and_cache_built_once(shards, tmp_path):
-    tok = make_tokenizer(tmp_path / "tok")
+def test_two_processes_gloo_disjoint_and_cache_built_once(shards, chat_tokenizer_dir, tmp_path):
+    tok = chat_tokenizer_dir
     script = tmp_path / "dist_data.py"
     script.write_text(_DIST_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    env = cli_env(PYTHONPATH=str(REPO))
     with socket.socket() as sock:  # a free port: other tests may run torchrun at the same time
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])

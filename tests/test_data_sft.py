@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from data_helpers import chatterbot_conversations, make_tokenizer, write_jsonl
+from data_helpers import chatterbot_conversations, write_jsonl
 
 from data_tools.cli import main as cli_main
 from data_tools.pretokenize import TokenizeOptions, run
@@ -28,30 +28,10 @@ KNOWN = [
 ANSWERS = ["Hello! How can I help?<|im_end|>\n", "No.<|im_end|>\n"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return str(make_tokenizer(tmp_path_factory.mktemp("tok")))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-def _sft(tmp_path, tok_dir, rows, name="chat", **kw):
+def _sft(tmp_path, chat_tokenizer_dir, rows, name="chat", **kw):
     src = write_jsonl(tmp_path / f"{name}.jsonl", rows)
     out = str(tmp_path / name)
-    run(TokenizeOptions([str(src)], tok_dir, out, kind="sft", progress=False, **kw))
+    run(TokenizeOptions([str(src)], chat_tokenizer_dir, out, kind="sft", progress=False, **kw))
     return out
 
 
@@ -61,53 +41,55 @@ def _targets(lay) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize("train_turns,expected", [("all", ANSWERS), ("last", ANSWERS[1:])])
-def test_loss_mask_covers_exactly_the_assistant_tokens(train_turns, expected, tok_dir, tokenizer, tmp_path):
-    out = _sft(tmp_path, tok_dir, [{"messages": KNOWN}], train_turns=train_turns)
+def test_loss_mask_covers_exactly_the_assistant_tokens(
+    train_turns, expected, chat_tokenizer_dir, chat_tokenizer, tmp_path
+):
+    out = _sft(tmp_path, chat_tokenizer_dir, [{"messages": KNOWN}], train_turns=train_turns)
     data = build_data(DataConfig(source="indexed", paths=[out], cache_dir=str(tmp_path / "c")), 512, 1, 0)
     assert isinstance(data, SFTData)
     lay = data.next_batch()
     ids = lay.input_ids.tolist()
-    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(KNOWN, tokenize=False)
+    assert chat_tokenizer.decode(ids) == chat_tokenizer.apply_chat_template(KNOWN, tokenize=False)
     # independent expectation: find each answer's tokens in the row by its rendered text
-    text_ids = tokenizer.decode(ids)
+    text_ids = chat_tokenizer.decode(ids)
     want = []
     for answer in expected:
         start_char = text_ids.index(answer)
-        prefix_len = len(tokenizer(text_ids[:start_char], add_special_tokens=False)["input_ids"])
-        n = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        prefix_len = len(chat_tokenizer(text_ids[:start_char], add_special_tokens=False)["input_ids"])
+        n = len(chat_tokenizer(answer, add_special_tokens=False)["input_ids"])
         want += list(range(prefix_len, prefix_len + n))
     targets, labels = _targets(lay)
     assert targets == want
     assert labels == [ids[p] for p in targets]
-    assert "".join(tokenizer.decode([t]) for t in labels) == "".join(expected)
+    assert "".join(chat_tokenizer.decode([t]) for t in labels) == "".join(expected)
     assert bool((lay.loss_weights == 1).all()) and lay.num_loss_tokens == len(want)
 
 
-def test_prompt_response_records_and_chatterbot_round_trip(tok_dir, tokenizer, tmp_path):
+def test_prompt_response_records_and_chatterbot_round_trip(chat_tokenizer_dir, chat_tokenizer, tmp_path):
     convs = chatterbot_conversations()
     assert len(convs) > 1500
-    out = _sft(tmp_path, tok_dir, [{"messages": m} for m in convs], name="bot", batch_size=64)
+    out = _sft(tmp_path, chat_tokenizer_dir, [{"messages": m} for m in convs], name="bot", batch_size=64)
     store = ConversationStore(resolve_prefixes(out))
     assert len(store) == len(convs)
     for i in (0, 7, len(convs) // 2, len(convs) - 1):
         parts, modes = store.segments(i)
-        rendered = tokenizer.apply_chat_template(convs[i], tokenize=False)
-        assert tokenizer.decode(np.concatenate(parts).tolist()) == rendered
-        answers = [tokenizer.decode(p.tolist()) for p, m in zip(parts, modes) if m == MODE_ANSWER]
+        rendered = chat_tokenizer.apply_chat_template(convs[i], tokenize=False)
+        assert chat_tokenizer.decode(np.concatenate(parts).tolist()) == rendered
+        answers = [chat_tokenizer.decode(p.tolist()) for p, m in zip(parts, modes) if m == MODE_ANSWER]
         assert answers == [m["content"] + "<|im_end|>\n" for m in convs[i] if m["role"] == "assistant"]
-    pr = _sft(tmp_path, tok_dir, [{"prompt": "2+2?", "response": "4", "sys": "Be brief."}], name="pr",
+    pr = _sft(tmp_path, chat_tokenizer_dir, [{"prompt": "2+2?", "response": "4", "sys": "Be brief."}], name="pr",
               fields=ChatFields(system="sys"))
     parts, modes = ConversationStore(resolve_prefixes(pr)).segments(0)
-    assert tokenizer.decode(np.concatenate(parts).tolist()) == (
+    assert chat_tokenizer.decode(np.concatenate(parts).tolist()) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
         "<|im_start|>assistant\n4<|im_end|>\n"
     )
-    assert [tokenizer.decode(p.tolist()) for p, m in zip(parts, modes) if m == MODE_ANSWER] == ["4<|im_end|>\n"]
+    assert [chat_tokenizer.decode(p.tolist()) for p, m in zip(parts, modes) if m == MODE_ANSWER] == ["4<|im_end|>\n"]
 
 
-def test_packing_keeps_conversations_whole_and_separate(tok_dir, tokenizer, tmp_path):
+def test_packing_keeps_conversations_whole_and_separate(chat_tokenizer_dir, chat_tokenizer, tmp_path):
     convs = chatterbot_conversations(limit=300)
-    out = _sft(tmp_path, tok_dir, [{"messages": m} for m in convs], name="pack")
+    out = _sft(tmp_path, chat_tokenizer_dir, [{"messages": m} for m in convs], name="pack")
     data = build_data(DataConfig(source="indexed", paths=[out], cache_dir=str(tmp_path / "c"), split="100,0,0"),
                       256, 4, 5)
     rows = [data.train.row(r) for r in range(len(data.train))]
@@ -142,12 +124,12 @@ def test_overlong_conversations_truncate_or_drop_never_inside_an_answer():
     assert fit_segments(np.array([5, 5, 3]), np.array([0, 1, 2]), 20, "drop") == 2  # reference never input
 
 
-def test_packing_policy_counts(tok_dir, tmp_path):
+def test_packing_policy_counts(chat_tokenizer_dir, tmp_path):
     long_answer = "word " * 300
     rows = [{"messages": KNOWN}, {"prompt": "Say a lot", "response": long_answer},
             {"messages": KNOWN[:3] + [{"role": "user", "content": "More?"},
                                       {"role": "assistant", "content": long_answer}]}]
-    out = _sft(tmp_path, tok_dir, rows, name="long")
+    out = _sft(tmp_path, chat_tokenizer_dir, rows, name="long")
     store = ConversationStore(resolve_prefixes(out))
     idx = np.arange(3)
     trunc = PackedConversations(store, idx, 128, 0, "truncate")
@@ -158,17 +140,17 @@ def test_packing_policy_counts(tok_dir, tmp_path):
         SFTData(store, None, 0, 8, 1, 0)
 
 
-def test_rl_prompts_and_weighted_layout(tok_dir, tokenizer, tmp_path):
+def test_rl_prompts_and_weighted_layout(chat_tokenizer_dir, chat_tokenizer, tmp_path):
     src = write_jsonl(tmp_path / "rl.jsonl", [
         {"prompt": "What is 2+2?", "answer": "4"},
         {"messages": [{"role": "user", "content": "Name a color"}, {"role": "assistant", "content": "blue"}]},
     ])
     out = str(tmp_path / "rl")
-    assert cli_main(["rl", str(src), "--tokenizer", tok_dir, "--output", out, "--reference-field", "answer",
+    assert cli_main(["rl", str(src), "--tokenizer", chat_tokenizer_dir, "--output", out, "--reference-field", "answer",
                      "--no-progress"]) == 0
     assert json.loads((tmp_path / "rl.json").read_text())["kind"] == "rl"
     prompts = PromptSet(resolve_prefixes(out), micro_batch_size=2, seed=0)
-    got = {tokenizer.decode(p.input_ids.tolist()): tokenizer.decode(p.reference_ids.tolist())
+    got = {chat_tokenizer.decode(p.input_ids.tolist()): chat_tokenizer.decode(p.reference_ids.tolist())
            for p in prompts.next_prompts()}
     assert got == {"<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n": "4",
                    "<|im_start|>user\nName a color<|im_end|>\n<|im_start|>assistant\n": "blue"}
@@ -176,13 +158,13 @@ def test_rl_prompts_and_weighted_layout(tok_dir, tokenizer, tmp_path):
     assert lay.output_index.tolist() == [2, 3, 6] and lay.labels.tolist() == [10, 11, 12]
     assert lay.loss_weights.tolist() == [0.5, 0.5, -1.0]
     with pytest.raises(Exception, match="RL prompt sets feed the RL loop"):
-        build_data(DataConfig(source="indexed", paths=[out], tokenizer=tok_dir), 64, 1, 0)
+        build_data(DataConfig(source="indexed", paths=[out], tokenizer=chat_tokenizer_dir), 64, 1, 0)
 
 
-def test_cli_sft_inspect_reports_span_coverage(tok_dir, tmp_path, capsys):
+def test_cli_sft_inspect_reports_span_coverage(chat_tokenizer_dir, tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": KNOWN}] * 3)
     out = str(tmp_path / "o")
-    assert cli_main(["sft", str(src), "--tokenizer", tok_dir, "--output", out, "--no-progress"]) == 0
+    assert cli_main(["sft", str(src), "--tokenizer", chat_tokenizer_dir, "--output", out, "--no-progress"]) == 0
     capsys.readouterr()
     assert cli_main(["inspect", out, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from data_helpers import essay_files, essays, make_tokenizer
+from data_helpers import essay_files, essays
 
 from data_tools.cli import main as cli_main
 from data_tools.pretokenize import TokenizeOptions, run
@@ -16,56 +16,44 @@ from orthros_train.data.indexed import ShardWriter, open_indexed, read_index_hea
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return str(make_tokenizer(tmp_path_factory.mktemp("tok")))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def essays_out(tok_dir, tmp_path_factory):
+def essays_out(chat_tokenizer_dir, tmp_path_factory):
     """The 49 essays tokenized by 2 worker processes into shards of 20 documents."""
     out = str(tmp_path_factory.mktemp("essays") / "essays")
-    summary = run(TokenizeOptions([str(essay_files()[0].parent)], tok_dir, out, workers=2, docs_per_shard=20,
+    summary = run(TokenizeOptions([str(essay_files()[0].parent)], chat_tokenizer_dir, out, workers=2, docs_per_shard=20,
                                   batch_size=8, progress=False))
     return out, summary
 
 
-def _decode_docs(tokenizer, prefix: str, eod: int) -> list[str]:
+def _decode_docs(chat_tokenizer, prefix: str, eod: int) -> list[str]:
     ds = open_indexed(prefix)
     out = []
     for i in range(len(ds)):
         ids = ds[i]
         assert ids[-1] == eod, "every document ends with the EOD token"
-        out.append(tokenizer.decode(ids[:-1].tolist()))
+        out.append(chat_tokenizer.decode(ids[:-1].tolist()))
     return out
 
 
-def test_round_trip_documents_in_order(essays_out, tokenizer):
+def test_round_trip_documents_in_order(essays_out, chat_tokenizer):
     out, summary = essays_out
     eod = summary["tokenizer"]["eod_token_id"]
     prefixes = resolve_prefixes(out)
     assert [os.path.basename(p) for p in prefixes] == ["essays_00000", "essays_00001", "essays_00002"]
-    decoded = [d for p in prefixes for d in _decode_docs(tokenizer, p, eod)]
+    decoded = [d for p in prefixes for d in _decode_docs(chat_tokenizer, p, eod)]
     assert decoded == essays()  # byte-level BPE is lossless: the exact files, in order
     assert summary["complete"] and summary["documents"] == 49 and summary["records"] == 49
     assert summary["tokens"] == sum(read_index_header(p).num_tokens for p in prefixes)
-    assert summary["tokenizer"]["vocab_size"] == len(tokenizer)
+    assert summary["tokenizer"]["vocab_size"] == len(chat_tokenizer)
     assert len(summary["source"]["fingerprint"]) == 64 and summary["skipped"] == {}
 
 
-def test_round_trip_through_packed_sequences(essays_out, tokenizer, tmp_path):
+def test_round_trip_through_packed_sequences(essays_out, chat_tokenizer, tmp_path):
     """indexed dataset -> megatron packed samples (seq_len + 1) -> the documents, in sample order."""
     out, summary = essays_out
     eod = summary["tokenizer"]["eod_token_id"]
     prefix = resolve_prefixes(out)[0]
     seq = 256
-    splits = build_blend([prefix], None, seq, seed=3, vocab_size=len(tokenizer), eod_token_id=eod,
+    splits = build_blend([prefix], None, seq, seed=3, vocab_size=len(chat_tokenizer), eod_token_id=eod,
                          cache_dir=str(tmp_path), split="100,0,0")
     gpt = splits.train.dataset
     inverse = np.argsort(np.asarray(gpt.shuffle_index))  # sample j of the unshuffled stream
@@ -82,16 +70,16 @@ def test_round_trip_through_packed_sequences(essays_out, tokenizer, tmp_path):
     assert sorted(order) == list(range(20))
     ds = open_indexed(prefix)
     assert np.array_equal(stream, np.concatenate([ds[d] for d in order])[: stream.size])
-    pieces = tokenizer.decode(stream.tolist()).split("<|endoftext|>")
+    pieces = chat_tokenizer.decode(stream.tolist()).split("<|endoftext|>")
     docs = essays()[:20]
     assert pieces[:-1] == [docs[d] for d in order[: len(pieces) - 1]]
     assert docs[order[len(pieces) - 1]].startswith(pieces[-1])  # the last sample ends mid-document
 
 
-def test_resume_skips_finished_shards_and_matches_a_clean_run(essays_out, tok_dir, tmp_path, monkeypatch):
+def test_resume_skips_finished_shards_and_matches_a_clean_run(essays_out, chat_tokenizer_dir, tmp_path, monkeypatch):
     ref_out, _ = essays_out
     out = str(tmp_path / "essays")
-    opts = TokenizeOptions([str(essay_files()[0].parent)], tok_dir, out, docs_per_shard=20, progress=False)
+    opts = TokenizeOptions([str(essay_files()[0].parent)], chat_tokenizer_dir, out, docs_per_shard=20, progress=False)
     calls = {"n": 0}
     real_finish = ShardWriter.finish
 
@@ -121,14 +109,14 @@ def test_resume_skips_finished_shards_and_matches_a_clean_run(essays_out, tok_di
     assert run(opts)["complete"]  # a third run has nothing to do
 
 
-def test_rerun_with_other_settings_is_refused(essays_out, tok_dir):
+def test_rerun_with_other_settings_is_refused(essays_out, chat_tokenizer_dir):
     out, _ = essays_out
-    opts = TokenizeOptions([str(essay_files()[0].parent)], tok_dir, out, docs_per_shard=10, progress=False)
+    opts = TokenizeOptions([str(essay_files()[0].parent)], chat_tokenizer_dir, out, docs_per_shard=10, progress=False)
     with pytest.raises(Exception, match="other inputs, tokenizer or settings"):
         run(opts)
 
 
-def test_jsonl_parquet_and_txt_inputs_mix(tok_dir, tokenizer, tmp_path):
+def test_jsonl_parquet_and_txt_inputs_mix(chat_tokenizer_dir, chat_tokenizer, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -138,21 +126,22 @@ def test_jsonl_parquet_and_txt_inputs_mix(tok_dir, tokenizer, tmp_path):
     (tmp_path / "c.txt").write_text("fifth: a whole file\nwith two lines\n")
     out = str(tmp_path / "out" / "mixed")
     with pytest.raises(Exception, match="no 'text' field"):  # the parquet column is called body
-        run(TokenizeOptions([str(tmp_path / n) for n in ("a.jsonl", "b.parquet")], tok_dir, out, progress=False))
+        run(TokenizeOptions([str(tmp_path / n) for n in ("a.jsonl", "b.parquet")], chat_tokenizer_dir, out,
+                            progress=False))
     (tmp_path / "b.parquet").unlink()
     pq.write_table(pa.table({"text": ["third doc", "fourth"]}), tmp_path / "b.parquet")
-    summary = run(TokenizeOptions([str(tmp_path / n) for n in ("a.jsonl", "b.parquet", "c.txt")], tok_dir, out,
-                                  progress=False, overwrite=True))
+    summary = run(TokenizeOptions([str(tmp_path / n) for n in ("a.jsonl", "b.parquet", "c.txt")], chat_tokenizer_dir,
+                                  out, progress=False, overwrite=True))
     eod = summary["tokenizer"]["eod_token_id"]
-    assert _decode_docs(tokenizer, resolve_prefixes(out)[0], eod) == [
+    assert _decode_docs(chat_tokenizer, resolve_prefixes(out)[0], eod) == [
         "first doc", "second", "third doc", "fourth", "fifth: a whole file\nwith two lines\n"]
 
 
-def test_cli_tokenize_and_inspect(tok_dir, tmp_path, capsys):
+def test_cli_tokenize_and_inspect(chat_tokenizer_dir, tmp_path, capsys):
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": f"document number {i} " * (i + 1)})
                                                  for i in range(30)))
     out = str(tmp_path / "o" / "docs")
-    assert cli_main(["tokenize", str(tmp_path / "d.jsonl"), "--tokenizer", tok_dir, "--output", out,
+    assert cli_main(["tokenize", str(tmp_path / "d.jsonl"), "--tokenizer", chat_tokenizer_dir, "--output", out,
                      "--docs-per-shard", "7", "--no-progress"]) == 0
     assert "30 documents" in capsys.readouterr().out
     assert len(resolve_prefixes(out)) == 5
@@ -165,13 +154,12 @@ def test_cli_tokenize_and_inspect(tok_dir, tmp_path, capsys):
     assert data["documents"] == 30 and sum(c for _, _, c in data["histogram"]) == 30
 
 
-def test_save_to_disk_folders_are_read_as_datasets(tmp_path):
+def test_save_to_disk_folders_are_read_as_datasets(plain_tokenizer_dir, tmp_path):
     import datasets
-    from data_helpers import make_tokenizer
 
     from data_tools.pretokenize import TokenizeOptions, run
 
-    tok = str(make_tokenizer(tmp_path / "tok", chat_template=False))
+    tok = plain_tokenizer_dir
     texts = [f"document number {i} about startups and essays" for i in range(5)]
     single = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(single))

@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from fixtures import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 
 

@@ -10,7 +10,6 @@ command may use what an earlier one wrote, as the reader would: ``sft_tiny_cpu``
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -18,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures import REPO, cli_env
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # first words that make a line of an untagged ``` block a command
 EXECUTABLES = ("orthros-", ".venv/bin/", "launch/", "python", "make", "torchrun", "sbatch", "lm_eval", "pip")
@@ -153,8 +152,8 @@ def runs_by_document() -> dict[str, list[tuple[str, list[str]]]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", sorted(runs_by_document()))
 def test_documented_cpu_commands_run(doc, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}  # the launchers find .venv themselves
-    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # no VIRTUAL_ENV: the launchers find .venv themselves
+    env = cli_env(drop=("VIRTUAL_ENV",), WANDB_MODE="disabled", PYTHONWARNINGS="ignore")
     for command, args in runs_by_document()[doc]:
         proc = subprocess.run(args, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=600)

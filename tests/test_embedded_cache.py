@@ -62,16 +62,15 @@ def test_changed_corpus_content_at_the_same_paths_is_tokenized_again(tmp_path, m
     assert len(stale) == 1 and "embedded-corpus cache" in stale[0] and "files[1].sha256" in stale[0]
 
 
-def test_a_saved_tokenizer_of_another_tokenizer_is_replaced(tmp_path, caplog):
+def test_a_saved_tokenizer_of_another_tokenizer_is_replaced(bpe_tokenizer_dir, tmp_path, caplog):
     import logging
 
-    from data_helpers import make_tokenizer
     from transformers import AutoTokenizer
 
     from orthros_train.data.tokenize import save_tokenizer_once
 
-    a = AutoTokenizer.from_pretrained(str(make_tokenizer(tmp_path / "a", vocab_size=300)))
-    b = AutoTokenizer.from_pretrained(str(make_tokenizer(tmp_path / "b", vocab_size=400)))
+    a = AutoTokenizer.from_pretrained(bpe_tokenizer_dir(300))
+    b = AutoTokenizer.from_pretrained(bpe_tokenizer_dir(400))
     folder = str(tmp_path / "cache")
     tok_dir = save_tokenizer_once(a, folder)
     assert len(AutoTokenizer.from_pretrained(tok_dir)) == len(a)

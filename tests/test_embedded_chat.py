@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from fixtures import cli_env, run_train
 
 from orthros_train.data import DataConfig, build_data, prepare_embedded
 from orthros_train.data.embedded_chat import prepare_embedded_chat
@@ -61,14 +60,13 @@ def test_corrupt_cache_is_refused_naming_the_folder(tmp_path):
 def test_sft_tiny_cpu_prepares_its_own_data(tmp_path):
     """A fresh run directory and a fresh cache: the recipe runs with no data step before it (the
     pretrained model is left out here: the documented-commands test trains it first)."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "orthros_train.train.cli", "--config-name", "sft_tiny_cpu", "trainer.max_steps=2",
-         "model.init_from=null", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}",
-         "trainer.eval_every=2", "trainer.eval_batches=1", "trainer.sample_tokens=2", "trainer.progress=false"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_train(
+        "--config-name", "sft_tiny_cpu", "trainer.max_steps=2", "model.init_from=null",
+        f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.eval_every=2",
+        "trainer.eval_batches=1", "trainer.sample_tokens=2", "trainer.progress=false",
+        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "checkpoints" / "final").is_dir()
     assert list((tmp_path / "cache" / "embedded").glob("chatterbot-sft-*/conversations.json"))

@@ -11,21 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures import cli_env, tiny_model
 
 from orthros_train.eval.cli import main
 from orthros_train.eval.common import parse_depths, parse_lengths, parse_overrides, parse_token_count
 from orthros_train.eval.niah import Needle, build_prompt, normalize, place_needle, score_answer
 from orthros_train.eval.recall import _assemble, distance_buckets, make_token_sample, score_queries, summarize
-from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP barrier spins on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +29,7 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, tokenizer):
     """A tiny random Orthros checkpoint with its tokenizer, as ``orthros-train`` saves one."""
-    torch.manual_seed(0)
-    cfg = OrthrosConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, sliding_window=16, initializer_range=0.1,
-    )  # fmt: skip
-    model = OrthrosForCausalLM(cfg)
+    model = tiny_model(len(tokenizer), sliding_window=16, initializer_range=0.1)
     path = tmp_path_factory.mktemp("ckpt")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -441,7 +427,6 @@ def test_lm_eval_finds_orthros_through_its_entry_point():
 
 @pytest.mark.slow
 def test_lm_eval_command_line_with_model_orthros(ckpt, tmp_path):
-    import os
     import subprocess
     import sys
 
@@ -453,8 +438,7 @@ def test_lm_eval_command_line_with_model_orthros(ckpt, tmp_path):
         "--model_args", f"pretrained={ckpt}", "--device", "cpu", "--tasks", "pg_lambada", "--include_path",
         str(tasks), "--limit", "2", "--batch_size", "2",
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pg_lambada" in proc.stdout and "acc" in proc.stdout
 

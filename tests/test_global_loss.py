@@ -5,18 +5,10 @@ lengths)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-SCRIPTS = Path(__file__).resolve().parent / "parallel_scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import global_loss  # noqa: E402
+from fixtures import torchrun
+from parallel_scripts import global_loss
 
 CASES = [(kind, average) for kind in ("sft", "rl") for average in ("token", "sequence")]
 
@@ -31,10 +23,15 @@ def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def splits(tmp_path_factory):
+    from orthros_train.parallel.setup import destroy_parallel
+
     run = str(tmp_path_factory.mktemp("global_loss") / "run")
-    return {
-        (micro, accum): global_loss.measure(run, micro, accum) for micro, accum in ((8, 1), (2, 4), (1, 8))
-    } | {"per_micro_batch": global_loss.measure(run, 2, 4, per_micro_batch=True)}
+    try:
+        return {
+            (micro, accum): global_loss.measure(run, micro, accum) for micro, accum in ((8, 1), (2, 4), (1, 8))
+        } | {"per_micro_batch": global_loss.measure(run, 2, 4, per_micro_batch=True)}
+    finally:
+        destroy_parallel()
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
@@ -63,17 +60,16 @@ def test_per_micro_batch_averaging_depends_on_the_split(splits, case):
 @pytest.mark.slow
 def test_two_data_or_context_parallel_ranks_equal_one(splits, tmp_path):
     """torchrun, gloo: DP = 2 (each rank reads half of the batch) and CP = 2 (both ranks read it
-    all and split every sequence); same gradients and loss."""
-    for micro, accum, extra in ((4, 1, []), (1, 4, []), (2, 4, ["--context-parallel", "2"])):
-        out = tmp_path / f"run_{micro}x{accum}{'_cp2' if extra else ''}.pt"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-             str(SCRIPTS / "global_loss.py"), str(out), str(micro), str(accum), *extra],
-            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+    all and split every sequence); same gradients and loss. The DP splits share one launch."""
+    launches = {"dp2": ["4:1", "1:4"], "cp2": ["2:4", "--context-parallel", "2"]}
+    for name, args in launches.items():
+        out = tmp_path / f"{name}.pt"
+        proc = torchrun("global_loss", str(out), *args, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        dp2 = torch.load(out, weights_only=False)
-        for case in CASES:
-            whole = splits[(8, 1)][case]
-            assert dp2[case]["loss"] == pytest.approx(whole["loss"], rel=1e-6), (micro, accum, case)
-            assert relative(dp2[case]["grads"], whole["grads"]) <= 1e-6, (micro, accum, case)
+        by_split = torch.load(out, weights_only=False)
+        assert len(by_split) == (2 if name == "dp2" else 1)
+        for (micro, accum), measured in by_split.items():
+            for case in CASES:
+                whole = splits[(8, 1)][case]
+                assert measured[case]["loss"] == pytest.approx(whole["loss"], rel=1e-6), (name, micro, accum, case)
+                assert relative(measured[case]["grads"], whole["grads"]) <= 1e-6, (name, micro, accum, case)

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from fixtures import REPO, cli_env
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402
 
@@ -80,10 +78,9 @@ def test_an_item_failing_alone_is_recorded_and_the_rest_runs(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_sigterm_mid_run_leaves_a_valid_report_and_no_trainer(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--out", str(tmp_path), "--dry-run"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     log = tmp_path / "trainer_logs" / "reference.log"
     deadline = time.monotonic() + 300

@@ -12,11 +12,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from fixtures import REPO
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "gpu_kit.py"
 IMAGE = REPO / "docker" / "gpu_image_packages.txt"
 

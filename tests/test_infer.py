@@ -4,43 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import tiny_model
 
 from orthros_train.infer import SamplingParams, filter_logits, generate, prefill, sample_next
 from orthros_train.infer.generate import as_rows, cut_at_stop
-from orthros_train.model import KVCache, OrthrosConfig, OrthrosForCausalLM
+from orthros_train.model import KVCache, OrthrosForCausalLM
 from orthros_train.phase.builders import prefill_layout
 
 VOCAB = 61
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP barrier spins on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_model(**overrides) -> OrthrosForCausalLM:
-    cfg = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        sliding_window=5,
-        initializer_range=0.2,  # spread-out logits: argmax never hinges on float noise
-    )
-    cfg.update(overrides)
-    torch.manual_seed(0)
-    model = OrthrosForCausalLM(OrthrosConfig(**cfg)).eval()
-    with torch.no_grad():  # a non-trivial output-stream query affine
-        for layer in model.layers:
-            layer.self_attn.gamma.normal_(1.0, 0.3)
-            layer.self_attn.beta.normal_(0.0, 0.3)
-    return model
+    """The tiny model with window 5 and a non-trivial output-stream query affine, in eval mode;
+    initializer_range 0.2 spreads the logits out, so an argmax never hinges on float noise."""
+    settings = {"sliding_window": 5, "initializer_range": 0.2, **overrides}
+    return tiny_model(VOCAB, output_affine="resampled", **settings).eval()
 
 
 def reference_greedy(model, prompt: list[int], steps: int, stop: int | None = None) -> list[int]:

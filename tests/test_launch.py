@@ -9,15 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures import LAUNCH_DIR, QUIET_RUN, cli_env, metrics
 
-LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 SCRIPTS = ["torchrun.sh", "slurm.sbatch", "deepspeed.sh"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_scripts_parse_and_explain_usage(script):
-    assert subprocess.run(["bash", "-n", str(LAUNCH / script)]).returncode == 0
-    proc = subprocess.run(["bash", str(LAUNCH / script)], capture_output=True, text=True)
+    assert subprocess.run(["bash", "-n", str(LAUNCH_DIR / script)]).returncode == 0
+    proc = subprocess.run(["bash", str(LAUNCH_DIR / script)], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 
@@ -44,7 +44,7 @@ def test_slurm_script_forwards_preemption_and_requeues(tmp_path):
         "SLURM_JOB_ID": "4242",
     }
     proc = subprocess.Popen(
-        ["bash", str(LAUNCH / "slurm.sbatch"), "tiny_cpu"],
+        ["bash", str(LAUNCH_DIR / "slurm.sbatch"), "tiny_cpu"],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -78,7 +78,7 @@ def test_torchrun_launcher_finds_the_project_python_without_an_active_venv(tmp_p
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON")}
     env["PATH"] = "/usr/bin:/bin"  # a bare shell: no venv's python first on PATH
     proc = subprocess.run(
-        ["bash", str(LAUNCH / "torchrun.sh"), "1", "no_such_recipe"], env=env, capture_output=True, text=True,
+        ["bash", str(LAUNCH_DIR / "torchrun.sh"), "1", "no_such_recipe"], env=env, capture_output=True, text=True,
         timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert "No module named" not in proc.stderr, proc.stderr[-2000:]
@@ -89,7 +89,7 @@ def test_launchers_honour_python_and_refuse_one_without_the_project(tmp_path):
     fake = _fake_python(tmp_path / "bin")
     env = {**os.environ, "PYTHON": str(fake)}
     proc = subprocess.run(
-        ["bash", str(LAUNCH / "torchrun.sh"), "1", "no_such_recipe"], env=env, capture_output=True, text=True,
+        ["bash", str(LAUNCH_DIR / "torchrun.sh"), "1", "no_such_recipe"], env=env, capture_output=True, text=True,
         timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert f"chosen {fake}" in proc.stderr
@@ -97,7 +97,7 @@ def test_launchers_honour_python_and_refuse_one_without_the_project(tmp_path):
     bare.write_text("#!/bin/bash\nexit 1\n")  # an interpreter without torch
     bare.chmod(0o755)
     proc = subprocess.run(
-        ["bash", str(LAUNCH / "torchrun.sh"), "1", "tiny_cpu"], env={**os.environ, "PYTHON": str(bare)},
+        ["bash", str(LAUNCH_DIR / "torchrun.sh"), "1", "tiny_cpu"], env={**os.environ, "PYTHON": str(bare)},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "no Python with torch and orthros_train" in proc.stderr
@@ -108,18 +108,15 @@ def _train(nproc: int, recipe: str, run_dir: Path, *overrides: str) -> list[floa
     """Per-step losses of ``launch/torchrun.sh NPROC RECIPE`` (no parallel overrides)."""
     import json
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    env.pop("MASTER_PORT", None)
-    quiet = ["trainer.progress=false", "trainer.sample_prompt=null", "trainer.wandb.enabled=false",
-             "trainer.log_every=0", f"trainer.run_dir={run_dir}"]  # fmt: skip
+    quiet = [*QUIET_RUN, "trainer.sample_prompt=null", f"trainer.run_dir={run_dir}"]
     proc = subprocess.run(
-        ["bash", str(LAUNCH / "torchrun.sh"), str(nproc), recipe, *quiet, *overrides],
-        env=env, capture_output=True, text=True, timeout=900, cwd=run_dir.parent,
+        ["bash", str(LAUNCH_DIR / "torchrun.sh"), str(nproc), recipe, *quiet, *overrides],
+        env=cli_env(), capture_output=True, text=True, timeout=900, cwd=run_dir.parent,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     recipe_json = json.loads((run_dir / "recipe.json").read_text())
     assert recipe_json["parallel"]["data_parallel"] == nproc  # derived from the world size
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in metrics(run_dir)]
 
 
 @pytest.mark.slow

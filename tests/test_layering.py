@@ -11,8 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from fixtures import REPO
 
 # layer -> the layers it may import (besides itself); ops and phase are the bottom. "package" is
 # orthros_train/__init__.py and the modules beside it (process-wide setup such as the warnings

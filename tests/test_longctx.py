@@ -5,19 +5,16 @@ recall at 2K with window 128)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fixtures import QUIET_RUN, SMALL_TINY_CPU, by_step, run_train, tiny_model
 
 from orthros_train.data.sampler import ResumableSampler
 from orthros_train.data.schedule import SeqLenScheduledData, check_seq_len_schedule
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 class FakeData:
@@ -104,24 +101,15 @@ def test_bad_schedules_name_the_field():
         _scheduled().load_state_dict(state)
 
 
+# 5 steps at a constant learning rate, 32-token sequences for 2 steps then 64.
 TINY = [
-    "--config-name", "tiny_cpu", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
-    "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=2", "trainer.log_every=0",
-    "trainer.micro_batch_size=2",
-    "trainer.global_batch_size=null", "trainer.seq_len=64", "optim.schedule=constant", "optim.warmup_steps=0",
+    "--config-name", "tiny_cpu", *SMALL_TINY_CPU, *QUIET_RUN, "optim.schedule=constant", "optim.warmup_steps=0",
     "trainer.max_steps=5", "trainer.seq_len_schedule=[[0,32],[2,64]]",
 ]  # fmt: skip
 
 
 def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    cmd = [sys.executable, "-m", "orthros_train.train.cli", *TINY, f"trainer.run_dir={run_dir}", *overrides]
-    return subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=900)
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return run_train(*TINY, f"trainer.run_dir={run_dir}", *overrides, cwd=run_dir.parent)
 
 
 @pytest.mark.slow
@@ -133,7 +121,7 @@ def test_trainer_resumes_inside_a_later_stage_bitwise(tmp_path):
     assert killed.returncode == 17, killed.stderr[-3000:]
     resumed = _train(tmp_path / "killed", "trainer.save_every=3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ref, got = _losses(tmp_path / "straight"), _losses(tmp_path / "killed")
+    ref, got = by_step(tmp_path / "straight"), by_step(tmp_path / "killed")
     assert sorted(ref) == sorted(got) == [1, 2, 3, 4, 5]
     assert ref == got
 
@@ -186,20 +174,11 @@ def test_tiny_model_extended_from_256_to_2k_recalls_needles_beyond_the_window(tm
     the output stream's full attention. Chance is 1/32 (the value third of the vocabulary)."""
     import random
 
-    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+    from orthros_train.model import OrthrosForCausalLM
 
-    cfg = OrthrosConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        sliding_window=W,
-        max_position_embeddings=SHORT,
-    )
-    torch.manual_seed(0)
+    model = tiny_model(VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=None, intermediate_size=128,
+                       sliding_window=W, max_position_embeddings=SHORT)  # fmt: skip
     rng = random.Random(0)
-    model = OrthrosForCausalLM(cfg)
     short_loss = _fit(model, rng, SHORT, batch=16, steps=350, lr=3e-3)
     at_short = _needle_recall(model, SHORT, min_distance=W)
     model.save_pretrained(tmp_path / "short")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import compose_recipe
 
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.parallel.setup import ParallelConfig
@@ -186,31 +187,16 @@ def test_estimate_matches_max_memory_allocated_on_gpu(seq_len):
     assert abs(est - measured) <= GPU_TOLERANCE * measured
 
 
-def _recipe(name: str, *overrides: str):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from orthros_train.train.cli import RECIPES_DIR
-    from orthros_train.train.config import run_config_from_dict
-
-    with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
-        cfg = compose(config_name=name, overrides=list(overrides))
-    resolved = OmegaConf.to_container(cfg, resolve=False)
-    resolved["trainer"]["run_dir"] = "unused"
-    resolved["trainer"]["wandb"]["name"] = None
-    return run_config_from_dict(OmegaConf.to_container(OmegaConf.create(resolved), resolve=True))
-
-
 def test_longctx_128k_dry_run_memory_fits_and_would_not_without_context_parallel():
     from orthros_train.train.plan import plan_summary
 
-    summary = plan_summary(_recipe("longctx_128k"))
+    summary = plan_summary(compose_recipe("longctx_128k"))
     assert summary["parallel"]["context_parallel"] == 8 and summary["parallel"]["world_size"] == 64
     memory = summary["memory_per_gpu"]
     assert [s["seq_len"] for s in memory["stages"]] == [32768, 65536, 131072]
     assert [s["micro_batch_size"] for s in memory["stages"]] == [4, 2, 1]
     assert memory["peak_gib"] < 64  # H100 80 GB with >= 15 GiB headroom (docs/memory.md)
-    no_cp = plan_summary(_recipe("longctx_128k", "parallel.context_parallel=1", "parallel.data_parallel=8"))
+    no_cp = plan_summary(compose_recipe("longctx_128k", "parallel.context_parallel=1", "parallel.data_parallel=8"))
     assert no_cp["memory_per_gpu"]["peak_gib"] > 80
 
 
@@ -232,7 +218,7 @@ def test_every_gpu_recipe_states_its_gpu_and_fits_it_with_headroom(name):
     from orthros_train.train.memory import HEADROOM_FRACTION
     from orthros_train.train.plan import plan_summary
 
-    cfg = _recipe(name)
+    cfg = compose_recipe(name)
     assert cfg.trainer.gpu and cfg.trainer.gpu_memory_gib, f"{name} states no GPU"
     memory = plan_summary(cfg)["memory_per_gpu"]
     device = memory["device"]
@@ -244,9 +230,9 @@ def test_dry_run_warns_in_red_when_the_estimate_exceeds_the_stated_gpu(capsys):
     from orthros_train.train.cli import warn_memory_fit
     from orthros_train.train.plan import plan_summary
 
-    warn_memory_fit(plan_summary(_recipe("pretrain_1p3b"))["memory_per_gpu"])
+    warn_memory_fit(plan_summary(compose_recipe("pretrain_1p3b"))["memory_per_gpu"])
     assert capsys.readouterr().err == ""
-    too_big = plan_summary(_recipe("pretrain_1p3b", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=4"))
+    too_big = plan_summary(compose_recipe("pretrain_1p3b", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=4"))
     warn_memory_fit(too_big["memory_per_gpu"])
     err = capsys.readouterr().err
     assert err.startswith("\033[31mWARNING") and "exceeds the 79.6 GiB of H100 SXM 80GB" in err
@@ -258,7 +244,7 @@ def test_a_gpu_run_refuses_a_layout_that_overflows_the_device_unless_told(monkey
 
     from orthros_train.train.build import check_memory_fit
 
-    cfg = _recipe("pretrain_1p3b", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=4")
+    cfg = compose_recipe("pretrain_1p3b", "trainer.micro_batch_size=8", "trainer.grad_accum_steps=4")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Fake GPU")
     cuda = torch.device("cuda", 0)
@@ -267,4 +253,4 @@ def test_a_gpu_run_refuses_a_layout_that_overflows_the_device_unless_told(monkey
     cfg.trainer.allow_memory_overflow = True
     check_memory_fit(cfg, cuda)  # starts, with a warning
     assert "starting anyway" in caplog.text
-    check_memory_fit(_recipe("pretrain_1p3b"), cuda)
+    check_memory_fit(compose_recipe("pretrain_1p3b"), cuda)

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import tiny_config as shared_tiny_config
 
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.phase import IGNORE_INDEX, pretrain_layout, sft_layout
 
+# Three layers (one neither first nor last), a prime vocabulary and a window shorter than most
+# test sequences: the shape these equivalences were written for.
+MODEL_SHAPE = {"hidden_size": 48, "num_hidden_layers": 3, "intermediate_size": 96, "sliding_window": 8}
+
 
 def tiny_config(**overrides) -> OrthrosConfig:
-    base = dict(
-        vocab_size=97,
-        hidden_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        sliding_window=8,
-    )
-    base.update(overrides)
-    return OrthrosConfig(**base)
+    return shared_tiny_config(**{"vocab_size": 97, **MODEL_SHAPE, **overrides})
 
 
 def twin(model: OrthrosForCausalLM, **overrides) -> OrthrosForCausalLM:

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from fixtures import tiny_model
 
 from orthros_train.model.cache import KVCache
-from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import OrthrosForCausalLM, plan_for_layout
 from orthros_train.ops import triton_attention as ta
 from orthros_train.ops.reference import UNBOUNDED
@@ -78,13 +78,7 @@ class SyncCounter:
 
 
 def _model(attention_type: str = "orthros") -> OrthrosForCausalLM:
-    cfg = OrthrosConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, attention_type=attention_type,
-        attention_backend="triton",
-    )
-    torch.manual_seed(0)
-    return OrthrosForCausalLM(cfg)
+    return tiny_model(64, head_dim=16, sliding_window=8, attention_type=attention_type, attention_backend="triton")
 
 
 def _count_layers(model: OrthrosForCausalLM, counter: SyncCounter):

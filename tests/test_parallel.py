@@ -2,44 +2,28 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from fixtures import (
+    LAUNCH_DIR,
+    PARALLEL_TEST_RUN,
+    QUIET_RUN,
+    cli_env,
+    metrics,
+    result_of,
+    run_train,
+    tiny_config,
+    torchrun,
+)
 
-from orthros_train.model import OrthrosConfig
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
-
-SCRIPTS = Path(__file__).parent / "parallel_scripts"
-REPO = Path(__file__).resolve().parents[1]
-
-
-def torchrun(*args: str, cwd: Path | None = None, timeout: int = 900, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--standalone",
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
-
-
-def result_of(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.mark.slow
 def test_tensor_and_sequence_parallel_equal_reference():
-    results = result_of(torchrun(str(SCRIPTS / "tp_equivalence.py")))
+    results = result_of(torchrun("tp_equivalence"))
     assert set(results) == {"tp-orthros", "sp-orthros", "sp-dense"}
     for variant, errs in results.items():
         for what, err in errs.items():
@@ -52,7 +36,7 @@ def test_context_parallel_cp2_equals_reference(tp, recompute):
     """CP=2 on 2 ranks: logits, loss and gradients equal the single-device model for pretrain and
     sft layouts whose documents and windows cross the chunk boundaries, one window longer than a
     chunk, for orthros and both baselines (the second case with full-layer recompute)."""
-    results = result_of(torchrun(str(SCRIPTS / "cp_equivalence.py"), str(tp), recompute))
+    results = result_of(torchrun("cp_equivalence", str(tp), recompute))
     assert len(results) == 8
     for variant, errs in results.items():
         for what, err in errs.items():
@@ -62,7 +46,7 @@ def test_context_parallel_cp2_equals_reference(tp, recompute):
 @pytest.mark.slow
 def test_context_parallel_with_tp_sp_and_selective_recompute():
     """TP=2+SP x CP=2 on 4 ranks with selective (attention) recompute equals the reference."""
-    proc = torchrun(str(SCRIPTS / "cp_equivalence.py"), "2", "selective", nproc=4)
+    proc = torchrun("cp_equivalence", "2", "selective", nproc=4)
     for variant, errs in result_of(proc).items():
         for what, err in errs.items():
             assert err <= 1e-5, (variant, what, err)
@@ -70,67 +54,39 @@ def test_context_parallel_with_tp_sp_and_selective_recompute():
 
 @pytest.mark.slow
 def test_zero_stages_equal_single_process():
-    results = result_of(torchrun(str(SCRIPTS / "zero_equivalence.py")))
+    results = result_of(torchrun("zero_equivalence"))
     assert set(results) == {"zero0", "zero1", "zero2", "zero3", "zero2_offload"}
     for stage, err in results.items():
         assert err <= 1e-5, (stage, err)
 
 
 @pytest.mark.slow
-def test_trainer_tp2_sp_and_cp2_losses_equal_tp1(tmp_path):
-    """The real CLI: TP=2+SP and CP=2 (ZeRO-1 over the data x context group) runs under
-    torchrun log the same losses as a one-process run."""
-    common = [
-        "--config-name",
-        "tiny_cpu",
-        "trainer.max_steps=3",
-        "trainer.eval_every=0",
-        "trainer.progress=false",
-        "trainer.sample_prompt=null",
-        "trainer.wandb.enabled=false",
-        "model.hidden_size=64",
-        "model.num_hidden_layers=2",
-        "trainer.micro_batch_size=2", "trainer.global_batch_size=null",
-        "trainer.seq_len=64",
-        "model.sliding_window=16",  # windows and documents cross the CP chunks (32 tokens)
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run(
-        [sys.executable, "-m", "orthros_train.train.cli", *common, f"trainer.run_dir={tmp_path / 'tp1'}"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=tmp_path,
-        env=env,
-    )
+def test_trainer_tp2_sp_and_cp2_losses_equal_tp1(tp2_sp_launch, tmp_path):
+    """The real CLI: TP=2+SP (conftest's tp2_sp_launch) and CP=2 (ZeRO-1 over the data x context
+    group) runs under torchrun log the same losses as a one-process run."""
+    small = [*PARALLEL_TEST_RUN, *QUIET_RUN]
+    single = run_train("--config-name", "tiny_cpu", *small, f"trainer.run_dir={tmp_path / 'tp1'}", cwd=tmp_path)
     assert single.returncode == 0, single.stderr[-4000:]
-    layouts = {
-        "tp2": ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
-        "cp2": ["parallel.context_parallel=2", "parallel.zero_stage=1"],
-    }
-    for run, overrides in layouts.items():
-        # Through the launcher users run (launch/torchrun.sh): 2 CPU ranks with gloo.
-        parallel = subprocess.run(
-            ["bash", str(REPO / "launch" / "torchrun.sh"), "2", "tiny_cpu", *common[2:],
-             f"trainer.run_dir={tmp_path / run}", *overrides],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            cwd=tmp_path,
-            env={**{k: v for k, v in env.items() if k != "MASTER_PORT"}, "PYTHON": sys.executable},
-        )
-        assert parallel.returncode == 0, (run, parallel.stderr[-4000:])
+    tp2, tp2_run = tp2_sp_launch
+    assert tp2.returncode == 0, ("tp2", tp2.stderr[-4000:])
+    # Through the launcher users run (launch/torchrun.sh): 2 CPU ranks with gloo.
+    cp2 = subprocess.run(
+        ["bash", str(LAUNCH_DIR / "torchrun.sh"), "2", "tiny_cpu", *small, f"trainer.run_dir={tmp_path / 'cp2'}",
+         "parallel.context_parallel=2", "parallel.zero_stage=1"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=cli_env(PYTHON=sys.executable),
+    )  # fmt: skip
+    assert cp2.returncode == 0, ("cp2", cp2.stderr[-4000:])
 
-    def losses(run: str) -> list[float]:
-        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(x)["loss"] for x in lines]
-
-    a = losses("tp1")
+    a = [r["loss"] for r in metrics(tmp_path / "tp1")]
     assert len(a) == 3
-    for run in layouts:
-        b = losses(run)
+    for run, run_dir in {"tp2": tp2_run, "cp2": tmp_path / "cp2"}.items():
+        b = [r["loss"] for r in metrics(run_dir)]
         assert len(b) == 3
         assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (run, a, b)
+
+
+# 8 heads: the numbers a layout check names (heads per TP rank) are not the tiny model's 4 and 2.
+EIGHT_HEADS = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8, "intermediate_size": 96}
 
 
 @pytest.mark.parametrize(
@@ -142,27 +98,13 @@ def test_trainer_tp2_sp_and_cp2_losses_equal_tp1(tmp_path):
     ],
 )
 def test_impossible_layout_names_the_numbers(pcfg, world, message):
-    cfg = OrthrosConfig(
-        vocab_size=96,
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=96,
-    )
+    cfg = tiny_config(96, **EIGHT_HEADS, num_key_value_heads=4)
     with pytest.raises(ValueError, match=message):
         check_parallel_layout(pcfg, cfg, world)
 
 
 def test_kv_heads_must_split_too():
-    cfg = OrthrosConfig(
-        vocab_size=96,
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=96,
-    )
+    cfg = tiny_config(96, **EIGHT_HEADS, num_key_value_heads=2)
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         check_parallel_layout(ParallelConfig(tensor_parallel=4), cfg)
 
@@ -186,8 +128,7 @@ def test_parallel_model_is_the_model_built_from_shards(tmp_path):
     from orthros_train.parallel.state_dict import load_reference_shards, reference_shapes
     from orthros_train.phase import sft_layout
 
-    cfg = OrthrosConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=64, sliding_window=4, qk_norm=True)
+    cfg = tiny_config(64, sliding_window=4, qk_norm=True)
     init_parallel(ParallelConfig(backend="gloo"), cfg, DistributedEnv())
     try:
         model = build_parallel_model(cfg, ParallelConfig(), seed=7)

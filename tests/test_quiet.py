@@ -3,20 +3,12 @@ user once, the tokenize bar has a total, --help lists the recipes."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-SMALL = [
-    "trainer.eval_every=0", "trainer.sample_prompt=null", "model.hidden_size=64", "model.num_hidden_layers=2",
-    "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.global_batch_size=null",
-]  # fmt: skip
+from fixtures import LAUNCH_DIR, TRAIN_CLI, cli_env
 
 
 def test_known_third_party_warnings_are_filtered_and_others_are_not():
@@ -38,22 +30,19 @@ def test_known_third_party_warnings_are_filtered_and_others_are_not():
 
 
 def test_help_lists_the_recipes():
-    cmd = [sys.executable, "-m", "orthros_train.train.cli", "--help"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    proc = subprocess.run([*TRAIN_CLI, "--help"], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert proc.returncode == 0
     for name in ("tiny_cpu", "pretrain_1p3b", "scaling/orthros_6p8b", "convert_llama31_8b", "longctx_128k"):
         assert f"  {name} " in proc.stdout
     assert "model/" not in proc.stdout and "trainer/gpu" not in proc.stdout  # groups are not recipes
 
 
-def test_tokenize_progress_bar_has_a_total(tmp_path, capsys):
+def test_tokenize_progress_bar_has_a_total(plain_tokenizer_dir, tmp_path, capsys):
     import json
-
-    from data_helpers import make_tokenizer
 
     from data_tools.cli import main as data_main
 
-    tok = make_tokenizer(tmp_path / "tok", chat_template=False)
+    tok = plain_tokenizer_dir
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"essay {i} on startups"}) + "\n" for i in range(7)))
     assert data_main(["tokenize", str(src), "--tokenizer", str(tok), "--output", str(tmp_path / "out")]) == 0
@@ -62,16 +51,13 @@ def test_tokenize_progress_bar_has_a_total(tmp_path, capsys):
 
 
 def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), "2", "tiny_cpu", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900, cwd=tmp_path)
+    cmd = ["bash", str(LAUNCH_DIR / "torchrun.sh"), "2", "tiny_cpu", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=900, cwd=tmp_path)
 
 
 @pytest.mark.slow
-def test_two_rank_tp2_run_prints_a_handful_of_lines(tmp_path):
-    proc = _torchrun(
-        tmp_path, "parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "trainer.max_steps=3",
-        *SMALL, f"trainer.run_dir={tmp_path / 'run'}",
-    )  # fmt: skip
+def test_two_rank_tp2_run_prints_a_handful_of_lines(tp2_sp_launch):
+    proc, _ = tp2_sp_launch  # 3 steps, progress bar and wandb as a user has them (conftest)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and "train:" not in ln]
     assert len(lines) <= 8, "\n".join(lines)

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import tiny_config
 
-from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+from orthros_train.model import OrthrosForCausalLM
 from orthros_train.parallel.model import build_parallel_model
 from orthros_train.parallel.setup import DistributedEnv, ParallelConfig, destroy_parallel, init_parallel
 from orthros_train.parallel.state_dict import gather_full_grads, load_reference_shards
 from orthros_train.phase import pretrain_layout
 
-CFG = OrthrosConfig(
-    vocab_size=64,
+CFG = tiny_config(
+    64,
     hidden_size=64,
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     intermediate_size=128,
     sliding_window=16,
     # The plain-torch op keeps its scores/probabilities for the backward, which is what selective

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,10 +57,10 @@ def test_key_ranges_respect_documents_and_window():
     assert end.tolist() == [0, 4, 5, 11, 11]
 
 
-def test_base_stream_memory_is_linear_at_4k():
-    """T = 4096 with W = 128: every chunk spans at most chunk + W keys (no T x T scores)."""
-    t, w, chunk = 4096, 128, 256
-    spans = []
+@contextlib.contextmanager
+def recorded_key_spans():
+    """Yields the list of key counts each chunk of the reference op scores (its einsum's key extent)."""
+    spans: list[int] = []
     orig_einsum = torch.einsum
 
     def spy(eq, *ops):
@@ -68,13 +70,20 @@ def test_base_stream_memory_is_linear_at_4k():
 
     torch.einsum = spy
     try:
+        yield spans
+    finally:
+        torch.einsum = orig_einsum
+
+
+def test_base_stream_memory_is_linear_at_4k():
+    """T = 4096 with W = 128: every chunk spans at most chunk + W keys (no T x T scores)."""
+    t, w, chunk = 4096, 128, 256
+    with recorded_key_spans() as spans:
         q = torch.randn(t, 2, 16)
         k = torch.randn(t, 1, 16)
         out, _ = attention_reference(
             q, k, k, torch.arange(t), torch.full((t,), w), torch.tensor([0, t], dtype=torch.int32), chunk_size=chunk
         )
-    finally:
-        torch.einsum = orig_einsum
     assert max(spans) <= chunk + w
     assert out.shape == q.shape
 
@@ -82,21 +91,10 @@ def test_base_stream_memory_is_linear_at_4k():
 def test_decode_step_scores_window_plus_document_not_twice_the_cache():
     """A base query and an output query of one decode step go to separate chunks."""
     t, w = 1000, 16
-    spans = []
-    orig_einsum = torch.einsum
-
-    def spy(eq, *ops):
-        if eq == "chgd,shd->hgcs":
-            spans.append(ops[1].shape[0])
-        return orig_einsum(eq, *ops)
-
-    torch.einsum = spy
-    try:
+    with recorded_key_spans() as spans:
         k = torch.randn(t, 1, 8)
         q = torch.randn(2, 1, 8)
         attention_reference(
             q, k, k, torch.tensor([t - 1, t - 1]), torch.tensor([w, UNBOUNDED]), torch.tensor([0, t], dtype=torch.int32)
         )
-    finally:
-        torch.einsum = orig_einsum
     assert sorted(spans) == [w, t]

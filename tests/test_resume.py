@@ -3,107 +3,50 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fixtures import by_step, finish, kill_tree, start_tiny_run, wait_for_step, wait_until
 
 from orthros_train.train.checkpoint import CheckpointManager, verify_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--config-name", "tiny_cpu", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
-    "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=2",
-    "trainer.micro_batch_size=2",
-    "trainer.global_batch_size=null", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=2",
-]  # fmt: skip
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+# Two ranks (DP = 2, ZeRO-1), 8 steps, a checkpoint every 3: the run a kill interrupts.
+KILLED_RUN = ("trainer.max_steps=8", "trainer.save_every=3", "parallel.data_parallel=2", "parallel.zero_stage=1")
 
 
-def cli(*overrides: str, nproc: int = 1, cwd: Path, **popen) -> subprocess.Popen:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "orthros_train.train.cli", *TINY, *overrides]
-    else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--standalone", *popen.pop("torchrun_args", []),
-            "-m", "orthros_train.train.cli", *TINY, *overrides,
-        ]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-
-
-def finish(proc: subprocess.Popen, timeout: int = 900) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """Last logged loss of every step (a resumed run logs the steps after its checkpoint again)."""
-    out: dict[int, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        out[record["step"]] = record["loss"]
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    import psutil
-
-    parent = psutil.Process(pid)
-    for process in [*parent.children(recursive=True), parent]:
-        try:
-            process.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
-    path = run_dir / "metrics.jsonl"
-    _wait_until(
-        lambda: path.is_file() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines()),
-        proc,
-        timeout,
-        f"step {step} not reached",
-    )
-
-
-def _wait_until(done, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if done():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended early: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.2)
-    raise AssertionError(f"{what} in {timeout}s")
+@pytest.fixture(scope="module")
+def uninterrupted_two_rank_run(tmp_path_factory) -> dict[int, float]:
+    """Losses by step of ``KILLED_RUN`` never stopped (synchronous saves): the reference of every
+    kill -9 test. Saving asynchronously changes when files are written, not what is computed, so
+    one reference serves both."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    proc = start_tiny_run(*KILLED_RUN, "trainer.async_save=false", f"trainer.run_dir={tmp / 'run'}", nproc=2, cwd=tmp)
+    rc, _, err = finish(proc)
+    assert rc == 0, err[-3000:]
+    return by_step(tmp / "run")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True])
-def test_kill_9_two_process_run_resumes_bitwise(tmp_path, async_save):
-    steps = ["trainer.max_steps=8", "trainer.save_every=3", "parallel.data_parallel=2", "parallel.zero_stage=1"]
-    steps.append(f"trainer.async_save={async_save}")  # async: the kill may land mid background write
-    rc, _, err = finish(cli(*steps, f"trainer.run_dir={tmp_path / 'straight'}", nproc=2, cwd=tmp_path))
-    assert rc == 0, err[-3000:]
+def test_kill_9_two_process_run_resumes_bitwise(uninterrupted_two_rank_run, tmp_path, async_save):
+    steps = [*KILLED_RUN, f"trainer.async_save={async_save}"]  # async: the kill may land mid background write
     run = tmp_path / "killed"
-    proc = cli(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path)
+    proc = start_tiny_run(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path)
     wait_for_step(run, 4, proc)  # a sync checkpoint of step 3 exists once step 4 is logged
     # An async one is published by a background thread, which under load can trail the steps.
-    _wait_until((run / "checkpoints" / "latest").is_file, proc, 600, "no checkpoint published")
+    wait_until((run / "checkpoints" / "latest").is_file, proc, 600, "no checkpoint published")
     kill_tree(proc.pid)  # kill -9 the launcher and every rank (torchrun puts ranks in their own groups)
     proc.wait()
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest in ("step_000000003", "step_000000006")  # killed mid-run, before the end
-    rc, out, err = finish(cli(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path))
+    rc, out, err = finish(start_tiny_run(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path))
     assert rc == 0, err[-3000:]
     assert "resumed from" in out and latest in out, out[-3000:] + err[-3000:]
-    straight, resumed = losses(tmp_path / "straight"), losses(run)
+    straight, resumed = uninterrupted_two_rank_run, by_step(run)
     assert sorted(straight) == sorted(resumed) == list(range(1, 9))
     assert all(straight[s] == resumed[s] for s in straight), (straight, resumed)  # bitwise
 
@@ -113,11 +56,11 @@ def test_rank_death_under_max_restarts_resumes_from_latest(tmp_path):
     run = tmp_path / "run"
     steps = ["trainer.max_steps=6", "trainer.save_every=2", "trainer.fail_at_step=4", "parallel.data_parallel=2"]
     rc, out, err = finish(
-        cli(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path, torchrun_args=["--max-restarts", "1"])
+        start_tiny_run(*steps, f"trainer.run_dir={run}", nproc=2, cwd=tmp_path, torchrun_args=("--max-restarts", "1"))
     )
     assert rc == 0, err[-3000:]
     assert "resumed from" in out and "step_000000004" in out
-    assert sorted(losses(run)) == list(range(1, 7))
+    assert sorted(by_step(run)) == list(range(1, 7))
 
 
 @pytest.mark.slow
@@ -126,7 +69,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, async_save):
     run = tmp_path / "run"
     # async: saves every step, so the signal usually finds one in flight, which the exit waits for
     extra = ["trainer.async_save=true", "trainer.save_every=1"] if async_save else []
-    proc = cli("trainer.max_steps=400", f"trainer.run_dir={run}", *extra, cwd=tmp_path)
+    proc = start_tiny_run("trainer.max_steps=400", f"trainer.run_dir={run}", *extra, cwd=tmp_path)
     wait_for_step(run, 2, proc)
     proc.send_signal(signal.SIGTERM)
     rc, out, err = finish(proc)
@@ -135,43 +78,13 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, async_save):
     latest = (run / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.split("_")[1])
     assert stopped_at >= 2 and verify_checkpoint(run / "checkpoints" / latest) is None
-    rc, out, err = finish(cli(f"trainer.max_steps={stopped_at + 2}", f"trainer.run_dir={run}", cwd=tmp_path))
+    rc, out, err = finish(start_tiny_run(f"trainer.max_steps={stopped_at + 2}", f"trainer.run_dir={run}", cwd=tmp_path))
     assert rc == 0, err[-3000:]
     assert f"at step {stopped_at}" in out
-    assert max(losses(run)) == stopped_at + 2
+    assert max(by_step(run)) == stopped_at + 2
 
 
-# -- in-process: checkpoint integrity and faults --------------------------------------------------
-
-
-@pytest.fixture
-def make_trainer(tmp_path):
-    """A one-process Trainer on the tiny recipe (torch.distributed torn down afterwards)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from orthros_train.parallel.setup import destroy_parallel
-    from orthros_train.train.config import run_config_from_dict
-    from orthros_train.train.trainer import Trainer
-
-    made = []
-
-    def make(*overrides: str) -> Trainer:
-        with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
-            cfg = compose(
-                "tiny_cpu",
-                overrides=[*TINY[2:], f"trainer.run_dir={tmp_path / 'run'}", "trainer.wandb.name=test", *overrides],
-            )
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        resolved.pop("hydra", None)
-        if made:
-            destroy_parallel()
-        trainer = Trainer(run_config_from_dict(resolved), resolved)
-        made.append(trainer)
-        return trainer
-
-    yield make
-    destroy_parallel()
+# -- in-process (conftest's make_trainer): checkpoint integrity and faults ------------------------------
 
 
 def test_corrupt_and_partial_checkpoints_are_skipped(make_trainer, tmp_path, caplog):
@@ -447,7 +360,7 @@ def test_writers_hash_their_own_files(make_trainer, monkeypatch):
 @pytest.mark.slow
 def test_ctrl_c_finishes_the_step_saves_and_exits_130_without_a_traceback(tmp_path):
     run = tmp_path / "run"
-    proc = cli("trainer.max_steps=100000", f"trainer.run_dir={run}", cwd=tmp_path)
+    proc = start_tiny_run("trainer.max_steps=100000", f"trainer.run_dir={run}", cwd=tmp_path)
     wait_for_step(run, 2, proc)
     proc.send_signal(signal.SIGINT)
     rc, out, err = finish(proc)
@@ -459,14 +372,14 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130_without_a_traceback(tmp_pa
     assert len(stopped) == 1, out[-3000:]
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert verify_checkpoint(run / "checkpoints" / latest) is None
-    assert int(latest.split("_")[1]) == max(losses(run))  # the step it finished is the one saved
+    assert int(latest.split("_")[1]) == max(by_step(run))  # the step it finished is the one saved
     assert not (run / "run.lock").exists()
 
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once_and_the_previous_checkpoint_still_verifies(tmp_path):
     run = tmp_path / "run"
-    proc = cli("trainer.max_steps=100000", "trainer.save_every=2", f"trainer.run_dir={run}", cwd=tmp_path)
+    proc = start_tiny_run("trainer.max_steps=100000", "trainer.save_every=2", f"trainer.run_dir={run}", cwd=tmp_path)
     wait_for_step(run, 3, proc)  # step 2's checkpoint is published
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
@@ -484,5 +397,5 @@ def test_a_second_ctrl_c_exits_at_once_and_the_previous_checkpoint_still_verifie
     # The next launch resumes from the newest published checkpoint (a half-written save, if any,
     # stays invisible; one killed between its rename and the `latest` update is published).
     step = int(CheckpointManager(run).find_latest().name.split("_")[1])
-    rc, out, err = finish(cli(f"trainer.max_steps={step + 1}", f"trainer.run_dir={run}", cwd=tmp_path))
+    rc, out, err = finish(start_tiny_run(f"trainer.max_steps={step + 1}", f"trainer.run_dir={run}", cwd=tmp_path))
     assert rc == 0 and f"at step {step}" in out, err[-3000:]

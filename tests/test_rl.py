@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from fixtures import (
+    TINY_SHAPE,
+    by_step,
+    finish,
+    kill_tree,
+    metrics,
+    result_of,
+    start_train,
+    tiny_model,
+    torchrun,
+    trainer_for,
+    wait_for_step,
+)
 
-from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+from orthros_train.model import OrthrosForCausalLM
 from orthros_train.train.config import RLConfig
 from orthros_train.train.global_loss import loss_units
 from orthros_train.train.rl import (
@@ -32,30 +43,13 @@ from orthros_train.train.rl import (
     surrogate_layout,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 V = 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_model(seed: int = 0, **kw) -> OrthrosForCausalLM:
-    torch.manual_seed(seed)
-    cfg = OrthrosConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, sliding_window=4, attention_backend="reference", **kw,
-    )
-    model = OrthrosForCausalLM(cfg)
-    with torch.no_grad():  # leave the identity init of the output-stream affine: streams must differ
-        for layer in model.layers:
-            layer.self_attn.gamma.add_(0.1 * torch.randn_like(layer.self_attn.gamma))
-            layer.self_attn.beta.add_(0.1 * torch.randn_like(layer.self_attn.beta))
-    return model.double()
+def policy(seed: int = 0) -> OrthrosForCausalLM:
+    """A float64 tiny policy (window 4, the plain-torch attention) whose output-stream affine left
+    the identity init, so the two streams differ."""
+    return tiny_model(V, seed=seed, output_affine="nudged", sliding_window=4, attention_backend="reference").double()
 
 
 def make_rollouts(seed: int = 0, with_old: bool = True, with_ref: bool = False) -> list[Rollout]:
@@ -121,7 +115,7 @@ def assert_same_grads(a: dict, b: dict, rel: float = 1e-6):
 
 
 def test_rollout_logprobs_on_the_rl_layout_equal_full_sequence_forward():
-    model = tiny_model()
+    model = policy()
     rollouts = make_rollouts(with_old=False)
     layout = rollout_layout(rollouts)
     # output tokens sit exactly on the positions that predict response tokens
@@ -150,13 +144,13 @@ def objective_step(model, rollouts, cfg: RLConfig, loss_average: str, micro_rows
 @pytest.mark.parametrize("loss_average", ["token", "sequence"])
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_grpo_gradient_equals_direct_full_sequence_computation(loss_average, kl_coef):
-    model = tiny_model(1)
+    model = policy(1)
     rollouts = make_rollouts(1, with_old=True, with_ref=True)
     cfg = RLConfig(kl_coef=kl_coef, clip_eps_low=0.2, clip_eps_high=0.28)
     advantages = compute_advantages(rollouts)
 
     # the trainer's path: micro-batches of 2 rows, each with the step's global normalizer
-    value, stats = objective_step(model, rollouts, cfg, loss_average, 2, ref_model=tiny_model(2))
+    value, stats = objective_step(model, rollouts, cfg, loss_average, 2, ref_model=policy(2))
     assert 0 < stats["clip_fraction"] < 1  # both clip branches are exercised
     got = grads(model)
 
@@ -169,7 +163,7 @@ def test_grpo_gradient_equals_direct_full_sequence_computation(loss_average, kl_
 
 def test_surrogate_layout_gives_the_grpo_gradient_through_the_plain_layout_loss():
     """The trainer's loss is sum(w * CE) / N: surrogate weights make it a GRPO step exactly."""
-    model = tiny_model(3)
+    model = policy(3)
     rollouts = make_rollouts(3, with_old=True, with_ref=True)
     adv = torch.cat(compute_advantages(rollouts)).double()
     layout = rollout_layout(rollouts)
@@ -195,7 +189,7 @@ def test_surrogate_layout_gives_the_grpo_gradient_through_the_plain_layout_loss(
 def test_on_policy_step_is_the_advantage_weighted_layout_loss():
     """ratio == 1, no KL: the GRPO gradient is that of the rl layout with weights = advantages,
     and no extra forward is needed (the objective never asks for log-probs)."""
-    model = tiny_model(4)
+    model = policy(4)
     rollouts = make_rollouts(4, with_old=False)
 
     def no_forward(layout):
@@ -316,7 +310,7 @@ def test_a_reward_function_returning_nan_is_named():
 
     gen = RolloutGenerator(nan_reward, RLConfig(group_size=2, prompts_per_step=1, max_new_tokens=2))
     with pytest.raises(ValueError, match=r"reward function 'nan_reward' returned nan: reward is nan"):
-        gen(tiny_model(0).float().eval(), [[1, 2, 3]], [0])
+        gen(policy(0).float().eval(), [[1, 2, 3]], [0])
 
 
 def test_trainer_refuses_a_bad_rollouts_file_before_training(tmp_path):
@@ -343,7 +337,7 @@ def test_trainer_refuses_a_bad_rollouts_file_before_training(tmp_path):
 
 def test_generation_logprobs_match_the_training_layout():
     """What prefill/decode sampled from is what the rl layout trains: same log-probs."""
-    model = tiny_model(6).float().eval()
+    model = policy(6).float().eval()
     prompt = torch.randint(0, V, (1, 11), generator=torch.Generator().manual_seed(0))
     logits, cache = model.prefill(prompt)
     tokens, logps = [], []
@@ -358,7 +352,7 @@ def test_generation_logprobs_match_the_training_layout():
 
 
 def test_rollout_generator_groups_rewards_and_samples_independently_of_the_batch():
-    model = tiny_model(7).float()
+    model = policy(7).float()
     task = PatternTask(vocab_size=V, prompt_len=4, response_len=3)
     cfg = RLConfig(group_size=3, max_new_tokens=3, seed=1)
     generate = RolloutGenerator(task.reward, cfg)
@@ -376,8 +370,7 @@ def test_rollout_generator_groups_rewards_and_samples_independently_of_the_batch
 # -- RL through the trainer ------------------------------------------------------------------------
 def _recipe(tmp_path, task: dict, rl: dict, vocab: int = V, steps: int = 2, micro: int = 5, **sections) -> dict:
     return {
-        "model": {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "intermediate_size": 64, "sliding_window": 4, "init_from": None},
+        "model": {"vocab_size": vocab, **TINY_SHAPE, "sliding_window": 4, "init_from": None},
         "optim": {"lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
         "trainer": {"max_steps": steps, "run_dir": str(tmp_path / "run"), "device": "cpu", "log_every": 0,
                     "seed": 0, "eval_every": 0, "micro_batch_size": micro, "progress": False,
@@ -391,17 +384,11 @@ def _recipe(tmp_path, task: dict, rl: dict, vocab: int = V, steps: int = 2, micr
 
 def _train(recipe: dict) -> dict:
     from orthros_train.parallel.setup import destroy_parallel
-    from orthros_train.train.config import run_config_from_dict
-    from orthros_train.train.trainer import Trainer
 
     try:
-        return Trainer(run_config_from_dict(recipe), recipe).fit()
+        return trainer_for(recipe).fit()
     finally:
         destroy_parallel()
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_trainer_runs_grpo_on_an_external_engines_rollouts(tmp_path):
@@ -414,7 +401,7 @@ def test_trainer_runs_grpo_on_an_external_engines_rollouts(tmp_path):
     with pytest.raises(ValueError, match=r"micro_batch_size=4 .*Nearest valid: trainer.micro_batch_size=1 or 5"):
         _train(_recipe(tmp_path, task, rl, micro=4))
     result = _train(_recipe(tmp_path, task, rl, steps=2))
-    records = _metrics(tmp_path / "run")
+    records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]  # 10 rollouts, 5 per step
     assert all(r["loss_tokens"] == sum(len(x.response_ids) for x in rollouts[5 * i : 5 * i + 5])
                for i, r in enumerate(records))
@@ -423,13 +410,13 @@ def test_trainer_runs_grpo_on_an_external_engines_rollouts(tmp_path):
     assert model.config.vocab_size == V
 
 
-def test_trainer_runs_grpo_on_a_prompt_set_with_reference_rewards(tmp_path):
-    from data_helpers import make_tokenizer, write_jsonl
+def test_trainer_runs_grpo_on_a_prompt_set_with_reference_rewards(bpe_tokenizer_dir, tmp_path):
+    from data_helpers import write_jsonl
 
     from data_tools.pretokenize import TokenizeOptions, run
     from orthros_train.data.chat import ChatFields
 
-    tok_dir = make_tokenizer(tmp_path / "tok", vocab_size=300)
+    tok_dir = bpe_tokenizer_dir(300)
     rows = [{"prompt": f"Count to {n}", "answer": " ".join(str(i) for i in range(n))} for n in range(2, 8)]
     src = write_jsonl(tmp_path / "p.jsonl", rows)
     run(TokenizeOptions([str(src)], str(tok_dir), str(tmp_path / "rl"), kind="rl", progress=False,
@@ -441,7 +428,7 @@ def test_trainer_runs_grpo_on_a_prompt_set_with_reference_rewards(tmp_path):
         vocab=300, micro=6,
         data={"source": "indexed", "paths": [str(tmp_path / "rl")], "tokenizer": str(tok_dir)},
     ))
-    records = _metrics(tmp_path / "run")
+    records = metrics(tmp_path / "run")
     assert len(records) == 2
     assert all(0 < r["response_len_mean"] <= 4 and math.isfinite(r["loss"]) for r in records)
 
@@ -454,7 +441,7 @@ def test_ppo_epochs_and_minibatches_reuse_a_rollout_batch_and_resume_inside_it(t
     rl = {"group_size": 4, "prompts_per_step": 2, "minibatches": 2, "ppo_epochs": 2}
     straight = _recipe(tmp_path / "a", task, rl, steps=4, micro=8)
     _train(straight)
-    records = _metrics(tmp_path / "a" / "run")
+    records = metrics(tmp_path / "a" / "run")
     assert [r["consumed_samples"] for r in records] == [16] * 4  # one draw of 2 minibatches x 8 rollouts
     assert records[0]["ratio_mean"] == 1.0 and records[0]["grad_norm"] > 0
     assert all(r["ratio_mean"] != 1.0 for r in records[1:])  # the policy moved since it sampled
@@ -462,7 +449,7 @@ def test_ppo_epochs_and_minibatches_reuse_a_rollout_batch_and_resume_inside_it(t
     _train(stopped)
     resumed = _recipe(tmp_path / "b", task, rl, steps=4, micro=8)
     _train(resumed)
-    again = {r["step"]: r["loss"] for r in _metrics(tmp_path / "b" / "run")}
+    again = {r["step"]: r["loss"] for r in metrics(tmp_path / "b" / "run")}
     assert again == {r["step"]: r["loss"] for r in records}
 
 
@@ -471,14 +458,12 @@ def test_sampling_builds_no_second_model(tmp_path, monkeypatch):
     and no weights are gathered while it samples and trains."""
     from orthros_train.parallel.setup import destroy_parallel
     from orthros_train.train import trainer as trainer_module
-    from orthros_train.train.config import run_config_from_dict
-    from orthros_train.train.trainer import Trainer
 
     recipe = _recipe(tmp_path, {"name": "pattern", "prompt_len": 4, "response_len": 3},
                      {"group_size": 4, "prompts_per_step": 2, "kl_coef": 0.05}, steps=1, micro=8)
     built, gathered = [], []
     try:
-        trainer = Trainer(run_config_from_dict(recipe), recipe)
+        trainer = trainer_for(recipe)
         init = OrthrosForCausalLM.__init__
         monkeypatch.setattr(OrthrosForCausalLM, "__init__",
                             lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
@@ -497,10 +482,8 @@ def test_generation_on_tensor_and_context_parallel_shards_equals_one_device():
     """torchrun: prefill + decode on TP = 2 (with and without SP) and CP = 2 shards give the
     single-device model's logits and the same greedy and seeded sampled tokens; no TP rank
     creates a tensor of the full embedding's shape while it generates."""
-    from test_parallel import SCRIPTS, result_of, torchrun
-
-    tp = result_of(torchrun(str(SCRIPTS / "sharded_generation.py")))
-    cp = result_of(torchrun(str(SCRIPTS / "sharded_generation.py"), "cp"))
+    tp = result_of(torchrun("sharded_generation"))
+    cp = result_of(torchrun("sharded_generation", "cp"))
     assert set(tp) == {"tp2", "tp2_sp"} and set(cp) == {"cp2"}
     for name, r in {**tp, **cp}.items():
         assert r["logit_diff"] <= 1e-5 and r["same_tokens"], (name, r)
@@ -510,23 +493,16 @@ def test_generation_on_tensor_and_context_parallel_shards_equals_one_device():
 # -- the recipe, end to end (orthros-train --config-name rl_tiny_cpu) -------------------------------
 RL_TINY = ["--config-name", "rl_tiny_cpu", "trainer.progress=false", "trainer.wandb.enabled=false",
            "trainer.log_every=0"]  # fmt: skip
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
 
 def rl_cli(*overrides: str, nproc: int = 1, cwd: Path) -> subprocess.Popen:
-    launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
-    cmd = [sys.executable, *launch, "-m", "orthros_train.train.cli", *RL_TINY, *overrides]
-    return subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_train(*RL_TINY, *overrides, nproc=nproc, cwd=cwd)
 
 
 def finished(proc: subprocess.Popen) -> str:
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err[-3000:]
+    rc, out, err = finish(proc)
+    assert rc == 0, err[-3000:]
     return out
-
-
-def by_step(run_dir: Path, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in _metrics(run_dir)}  # a resumed run's later records win
 
 
 @pytest.mark.slow
@@ -561,8 +537,6 @@ def test_two_ranks_log_the_same_losses_and_rewards_as_one(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_mid_run_resumes_bitwise(tmp_path):
-    from test_resume import kill_tree, wait_for_step
-
     steps = ["trainer.max_steps=6", "trainer.save_every=2"]
     finished(rl_cli(*steps, f"trainer.run_dir={tmp_path / 'straight'}", cwd=tmp_path))
     run = tmp_path / "killed"

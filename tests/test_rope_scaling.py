@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import TINY_HF_SHAPE, spread_hf_norms, tiny_model
 
 from orthros_train.convert.checkpoint_io import ConversionError
 from orthros_train.convert.from_hf import convert_from_hf
@@ -116,16 +117,7 @@ HF_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings
 
 
 def _tiny_hf(kind: str):
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.15,
-        max_position_embeddings=4 * HF_OLD_LEN,
-    )
+    common = dict(vocab_size=VOCAB, **TINY_HF_SHAPE, max_position_embeddings=4 * HF_OLD_LEN)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common, rope_parameters={**HF_YARN, "rope_theta": 10000.0})
         model = transformers.LlamaForCausalLM(cfg)
@@ -134,11 +126,7 @@ def _tiny_hf(kind: str):
             **common, head_dim=32, rope_parameters={**HF_YARN, "rope_theta": 1e6, "attention_factor": 1.3}
         )
         model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-    return model.eval()
+    return spread_hf_norms(model)
 
 
 @pytest.fixture(scope="module")
@@ -203,19 +191,8 @@ def test_to_hf_export_with_yarn_reproduces_orthros_logits(yarn_dirs, tmp_path):
 
 def test_prefill_decode_use_the_scaled_rope():
     """Generation (prefill + decode with the KV cache) equals step-by-step forward under YaRN."""
-    cfg = OrthrosConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        sliding_window=4,
-        initializer_range=0.2,
-        rope_scaling={**HF_YARN, "original_max_position_embeddings": 4},
-    )
-    torch.manual_seed(0)
-    model = OrthrosForCausalLM(cfg).eval()
+    yarn = {**HF_YARN, "original_max_position_embeddings": 4}
+    model = tiny_model(VOCAB, sliding_window=4, initializer_range=0.2, rope_scaling=yarn).eval()
     prompt = torch.randint(0, VOCAB, (1, 10))
     new = model.generate_greedy(prompt, max_new_tokens=8)
     seq = prompt

@@ -4,12 +4,10 @@ run re-launched says it is complete."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures import QUIET_RUN, SMALL_TINY_CPU, metrics, run_train, start_train
 
 from orthros_train.train.run_dir import check_fresh_start, check_resume, multirun_job_dir, recipe_changes
 
@@ -110,23 +108,13 @@ def test_multirun_job_dirs_are_named_by_their_overrides():
     assert multirun_job_dir("runs/tiny_cpu", [], 3) == "runs/tiny_cpu/job3"
 
 
-TINY = [
-    "--config-name", "tiny_cpu", "trainer.eval_every=0", "trainer.progress=false", "trainer.sample_prompt=null",
-    "trainer.wandb.enabled=false", "model.hidden_size=64", "model.num_hidden_layers=2", "trainer.max_steps=2",
-    "trainer.micro_batch_size=2",
-    "trainer.global_batch_size=null", "trainer.seq_len=64", "trainer.log_every=0", "optim.warmup_steps=1",
-]  # fmt: skip
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "orthros_train.train.cli", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+# Two steps of tiny_cpu at test size, warming up over the first.
+TINY = ["--config-name", "tiny_cpu", *SMALL_TINY_CPU, *QUIET_RUN, "trainer.max_steps=2", "optim.warmup_steps=1"]
 
 
 @pytest.mark.slow
 def test_multirun_jobs_train_in_their_own_dirs_and_a_finished_run_says_it_is_complete(tmp_path):
-    proc = _cli("-m", *TINY, "optim.lr=1e-3,3e-3", cwd=tmp_path)
+    proc = run_train("-m", *TINY, "optim.lr=1e-3,3e-3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = tmp_path / "runs" / "tiny_cpu"
     assert sorted(p.name for p in runs.iterdir()) == ["optim.lr_0.001", "optim.lr_0.003"]  # the swept key only
@@ -134,26 +122,20 @@ def test_multirun_jobs_train_in_their_own_dirs_and_a_finished_run_says_it_is_com
         records = (job / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(r)["step"] for r in records] == [1, 2]  # each job trained, none resumed the other
     one = [*TINY, "optim.lr=1e-3", f"trainer.run_dir={runs / 'optim.lr_0.001'}"]
-    again = _cli(*one, cwd=tmp_path)
+    again = run_train(*one, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "is complete" in again.stdout and "resumed from" not in again.stdout
     assert len((runs / "optim.lr_0.001" / "metrics.jsonl").read_text().splitlines()) == 2  # nothing retrained
-    window = _cli(*one, "model.sliding_window=32", cwd=tmp_path)
+    window = run_train(*one, "model.sliding_window=32", cwd=tmp_path)
     assert window.returncode != 0 and "model.sliding_window: 64 in the checkpoint, 32 now" in window.stderr
-    longer = _cli(*one, "trainer.max_steps=3", "optim.lr=2e-3", "trainer.resume_changes=allow", cwd=tmp_path)
+    longer = run_train(*one, "trainer.max_steps=3", "optim.lr=2e-3", "trainer.resume_changes=allow", cwd=tmp_path)
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert "resume: optim.lr: 0.001 in the checkpoint, 0.002 now" in longer.stderr
     assert "resumed from" in longer.stdout
 
 
-def _popen(*args: str, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "orthros_train.train.cli", *args]
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def _steps(run: Path) -> list[int]:
-    return [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in metrics(run)]
 
 
 @pytest.mark.slow
@@ -166,12 +148,12 @@ def test_two_concurrent_launches_into_one_dir_leave_one_clean_run(tmp_path):
 
     run = tmp_path / "run"
     args = [*TINY, "trainer.max_steps=100000", "trainer.save_every=5", f"trainer.run_dir={run}"]
-    first = _popen(*args, cwd=tmp_path)
+    first = start_train(*args, cwd=tmp_path)
     deadline = time.time() + 600
     while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()) and time.time() < deadline:
         assert first.poll() is None, first.stderr.read()[-3000:]
         time.sleep(0.2)
-    second = _cli(*args, cwd=tmp_path)  # a duplicated job: the same command into the same directory
+    second = run_train(*args, cwd=tmp_path)  # a duplicated job: the same command into the same directory
     assert second.returncode == 1, second.stderr[-3000:]
     assert "is in use by another run" in second.stderr
     assert f"host {socket.gethostname()}, pid {first.pid}, started " in second.stderr
@@ -192,14 +174,14 @@ def test_two_concurrent_launches_into_one_dir_leave_one_clean_run(tmp_path):
 def test_resume_none_in_a_finished_run_is_refused_unless_overwrite(tmp_path):
     run = tmp_path / "run"
     args = [*TINY, f"trainer.run_dir={run}"]
-    assert _cli(*args, cwd=tmp_path).returncode == 0
+    assert run_train(*args, cwd=tmp_path).returncode == 0
     before = (run / "checkpoints" / "final" / "model.safetensors").read_bytes()
-    again = _cli(*args, "trainer.resume=none", cwd=tmp_path)
+    again = run_train(*args, "trainer.resume=none", cwd=tmp_path)
     assert again.returncode == 1 and "already holds a run" in again.stderr and "trainer.overwrite=true" in again.stderr
     assert "Traceback" not in again.stderr
     assert (run / "checkpoints" / "final" / "model.safetensors").read_bytes() == before  # untouched
     assert _steps(run) == [1, 2]
-    fresh = _cli(*args, "trainer.resume=none", "trainer.overwrite=true", "optim.lr=1e-3", cwd=tmp_path)
+    fresh = run_train(*args, "trainer.resume=none", "trainer.overwrite=true", "optim.lr=1e-3", cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert "deleting the previous run's" in fresh.stderr
     assert _steps(run) == [1, 2]  # the new run's log only
@@ -209,7 +191,7 @@ def test_resume_none_in_a_finished_run_is_refused_unless_overwrite(tmp_path):
 @pytest.mark.slow
 def test_multirun_with_an_explicit_run_dir_gives_every_job_its_own(tmp_path):
     base = tmp_path / "sweep"
-    proc = _cli("-m", *TINY, f"trainer.run_dir={base}", "optim.lr=1e-3,3e-3", cwd=tmp_path)
+    proc = run_train("-m", *TINY, f"trainer.run_dir={base}", "optim.lr=1e-3,3e-3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in base.iterdir()) == ["optim.lr_0.001", "optim.lr_0.003"]
     for job in base.iterdir():
@@ -220,7 +202,7 @@ def test_multirun_with_an_explicit_run_dir_gives_every_job_its_own(tmp_path):
 def test_an_unwritable_run_dir_is_a_clear_error_not_a_traceback(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    proc = _cli(*TINY, f"trainer.run_dir={blocker / 'run'}", cwd=tmp_path)
+    proc = run_train(*TINY, f"trainer.run_dir={blocker / 'run'}", cwd=tmp_path)
     assert proc.returncode == 1
     assert f"trainer.run_dir={blocker / 'run'} cannot be written (Not a directory)" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import tiny_config
 
 from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
@@ -18,10 +19,8 @@ H, HKV, D = 4, 2, 8
 
 
 def _config(attention_type: str, window: int) -> OrthrosConfig:
-    return OrthrosConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=HKV,
-        intermediate_size=64, sliding_window=window, attention_type=attention_type,
-    )  # fmt: skip
+    return tiny_config(64, num_attention_heads=H, num_key_value_heads=HKV, sliding_window=window,
+                       attention_type=attention_type)  # fmt: skip
 
 
 def _queries(attention_type: str, window: int, layout, cache: KVCache | None = None):

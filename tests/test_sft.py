@@ -7,41 +7,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from data_helpers import make_tokenizer
+from fixtures import REPO, cli_env, metrics, run_train, tiny_model
 
 from orthros_train.data import DataConfig, build_data
 from orthros_train.data.sft import average_per_sequence
-from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.phase import sft_layout
 from orthros_train.train.global_loss import loss_units
 
-REPO = Path(__file__).resolve().parents[1]
 V = 40
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_model(seed: int = 0) -> OrthrosForCausalLM:
-    torch.manual_seed(seed)
-    cfg = OrthrosConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=64, sliding_window=4, attention_backend="reference")
-    model = OrthrosForCausalLM(cfg)
-    with torch.no_grad():  # move the output-stream affine off identity so the two streams differ
-        for layer in model.layers:
-            layer.self_attn.gamma.add_(0.1 * torch.randn_like(layer.self_attn.gamma))
-            layer.self_attn.beta.add_(0.1 * torch.randn_like(layer.self_attn.beta))
-    return model.double()
 
 
 # Conversations: token ids and answer spans [start, end) inside each conversation.
@@ -92,7 +69,8 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("average", ["token", "sequence"])
 def test_sft_gradient_equals_full_sequence_computation_on_answer_tokens(average):
-    model = tiny_model()
+    # float64, the plain-torch attention; the output-stream affine off identity so the two streams differ
+    model = tiny_model(V, output_affine="nudged", sliding_window=4, attention_backend="reference").double()
     convs = conversations()
     layout = packed_layout(convs)
     n_answer = sum(b - a for _, spans in convs for a, b in spans)
@@ -124,13 +102,8 @@ def test_per_sequence_weights_make_every_conversation_count_the_same():
     assert loss_units(layout, "sequence") == 3
 
 
-@pytest.fixture(scope="module")
-def plain_tokenizer_dir(tmp_path_factory):
-    """A BPE tokenizer without a chat template (like the tiny pretrained model's)."""
-    return str(make_tokenizer(tmp_path_factory.mktemp("tok"), chat_template=False))
-
-
 def test_plain_chat_template_cuts_answers_ending_with_eos(plain_tokenizer_dir):
+    """A BPE tokenizer without a chat template (like the tiny pretrained model's) takes the plain one."""
     from orthros_train.data.chat import render_conversation
     from orthros_train.data.embedded import with_chat_template
     from orthros_train.data.indexed import MODE_ANSWER, MODE_PROMPT
@@ -179,19 +152,17 @@ def test_demo_data_sequence_average_and_held_out_eval(plain_tokenizer_dir, tmp_p
 @pytest.mark.slow
 def test_sft_tiny_cpu_recipe_trains_with_eval(plain_tokenizer_dir, tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "orthros_train.train.cli", "--config-name", "sft_tiny_cpu",
-         "model.init_from=null", f"data.tokenizer={plain_tokenizer_dir}",
-         "data.tokenizer_vocab_size=1024", f"data.cache_dir={tmp_path / 'cache'}", "data.split='90,10,0'",
-         "data.loss_average=sequence", "model.hidden_size=64", "model.num_hidden_layers=2",
-         "trainer.max_steps=12", "trainer.eval_every=6", "trainer.eval_batches=2", "trainer.seq_len=128",
-         "trainer.micro_batch_size=4", "trainer.progress=false", "trainer.sample_tokens=4",
-         "trainer.wandb.enabled=false", "optim.lr=3e-3", "optim.warmup_steps=2", f"trainer.run_dir={run_dir}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-    )
+    proc = run_train(
+        "--config-name", "sft_tiny_cpu", "model.init_from=null", f"data.tokenizer={plain_tokenizer_dir}",
+        "data.tokenizer_vocab_size=1024", f"data.cache_dir={tmp_path / 'cache'}", "data.split='90,10,0'",
+        "data.loss_average=sequence", "model.hidden_size=64", "model.num_hidden_layers=2",
+        "trainer.max_steps=12", "trainer.eval_every=6", "trainer.eval_batches=2", "trainer.seq_len=128",
+        "trainer.micro_batch_size=4", "trainer.progress=false", "trainer.sample_tokens=4",
+        "trainer.wandb.enabled=false", "optim.lr=3e-3", "optim.warmup_steps=2", f"trainer.run_dir={run_dir}",
+        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(run_dir)
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0]

@@ -3,25 +3,22 @@ truncated ``model.init_from``. Each is refused naming the key or file and the fi
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from fixtures import TINY_SHAPE, run_train, tiny_model
 
-from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
-
-REPO = Path(__file__).resolve().parents[1]
+# One layer on the embedded corpus's 2048-token vocabulary: the model of the recipe below and of
+# the truncated checkpoints.
+ONE_LAYER = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 8}
 
 
 def _recipe(tmp_path: Path, **model) -> dict:
     return {
-        "model": {"vocab_size": 2048, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                  "num_key_value_heads": 1, "intermediate_size": 64, "sliding_window": 8, "init_from": None,
-                  **model},
+        "model": {"vocab_size": 2048, **TINY_SHAPE, **ONE_LAYER, "init_from": None, **model},
         "data": {"source": "embedded", "corpus": "paul_graham", "tokenizer_vocab_size": 2048,
                  "cache_dir": str(Path("~/.cache/orthros_train").expanduser())},
         "trainer": {"max_steps": 1, "run_dir": str(tmp_path / "run"), "device": "cpu", "log_every": 0,
@@ -61,10 +58,8 @@ def test_a_model_smaller_than_the_datas_vocabulary_names_both_keys(tmp_path):
 
 
 def _truncated_checkpoint(directory: Path, keep: float) -> Path:
-    torch.manual_seed(0)
-    cfg = OrthrosConfig(vocab_size=2048, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        num_key_value_heads=1, intermediate_size=64, sliding_window=8)
-    OrthrosForCausalLM(cfg).save_pretrained(directory)
+    model = tiny_model(2048, **ONE_LAYER)
+    model.save_pretrained(directory)
     weights = next(directory.glob("*.safetensors"))
     data = weights.read_bytes()
     weights.write_bytes(data[: int(len(data) * keep)])  # an interrupted copy
@@ -83,12 +78,9 @@ def test_lazy_checkpoint_names_a_truncated_file(tmp_path, keep):
 
 def test_truncated_init_from_is_a_clear_error_at_the_command_line(tmp_path):
     weights = _truncated_checkpoint(tmp_path / "ckpt", 0.5)
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "orthros_train.train.cli", "--config-name", "tiny_cpu",
-         f"model.init_from={tmp_path / 'ckpt'}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=1",
-         "trainer.progress=false", "trainer.wandb.enabled=false"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    proc = run_train(
+        "--config-name", "tiny_cpu", f"model.init_from={tmp_path / 'ckpt'}", f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.max_steps=1", "trainer.progress=false", "trainer.wandb.enabled=false", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"model.init_from={tmp_path / 'ckpt'}" in proc.stderr and str(weights) in proc.stderr

@@ -3,34 +3,35 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from fixtures import resolved_recipe, run_train
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
-CLI = [sys.executable, "-m", "orthros_train.train.cli"]
+from orthros_train.train.cli import recipe_list
 
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+RECIPES = [name for name, _ in recipe_list()]  # what --config-name takes: recipes/*.yaml, scaling/, study/
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_dry_runs(recipe, tmp_path):
-    proc = run_cli("--config-name", recipe, "trainer.dry_run=true", f"trainer.run_dir={tmp_path}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
+def test_every_recipe_dry_runs(recipe, tmp_path, monkeypatch, capsys):
+    """In this process: the recipe composed with the override as the command line composes it, then
+    the command line's own ``run`` prints the plan (a subprocess would spend ~9 s importing torch,
+    megatron-core and DeepSpeed per recipe; the real command line dry-runs pretrain_1p3b below and
+    the documented recipes in test_documented_commands)."""
+    from omegaconf import OmegaConf
+
+    from orthros_train.train.cli import run
+
+    monkeypatch.chdir(tmp_path)  # as the command line ran: nothing a plan writes lands in the checkout
+    run(OmegaConf.create(resolved_recipe(recipe, "trainer.dry_run=true", f"trainer.run_dir={tmp_path}")))
+    stdout = capsys.readouterr().out
+    summary = json.loads(stdout[stdout.index("{") :])
     assert summary["parameters"] > 0 and summary["flops_per_token"] > 0
     assert summary["tokens_per_step"] > 0 and summary["total_steps"] > 0
 
 
 def test_pretrain_1p3b_plan_is_the_usual_setting(tmp_path):
-    proc = run_cli("--config-name", "pretrain_1p3b", "trainer.dry_run=true", cwd=tmp_path)
+    proc = run_train("--config-name", "pretrain_1p3b", "trainer.dry_run=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert 1.2e9 < summary["parameters"] < 1.5e9
@@ -39,13 +40,13 @@ def test_pretrain_1p3b_plan_is_the_usual_setting(tmp_path):
 
 
 def test_unknown_recipe_key_is_a_clear_error(tmp_path):
-    proc = run_cli("--config-name", "tiny_cpu", "+trainer.max_step=3", "trainer.dry_run=true", cwd=tmp_path)
+    proc = run_train("--config-name", "tiny_cpu", "+trainer.max_step=3", "trainer.dry_run=true", cwd=tmp_path)
     assert proc.returncode != 0
     assert "max_step" in proc.stderr and "trainer" in proc.stderr
 
 
 def test_bad_model_value_is_a_clear_error(tmp_path):
-    proc = run_cli("--config-name", "tiny_cpu", "model.sliding_window=0", "trainer.dry_run=true", cwd=tmp_path)
+    proc = run_train("--config-name", "tiny_cpu", "model.sliding_window=0", "trainer.dry_run=true", cwd=tmp_path)
     assert proc.returncode != 0
     assert "sliding_window" in proc.stderr
 
@@ -53,7 +54,7 @@ def test_bad_model_value_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_tiny_recipe_trains_and_loss_decreases(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(
+    proc = run_train(
         "--config-name",
         "tiny_cpu",
         "trainer.max_steps=40",
@@ -85,20 +86,18 @@ def test_tiny_recipe_trains_and_loss_decreases(tmp_path):
     assert (run_dir / "wandb").is_dir()
 
 
-def test_indexed_blend_example_override_trains_with_one_path(tmp_path):
+def test_indexed_blend_example_override_trains_with_one_path(bpe_tokenizer_dir, tmp_path):
     """`data=indexed_blend data.paths=[x]` as the recipe's comment says: default weights fit any
     number of paths (null: blend by size)."""
-    from data_helpers import make_tokenizer
-
     from data_tools.cli import main as data_main
 
-    tok = make_tokenizer(tmp_path / "tok", vocab_size=512, chat_template=False)
+    tok = bpe_tokenizer_dir(512, chat_template=False)
     src = tmp_path / "docs.jsonl"
     row = json.dumps({"text": "Startups are companies designed to grow fast. " * 30})
     src.write_text("\n".join([row] * 20))
     prefix = tmp_path / "data" / "essays"
     assert data_main(["tokenize", str(src), "--tokenizer", str(tok), "--output", str(prefix)]) == 0
-    proc = run_cli(
+    proc = run_train(
         "--config-name", "tiny_cpu", "data=indexed_blend", f"data.paths=[{prefix}]", "data.tokenizer_vocab_size=512",
         "data.split='90,10,0'", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.progress=false",
         "trainer.sample_prompt=null", "trainer.wandb.enabled=false", "model.hidden_size=64",
@@ -125,7 +124,7 @@ def test_a_single_process_with_inherited_launcher_variables_takes_no_port(monkey
 
 
 def test_missing_init_from_checkpoint_names_the_key_and_the_fix(tmp_path):
-    proc = run_cli(
+    proc = run_train(
         "--config-name", "tiny_cpu", f"model.init_from={tmp_path / 'nowhere'}", f"trainer.run_dir={tmp_path / 'run'}",
         "trainer.max_steps=1", "trainer.progress=false", "trainer.wandb.enabled=false", cwd=tmp_path,
     )  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -290,14 +291,10 @@ def test_torch_compile_fullgraph():
 
 def test_orthros_block_compiles_fullgraph():
     """A whole Orthros layer (both streams) with the triton backend: one graph, same numbers."""
-    from orthros_train.model.config import OrthrosConfig
     from orthros_train.model.orthros import OrthrosForCausalLM, plan_for_layout
 
     torch._dynamo.reset()
-    cfg = OrthrosConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, sliding_window=6, attention_backend="triton",
-    )
+    cfg = tiny_config(64, intermediate_size=48, sliding_window=6, attention_backend="triton")
     model = OrthrosForCausalLM(cfg)
     lay = sft_layout(torch.randint(0, 64, (2, 24)), [[(4, 10)], [(15, 24)]])
     plan = plan_for_layout(cfg, lay)
@@ -321,13 +318,9 @@ def test_no_queries():
 
 
 def test_model_with_triton_backend_matches_reference():
-    from orthros_train.model.config import OrthrosConfig
     from orthros_train.model.orthros import OrthrosForCausalLM
 
-    cfg = OrthrosConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, sliding_window=6,
-    )
+    cfg = tiny_config(64, intermediate_size=48, sliding_window=6)
     model = OrthrosForCausalLM(cfg)
     ids = torch.randint(0, 64, (2, 24))
     lay = sft_layout(ids, [[(4, 10)], [(15, 24)]])

@@ -4,19 +4,10 @@ naming the full key, the value and the expected type."""
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from fixtures import compose_recipe
 
 from orthros_train.parallel.setup import ParallelConfig
-from orthros_train.train.cli import RECIPES_DIR
-from orthros_train.train.config import RLConfig, TrainerConfig, resolve_batch_geometry, run_config_from_dict
-
-
-def _load(*overrides: str, recipe: str = "tiny_cpu", world_size: int | None = None):
-    with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
-        cfg = compose(config_name=recipe, overrides=["trainer.run_dir=unused", "trainer.wandb.name=x", *overrides])
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    return run_config_from_dict(resolved, world_size=world_size)
+from orthros_train.train.config import RLConfig, TrainerConfig, resolve_batch_geometry
 
 
 @pytest.mark.parametrize(
@@ -38,12 +29,14 @@ def _load(*overrides: str, recipe: str = "tiny_cpu", world_size: int | None = No
 )
 def test_a_wrong_type_or_unknown_key_names_key_value_and_type(override, message):
     with pytest.raises(ValueError) as err:
-        _load(override)
+        compose_recipe("tiny_cpu", override)
     assert message in str(err.value)
 
 
 def test_well_typed_values_are_converted_where_lossless():
-    cfg = _load("optim.lr=1", "trainer.dry_run=true", "trainer.max_steps=7", "trainer.wandb.name=3")
+    cfg = compose_recipe(
+        "tiny_cpu", "optim.lr=1", "trainer.dry_run=true", "trainer.max_steps=7", "trainer.wandb.name=3"
+    )
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
     assert cfg.trainer.dry_run is True and cfg.trainer.max_steps == 7
     assert cfg.trainer.wandb.name == "3"
@@ -69,14 +62,15 @@ def test_data_parallel_and_accumulation_follow_the_world_size(world, layout, dp,
 
 
 def test_the_recipe_plans_for_its_world_size_and_a_launch_follows_its_own():
-    planned = _load(recipe="pretrain_1p3b")  # a dry run: the parallel group's 8 GPUs
+    planned = compose_recipe("pretrain_1p3b")  # a dry run: the parallel group's 8 GPUs
     assert (planned.parallel.world_size, planned.parallel.data_parallel, planned.trainer.grad_accum_steps) == (8, 8, 16)
-    two_nodes = _load(recipe="pretrain_1p3b", world_size=16)
+    two_nodes = compose_recipe("pretrain_1p3b", world_size=16)
     assert (two_nodes.parallel.data_parallel, two_nodes.trainer.grad_accum_steps) == (16, 8)
     assert planned.tokens_per_step == two_nodes.tokens_per_step == 4096 * 256
-    dry = _load("parallel.world_size=32", recipe="pretrain_1p3b")  # trainer.dry_run=true parallel.world_size=32
+    dry = compose_recipe("pretrain_1p3b", "parallel.world_size=32")  # trainer.dry_run=true parallel.world_size=32
     assert (dry.parallel.data_parallel, dry.trainer.grad_accum_steps) == (32, 4)
-    assert _load(world_size=2).trainer.grad_accum_steps == 1 and _load().trainer.grad_accum_steps == 2  # tiny_cpu
+    tiny_on_two, tiny_planned = compose_recipe("tiny_cpu", world_size=2), compose_recipe("tiny_cpu")
+    assert tiny_on_two.trainer.grad_accum_steps == 1 and tiny_planned.trainer.grad_accum_steps == 2
 
 
 def test_rl_derives_its_global_batch_from_the_rollouts_per_step():
@@ -122,11 +116,11 @@ def test_an_impossible_geometry_names_the_numbers_and_the_nearest_valid_choices(
 
 
 def test_an_explicit_data_parallel_that_matches_is_accepted():
-    assert _load("parallel.data_parallel=2", world_size=2).parallel.data_parallel == 2
+    assert compose_recipe("tiny_cpu", "parallel.data_parallel=2", world_size=2).parallel.data_parallel == 2
     with pytest.raises(ValueError, match="parallel.data_parallel=2"):
-        _load("parallel.data_parallel=2", world_size=1)
+        compose_recipe("tiny_cpu", "parallel.data_parallel=2", world_size=1)
 
 
 def test_the_documented_seq_len_schedule_override_works_as_written():
-    cfg = _load("trainer.seq_len_schedule=[[0,128],[5,256]]")  # README's form, no '+'
+    cfg = compose_recipe("tiny_cpu", "trainer.seq_len_schedule=[[0,128],[5,256]]")  # README's form, no '+'
     assert cfg.trainer.seq_len_schedule == [[0, 128], [5, 256]]

@@ -16,14 +16,17 @@ maps onto that as follows:
   second paged-attention call after the base one, one query per request, no window, no K/V
   write (``_output_attention``: the CPU backend's own op, or the Triton kernel of
   ``paged_attention.py`` on GPU).
-* Token-wise work (norms, projections, MLP) runs on ``[x; y]``; the last layer only writes the
-  base stream's K/V (no base attention output, no base MLP), and the model returns hidden
-  states whose request-last rows hold the output stream (the other rows are NaN: nothing may
-  read them).
+* Token-wise work (norms, projections, MLP) runs on ``h = [x; y]``, one tensor for the whole
+  pass, with the residual carried beside it as in vLLM's Llama (fused add + RMSNorm); the last
+  layer only writes the base stream's K/V (no base attention output, no base MLP), and the
+  model returns hidden states whose request-last rows hold the output stream (the other rows
+  are NaN: nothing may read them).
 
 Tensor parallelism comes from vLLM's layers (QKV/merged column-parallel and row-parallel linears,
 vocab-parallel embedding and LM head); ``gamma``/``beta`` are split by heads in their weight
-loader. What the design cannot serve is refused when the engine builds the model.
+loader. What the design cannot serve is refused when vLLM builds the engine's configuration
+(``config.py``); the output stream's rows are the only defined hidden states, so prompt logprobs
+are refused per request (``prompt_logprobs.py``).
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
+from orthros_train.serve.config import OrthrosServeError
+
 logger = logging.getLogger(__name__)
 
-ARCHITECTURE = "OrthrosForCausalLM"
 # HF checkpoint name -> (vLLM fused parameter, shard id), as vLLM's own Llama/Qwen load them.
 STACKED = (
     ("qkv_proj", "q_proj", "q"),
@@ -58,34 +62,6 @@ STACKED = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
-
-
-class OrthrosServeError(ValueError):
-    """A configuration the Orthros vLLM model cannot serve (the message says what to change)."""
-
-
-def check_serving_config(vllm_config: VllmConfig) -> None:
-    """Refuse, at engine start, what two streams on one paged cache cannot do."""
-    if vllm_config.speculative_config is not None:
-        raise OrthrosServeError(
-            "speculative decoding is not supported by Orthros models: a verification step needs an output "
-            "token at every draft position, and Orthros serves one per request per step; drop "
-            "--speculative-config / speculative_config"
-        )
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise OrthrosServeError(
-            "pipeline parallelism is not supported by Orthros models (the output stream would have to travel "
-            "between stages with the base stream); use tensor parallelism (--tensor-parallel-size) instead"
-        )
-    hf = vllm_config.model_config.hf_config
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if hf.num_attention_heads % tp:
-        raise OrthrosServeError(
-            f"num_attention_heads={hf.num_attention_heads} is not divisible by --tensor-parallel-size {tp}: gamma/beta "
-            "and the query heads are split by heads; pick a tensor-parallel size that divides the head count"
-        )
-    if int(hf.base_window) < 1:
-        raise OrthrosServeError(f"base_window must be >= 1 in config.json, got {hf.base_window}")
 
 
 class BaseStreamAttention(Attention):
@@ -112,6 +88,9 @@ class StepPlan:
 
     rows: torch.Tensor  # [R] the last row of every request: the output token's base position
     metadata: object | None  # the attention metadata of the step (None in vLLM's dummy runs)
+    # One token per request (a pure decode step): rows == arange(R), so the output stream is a
+    # copy of the whole batch and no row gather or scatter is needed.
+    every_row: bool = False
     out_query_start_loc: torch.Tensor | None = None  # arange(R + 1): one output query per request
     cpu_schedule: torch.Tensor | None = None  # the CPU attention op's work split for those queries
 
@@ -177,21 +156,17 @@ class OrthrosAttention(nn.Module):
         qkv, _ = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self._per_head(q, self.q_norm), self._per_head(k, self.k_norm)
-        q_out = (q[n_base:].view(-1, self.num_heads, self.head_dim) * self.gamma + self.beta).flatten(1)
-        q = torch.cat([q[:n_base], q_out])
+        # The output queries' affine, in place on their rows (q is this call's own tensor, the
+        # projection's or the norm's): no copy of q, as a decode step would pay per layer.
+        q[n_base:].view(-1, self.num_heads, self.head_dim).mul_(self.gamma).add_(self.beta)
         q, k = self.rotary_emb(positions, q, k)
         k, v = k[:n_base], v[:n_base]
-        y_attn = self._output_attention_after_write(q[:n_base], k, v, q[n_base:], plan, base_output)
-        return self.o_proj(y_attn)[0]
-
-    def _output_attention_after_write(self, q_base, k, v, q_out, plan: StepPlan, base_output: bool) -> torch.Tensor:
         if base_output:
-            x_attn = self.attn(q_base, k, v)  # writes the step's K/V, then the windowed attention
+            x_attn = self.attn(q[:n_base], k, v)  # writes the step's K/V, then the windowed attention
         else:
             self._write_kv(k, v)
-            x_attn = None
-        y_attn = self._output_attention(q_out, plan)
-        return y_attn if x_attn is None else torch.cat([x_attn, y_attn])
+        y_attn = self._output_attention(q[n_base:], plan)
+        return self.o_proj(torch.cat([x_attn, y_attn]) if base_output else y_attn)[0]
 
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Only the K/V write of the base stream (the last layer needs no base attention output)."""
@@ -206,10 +181,11 @@ class OrthrosAttention(nn.Module):
 
     def _output_attention(self, q_out: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Each request's output query against all of its cached keys (window unbounded)."""
-        out = torch.zeros(q_out.shape[0], self.num_heads, self.head_dim, dtype=q_out.dtype, device=q_out.device)
         md = plan.metadata
         if md is None:  # vLLM's profiling / warm-up run: no cache yet
-            return out.flatten(1)
+            return q_out.new_zeros(q_out.shape[0], self.q_size)
+        # Every row is written: one query per request on CPU; the GPU kernel zeroes padded requests.
+        out = torch.empty(q_out.shape[0], self.num_heads, self.head_dim, dtype=q_out.dtype, device=q_out.device)
         q3 = q_out.view(-1, self.num_heads, self.head_dim)
         kv_cache = self.attn.kv_cache
         if q_out.device.type == "cpu":
@@ -257,17 +233,19 @@ class OrthrosDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, y: torch.Tensor, plan: StepPlan,
-                last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        n = x.shape[0]
-        h = torch.cat([x, y])
-        attn = self.self_attn(positions, self.input_layernorm(h), n, plan, base_output=not last)
-        if last:  # the base stream only supplies K/V here
-            y = y + attn
-            return x, y + self.mlp(self.post_attention_layernorm(y))
-        h = h + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h[:n], h[n:]
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, n_base: int,
+                plan: StepPlan, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``/``residual``: ``[x; y]`` (``n_base`` base rows) as vLLM's Llama carries them; the last
+        layer returns the output stream's rows only (the base stream just supplies K/V there)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        attn = self.self_attn(positions, h, n_base, plan, base_output=not last)
+        if last:
+            residual = residual[n_base:]
+        h, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(h), residual
 
 
 class OrthrosModel(nn.Module):
@@ -298,7 +276,10 @@ class OrthrosModel(nn.Module):
         rows = (qsl[1:] - 1).clamp(min=0).long()
         n_req = rows.shape[0]
         out_qsl = torch.arange(n_req + 1, dtype=qsl.dtype, device=qsl.device)
-        plan = StepPlan(rows=rows, metadata=md, out_query_start_loc=out_qsl)
+        # R requests of at most one token each holding all of the step's tokens: exactly one each
+        # (read from host-side numbers: no device sync).
+        every_row = n_req == num_tokens and getattr(md, "max_query_len", None) == 1
+        plan = StepPlan(rows=rows, metadata=md, every_row=every_row, out_query_start_loc=out_qsl)
         if device.type == "cpu":
             from vllm import _custom_ops as ops
             from vllm import envs
@@ -314,16 +295,22 @@ class OrthrosModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        plan = self.step_plan(x.shape[0], x.device)
-        y = x[plan.rows]  # output token p starts as a copy of input token p
-        both = torch.cat([positions, positions[plan.rows]])  # output token p uses RoPE position p
+        n = x.shape[0]
+        plan = self.step_plan(n, x.device)
+        y0, pos_y = (x, positions) if plan.every_row else (x[plan.rows], positions[plan.rows])
+        h = torch.cat([x, y0])  # output token p starts as a copy of input token p
+        both = torch.cat([positions, pos_y])  # output token p uses RoPE position p
+        residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, y = layer(both, x, y, plan, last=i == last)
-        # Only the request-last rows are defined: NaN elsewhere makes any other reader (prompt
-        # logprobs) visibly wrong instead of plausibly wrong.
-        hidden = torch.full_like(x, float("nan"))
-        hidden[plan.rows] = self.norm(y)
+            h, residual = layer(both, h, residual, n, plan, last=i == last)
+        y, _ = self.norm(h, residual)
+        if plan.every_row:
+            return y
+        # Only the request-last rows are defined: NaN elsewhere makes any other reader visibly
+        # wrong instead of plausibly wrong (prompt logprobs, the one such reader, are refused).
+        hidden = y.new_full((n, y.shape[1]), float("nan"))
+        hidden[plan.rows] = y
         return hidden
 
 
@@ -334,7 +321,6 @@ class OrthrosForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        check_serving_config(vllm_config)
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model = OrthrosModel(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")

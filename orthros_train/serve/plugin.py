@@ -2,9 +2,11 @@
 
 Registered under the ``vllm.general_plugins`` entry point (pyproject.toml), which vLLM runs in
 every process it starts (the engine core and its workers included). It registers the model class
-lazily (vLLM imports ``orthros_train.serve.model`` when an Orthros checkpoint is loaded) and the
+lazily (vLLM imports ``orthros_train.serve.model`` when an Orthros checkpoint is loaded), the
 ``orthros`` config class with transformers' ``AutoConfig``, so the export's ``config.json`` loads
-without ``trust_remote_code`` (the export's own remote code is for transformers' ``generate``).
+without ``trust_remote_code`` (the export's own remote code is for transformers' ``generate``),
+and the architecture's config hook (``config.py``: what cannot be served is refused when the
+engine's configuration is built, prompt logprobs when a request asks for them).
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ MODEL_CLASS = "orthros_train.serve.model:OrthrosForCausalLM"
 def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from orthros_train.convert.remote_code.configuration_orthros import OrthrosConfig
+    from orthros_train.serve.config import ARCHITECTURE, OrthrosConfigHook
 
     AutoConfig.register(OrthrosConfig.model_type, OrthrosConfig, exist_ok=True)
-    if "OrthrosForCausalLM" not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model("OrthrosForCausalLM", MODEL_CLASS)
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    # vLLM looks its per-architecture config hooks up in this table (a plain dict) by the
+    # architecture name of config.json; it has no registration call for out-of-tree models.
+    MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, OrthrosConfigHook)

@@ -3,9 +3,10 @@ different lengths (SFT rows, and RL rows weighted by advantages), for one ``micr
 grad_accum_steps`` split; the gradients at the accumulation boundary and the logged loss are
 saved for the test to compare across splits, data-parallel sizes and a direct computation.
 
-Run in-process (``measure``) or under torchrun (``python -m torch.distributed.run
---nproc_per_node 2 global_loss.py OUT MICRO ACCUM``: DP = 2, each rank reads its half;
-``--context-parallel 2``: CP = 2, both ranks read the whole batch and split each sequence).
+Run in-process (``measure``) or under torchrun (``fixtures.torchrun("global_loss", OUT,
+"MICRO:ACCUM", ...)``: DP = 2, each rank reads its half; ``--context-parallel 2``: CP = 2, both
+ranks read the whole batch and split each sequence). One launch measures every split it is given
+on the same process groups and saves ``{(micro, accum): measure(...)}`` to OUT.
 ``--per-micro-batch`` averages every micro-batch by itself (what the trainer used to do).
 """
 
@@ -16,8 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
+from fixtures import resolved_recipe, trainer_for
 
-REPO = Path(__file__).resolve().parents[2]
 ROWS = 8
 ANSWER_LENGTHS = [1, 30, 2, 17, 3, 25, 1, 9]  # very different answer / response lengths
 PROMPT_LENGTHS = [20, 3, 12, 8, 25, 4, 30, 10]
@@ -86,36 +87,27 @@ def direct_loss(model, rows: list, loss_average: str) -> torch.Tensor:
 
 
 def build_trainer(run_dir: str, micro: int, accum: int, dp: int, cp: int = 1):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from orthros_train.train.cli import launcher_env
 
-    from orthros_train.train.config import run_config_from_dict
-    from orthros_train.train.trainer import Trainer
-
-    overrides = [
+    resolved = resolved_recipe(
+        "tiny_cpu",
         "model.hidden_size=32", "model.num_hidden_layers=2", "model.intermediate_size=64", "model.sliding_window=8",
         "trainer.seq_len=64", f"trainer.micro_batch_size={micro}", f"trainer.grad_accum_steps={accum}",
         f"parallel.data_parallel={dp}", f"parallel.context_parallel={cp}", "parallel.zero_stage=0",
         "trainer.wandb.enabled=false", "trainer.progress=false", "trainer.resume=none", f"trainer.run_dir={run_dir}",
-        "optim.warmup_steps=0", "trainer.wandb.name=global_loss",
-    ]  # fmt: skip
-    with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
-        cfg = compose("tiny_cpu", overrides=overrides)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    resolved.pop("hydra", None)
-    from orthros_train.train.cli import launcher_env
-
-    return Trainer(run_config_from_dict(resolved), resolved, launcher_env() if dp * cp > 1 else None)
+        "optim.warmup_steps=0",
+    )  # fmt: skip
+    return trainer_for(resolved, launcher_env() if dp * cp > 1 else None)
 
 
 def measure(run_dir: str, micro: int, accum: int, per_micro_batch: bool = False, cp: int = 1) -> dict:
     """Gradients (engine names) and logged loss of one step, per batch kind and loss average, from
-    the same initial weights; rank 0 also returns the direct computation's."""
+    the same initial weights; rank 0 also returns the direct computation's. The process groups
+    stay up for the next measurement with the same layout (``destroy_parallel`` ends them)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from orthros_train.data.sft import average_per_sequence
-    from orthros_train.parallel.setup import destroy_parallel
     from orthros_train.train.global_loss import loss_units
 
     world = int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else 1  # torchrun sets both
@@ -169,14 +161,26 @@ def measure(run_dir: str, micro: int, accum: int, per_micro_batch: bool = False,
                 entry["direct_loss"] = float(want)
                 entry["direct_grads"] = {n: engine_grads[n] for n in names if n in engine_grads}
             out[(kind, average)] = entry
-    destroy_parallel()
     return out
 
 
 def main() -> None:
-    out_path, micro, accum = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    cp = int(sys.argv[sys.argv.index("--context-parallel") + 1]) if "--context-parallel" in sys.argv else 1
-    result = measure(str(Path(out_path).parent / "run"), micro, accum, "--per-micro-batch" in sys.argv, cp)
+    from orthros_train.parallel.setup import destroy_parallel
+
+    args = sys.argv[1:]
+    cp = 1
+    if "--context-parallel" in args:
+        at = args.index("--context-parallel")
+        cp = int(args[at + 1])
+        del args[at : at + 2]
+    per_micro_batch = "--per-micro-batch" in args
+    out_path, *splits = [a for a in args if a != "--per-micro-batch"]
+    run_dir = str(Path(out_path).parent / "run")
+    result = {}
+    for split in splits:
+        micro, accum = (int(x) for x in split.split(":"))
+        result[(micro, accum)] = measure(run_dir, micro, accum, per_micro_batch, cp)
+    destroy_parallel()
     if int(os.environ.get("RANK", 0)) == 0:
         torch.save(result, out_path)
 

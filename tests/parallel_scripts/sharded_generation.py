@@ -9,12 +9,14 @@ Prints one ``RESULT <json>`` line on rank 0.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
+from fixtures import tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel_scripts.common import print_result, start_parallel
 
 
 class ShapeLog(TorchDispatchMode):
@@ -34,16 +36,12 @@ class ShapeLog(TorchDispatchMode):
 
 def main() -> None:
     from orthros_train.infer import SamplingParams, generate
-    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+    from orthros_train.model import OrthrosForCausalLM
     from orthros_train.parallel.model import build_parallel_model
-    from orthros_train.parallel.setup import ParallelConfig, destroy_parallel, init_parallel
+    from orthros_train.parallel.setup import ParallelConfig, destroy_parallel
     from orthros_train.parallel.state_dict import gather_full_state_dict
-    from orthros_train.train.cli import launcher_env
 
-    torch.set_num_threads(1)
-    cfg = OrthrosConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=64, sliding_window=3, qk_norm=True,
-                        attention_backend="reference")
+    cfg = tiny_config(48, sliding_window=3, qk_norm=True, attention_backend="reference")
     prompts = [[5, 7, 9, 11, 3, 2], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47]]
     results = {}
     # One process group per run: TP = 2 (with and without SP), or CP = 2 with argument "cp".
@@ -53,7 +51,7 @@ def main() -> None:
     }
     if sys.argv[1:] == ["cp"]:
         variants = {"cp2": ParallelConfig(context_parallel=2)}
-    init_parallel(next(iter(variants.values())), cfg, launcher_env())
+    start_parallel(next(iter(variants.values())), cfg)
     for name, pcfg in variants.items():
         model = build_parallel_model(cfg, pcfg, seed=3).eval()
         ref = OrthrosForCausalLM(cfg)
@@ -73,8 +71,7 @@ def main() -> None:
         results[name] = {"logit_diff": logit_diff, "same_tokens": bool(same), "full_embedding": full_embedding}
     rank = dist.get_rank()
     destroy_parallel()
-    if rank == 0:
-        print("RESULT " + json.dumps(results), flush=True)
+    print_result(results, rank)
 
 
 if __name__ == "__main__":

@@ -3,47 +3,32 @@ single process that sees the same global batch. Prints ``RESULT <json>`` on rank
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
+from fixtures import seeded_model, tiny_config
+
+from parallel_scripts.common import print_result, rank_and_world, start_parallel
 
 
 def main() -> None:
     import deepspeed
 
-    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+    from orthros_train.model import OrthrosForCausalLM
     from orthros_train.parallel.engine import build_engine
     from orthros_train.parallel.model import build_parallel_model
-    from orthros_train.parallel.setup import ParallelConfig, destroy_parallel, init_parallel
+    from orthros_train.parallel.setup import ParallelConfig, destroy_parallel
     from orthros_train.parallel.state_dict import gather_full_state_dict, load_reference_shards
     from orthros_train.phase import pretrain_layout
-    from orthros_train.train.cli import launcher_env
     from orthros_train.train.config import OptimConfig
     from orthros_train.train.optim import build_optimizer
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = OrthrosConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        sliding_window=4,
-        tie_word_embeddings=True,
-    )
+    rank, world = rank_and_world()
+    cfg = tiny_config(64, sliding_window=4, tie_word_embeddings=True)
     ocfg = OptimConfig(lr=1e-2, min_lr=1e-2, warmup_steps=0, schedule="constant", grad_clip=1.0)
-    init_parallel(
-        ParallelConfig(tensor_parallel=1, data_parallel=world),
-        cfg,
-        launcher_env(),
-    )
+    start_parallel(ParallelConfig(tensor_parallel=1, data_parallel=world), cfg)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 64, (world, 12), generator=g) for _ in range(3)]
 
-    torch.manual_seed(0)
-    init = OrthrosForCausalLM(cfg).state_dict()
+    init = seeded_model(cfg).state_dict()
     ref = OrthrosForCausalLM(cfg)
     ref.load_state_dict(init)
     opt = build_optimizer(ref, ocfg)
@@ -78,8 +63,7 @@ def main() -> None:
             float((got[k] - expected[k]).abs().max()) for k in expected
         )
         del engine
-    if rank == 0:
-        print("RESULT " + json.dumps(results), flush=True)
+    print_result(results, rank)
     destroy_parallel()
 
 

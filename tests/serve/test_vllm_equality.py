@@ -4,7 +4,11 @@ Each case runs vLLM's engine (CPU backend, fp32, eager) on a tiny `orthros-conve
 and compares with ``orthros_train.infer.generate`` (prefill + decode on the project's model):
 the base window smaller than the prompts, a mixed-length batch, chunked prefill with a small token
 budget, prefix caching over shared prefixes and KV-block pressure (preemption and recompute); and,
-with gamma = 1, beta = 0 and W >= length, vLLM's own Llama on the same weights.
+with gamma = 1, beta = 0 and W >= length, vLLM's own Llama on the same weights. What the design
+cannot serve is refused: settings when the engine's config is built, prompt logprobs per request.
+
+Starting and stopping an engine costs seconds (vLLM collects garbage over every object its imports
+made, several times), so cases that can run on the same engine settings share a module-scoped one.
 """
 
 from __future__ import annotations
@@ -19,22 +23,31 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 from exports import make_llama_twin, make_orthros  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.exceptions import VLLMValidationError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from orthros_train.infer.generate import decode, generate, prefill  # noqa: E402
 from orthros_train.model.orthros import OrthrosForCausalLM  # noqa: E402
+from orthros_train.serve.config import (  # noqa: E402
+    PROMPT_LOGPROBS_REFUSAL,
+    PROMPT_LOGPROBS_REFUSAL_V2,
+    add_prompt_logprobs_refusal,
+)
 
 NEW = 6  # tokens generated per request
 TOP_K = 4
 LOGPROB_TOL = 2e-4  # fp32 on both sides; the CPU kernels sum in another order
+ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_memory_bytes=32 << 20, seed=0,
+                   max_logprobs=TOP_K)
+# Ten KV blocks of the CPU backend's 128 tokens for the tiny export (2 layers, 2 kv heads of 32, fp32, K and V).
+TEN_BLOCKS = 10 * 128 * 2 * 2 * 2 * 32 * 4
 
 
 @contextlib.contextmanager
 def engine(model_dir, **kwargs):
     """A vLLM engine on ``model_dir`` (fp32, eager, small), shut down afterwards."""
-    args = dict(dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_memory_bytes=32 << 20, seed=0,
-                max_logprobs=TOP_K)
-    llm = LLM(model=str(model_dir), **{**args, **kwargs})
+    llm = LLM(model=str(model_dir), **{**ENGINE_ARGS, **kwargs})
     try:
         yield llm
     finally:
@@ -83,6 +96,9 @@ def prompts_of(lengths, seed=0, vocab=384):
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+MIXED = prompts_of([40, 300, 17, 129, 600])  # W = 16 is below every length
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny export with W = 16 (every prompt below is longer) and trained-looking gamma/beta."""
@@ -90,52 +106,80 @@ def tiny(tmp_path_factory):
     return OrthrosForCausalLM.from_pretrained(ckpt).eval(), export
 
 
-def test_window_smaller_than_prompt_mixed_batch_and_chunked_prefill(tiny):
-    model, export = tiny
-    mixed = prompts_of([40, 300, 17, 129, 600])
-    # A 64-token budget: the long prompts arrive in chunks, each chunk's last row gets an output
-    # query whose sample is discarded, and decode steps share batches with prefill chunks.
-    with engine(export, max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True) as llm:
-        assert_same(vllm_run(llm, mixed), model, mixed)
-    with engine(export) as llm:  # the whole batch in one step
-        assert_same(vllm_run(llm, mixed), model, mixed)
+@pytest.fixture(scope="module")
+def roomy(tiny):
+    """The default engine with prefix caching: a whole batch prefills in one step."""
+    with engine(tiny[1], enable_prefix_caching=True) as llm:
+        yield llm
 
 
-def test_prefix_caching_with_shared_prefixes(tiny):
-    model, export = tiny
+@pytest.fixture(scope="module")
+def tight(tiny):
+    """A 64-token step budget and ten KV blocks: prompts arrive in chunks, and requests outgrow
+    the cache (preemption, then recompute: prefix caching off so nothing is served from it)."""
+    with engine(tiny[1], max_num_batched_tokens=64, kv_cache_memory_bytes=TEN_BLOCKS,
+                enable_prefix_caching=False) as llm:
+        yield llm
+
+
+def test_window_smaller_than_prompt_mixed_batch_in_one_step(tiny, roomy):
+    model, _ = tiny
+    assert_same(vllm_run(roomy, MIXED), model, MIXED)
+
+
+def test_prefix_caching_with_shared_prefixes(tiny, roomy):
+    model, _ = tiny
     shared = prompts_of([300], seed=1)[0]
     tails = prompts_of([5, 40, 90], seed=2)
     prompts = [shared + t for t in tails]
-    with engine(export, enable_prefix_caching=True) as llm:
-        first = vllm_run(llm, prompts[:1])
-        rest = vllm_run(llm, prompts[1:])
-        # The CPU backend's blocks hold 128 tokens: the 256 tokens of the shared prefix's full blocks.
-        assert all(o.num_cached_tokens >= 256 for o in rest), [o.num_cached_tokens for o in rest]
-        assert_same(first + rest, model, prompts)
+    first = vllm_run(roomy, prompts[:1])
+    rest = vllm_run(roomy, prompts[1:])
+    # The CPU backend's blocks hold 128 tokens: the 256 tokens of the shared prefix's full blocks.
+    assert all(o.num_cached_tokens >= 256 for o in rest), [o.num_cached_tokens for o in rest]
+    assert_same(first + rest, model, prompts)
 
 
-def test_kv_block_pressure_preempts_and_recomputes_exactly(tiny):
-    model, export = tiny
+def test_chunked_prefill_on_a_small_token_budget(tiny, tight):
+    # Each chunk's last row gets an output query whose sample is discarded, and decode steps share
+    # batches with prefill chunks; the 600-token prompt alone takes ten steps.
+    model, _ = tiny
+    assert max(map(len, MIXED)) > 64 * 9
+    assert_same(vllm_run(tight, MIXED), model, MIXED)
+
+
+def test_kv_block_pressure_preempts_and_recomputes_exactly(tiny, tight):
+    model, _ = tiny
     prompts = prompts_of([250, 240, 230, 260, 200, 245], seed=3)
     new = 24
-    with engine(export, kv_cache_memory_bytes=10 * 128 * 2 * 2 * 2 * 32 * 4, max_num_batched_tokens=256,
-                enable_prefix_caching=False) as llm:
-        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        need = sum(-(-(len(p) + new) // 128) for p in prompts)
-        assert blocks < need, f"{blocks} KV blocks hold every request ({need}): no pressure to test"
-        assert_same(vllm_run(llm, prompts, new), model, prompts, new)
+    blocks = tight.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    need = sum(-(-(len(p) + new) // 128) for p in prompts)
+    assert blocks < need, f"{blocks} KV blocks hold every request ({need}): no pressure to test"
+    assert_same(vllm_run(tight, prompts, new), model, prompts, new)
+
+
+def test_prompt_logprobs_are_refused_per_request(tiny, roomy):
+    """Only the last prompt row has an output token: asking for prompt logprobs fails the request
+    with the reason, and the engine serves the next one."""
+    model, _ = tiny
+    prompt = prompts_of([50], seed=8)
+    for n in (0, 3):
+        with pytest.raises(VLLMValidationError, match="prompt logprobs are not available from an Orthros model"):
+            roomy.generate([TokensPrompt(prompt_token_ids=prompt[0])],
+                           SamplingParams(max_tokens=2, prompt_logprobs=n), use_tqdm=False)
+    assert_same(vllm_run(roomy, prompt), model, prompt)
 
 
 @pytest.mark.parametrize(
     "variant",
     [
-        dict(qk_norm=True, attention_bias=True, num_key_value_heads=1),  # Qwen2/Qwen3 parts, MQA
+        # Qwen2/Qwen3 parts (q/k norms, q/k/v biases), MQA, with yarn RoPE
+        dict(qk_norm=True, attention_bias=True, num_key_value_heads=1,
+             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
         dict(tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
         dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 64}),
-        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
     ],
-    ids=["qwen-qk-norm-bias-mqa", "tied-linear-rope", "llama3-rope", "yarn-rope"],
+    ids=["qwen-qk-norm-bias-mqa-yarn-rope", "tied-linear-rope", "llama3-rope"],
 )
 def test_model_variants_equal_generate(tmp_path, variant):
     ckpt, export = make_orthros(tmp_path, seed=4, **variant)
@@ -161,27 +205,40 @@ def test_identity_affine_and_full_window_equals_vllm_llama(tmp_path):
                 assert tok in ea and abs(ea[tok].logprob - lp.logprob) <= LOGPROB_TOL
 
 
-def test_unservable_configurations_are_refused_at_start(tiny):
-    """The engine refuses what one output token per request per step cannot do, naming the fix."""
-    from orthros_train.serve.model import OrthrosServeError, check_serving_config
-
+def test_unservable_configurations_are_refused_when_the_config_is_built(tiny):
+    """vLLM runs the plugin's config hook when it builds an engine's config: before any engine."""
     _, export = tiny
+    base = dict(model=str(export), dtype="float32", enforce_eager=True, max_model_len=1024)
+    refused = [
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
+         "speculative decoding is not supported by Orthros"),
+        (dict(pipeline_parallel_size=2), "pipeline parallelism is not supported by Orthros.*tensor parallelism"),
+        (dict(tensor_parallel_size=3), "num_attention_heads=4 is not divisible by --tensor-parallel-size 3"),
+    ]
+    for extra, message in refused:
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(**base, **extra).create_engine_config()
+    config = EngineArgs(**base).create_engine_config()
+    assert config.model_config.logits_processors == [PROMPT_LOGPROBS_REFUSAL]
 
-    class Cfg:  # a VllmConfig-shaped stand-in: building real ones needs a second draft model
-        def __init__(self, spec=None, pp=1, tp=1):
-            self.speculative_config = spec
-            self.parallel_config = type("P", (), {"pipeline_parallel_size": pp, "tensor_parallel_size": tp})()
-            hf = type("H", (), {"num_attention_heads": 4, "base_window": 16})()
-            self.model_config = type("M", (), {"hf_config": hf})()
 
-    with pytest.raises(OrthrosServeError, match="speculative decoding"):
-        check_serving_config(Cfg(spec=object()))
-    with pytest.raises(OrthrosServeError, match="pipeline parallelism.*tensor parallelism"):
-        check_serving_config(Cfg(pp=2))
-    with pytest.raises(OrthrosServeError, match="not divisible by --tensor-parallel-size 3"):
-        check_serving_config(Cfg(tp=3))
-    check_serving_config(Cfg())
-    # vLLM itself refuses pipeline parallelism for a model without its SupportsPP interface.
-    with pytest.raises(Exception, match="(?i)pipeline parallelism is not supported"):
-        with engine(export, pipeline_parallel_size=2, distributed_executor_backend="mp"):
-            pass
+def test_model_runner_v2_gets_its_own_refusal():
+    """Model Runner V2 (GPU) loads only its own logits-processor interface; its front end must
+    refuse prompt logprobs the same way (checked here through vLLM's V2 loader, no GPU needed)."""
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import build_custom_logits_processors_params_validator
+
+    class Config:  # the two fields add_prompt_logprobs_refusal reads
+        use_v2_model_runner = True
+        model_config = type("M", (), {"logits_processors": ["user.module:Theirs"]})()
+
+    config = Config()
+    add_prompt_logprobs_refusal(config)
+    add_prompt_logprobs_refusal(config)  # idempotent
+    assert config.model_config.logits_processors == ["user.module:Theirs", PROMPT_LOGPROBS_REFUSAL_V2]
+    validate = build_custom_logits_processors_params_validator([PROMPT_LOGPROBS_REFUSAL_V2])
+    validate(SamplingParams(max_tokens=2, logprobs=2))
+    with pytest.raises(VLLMValidationError, match="drop prompt_logprobs"):
+        validate(SamplingParams(max_tokens=2, prompt_logprobs=1))
+    from orthros_train.serve.prompt_logprobs import RefusePromptLogprobsV2
+
+    assert RefusePromptLogprobsV2(None, None).add_request(0, SamplingParams()) is False  # never applied
