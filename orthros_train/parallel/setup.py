@@ -7,7 +7,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.options import CommBackend, Recompute
@@ -132,6 +131,8 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
             # One process, no launcher: an in-memory store, so no port can be taken by another
             # process between choosing it and binding it.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind)
+    from megatron.core import parallel_state  # here: configs and dry runs need no megatron (~6 s to import)
+
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=pcfg.tensor_parallel, context_parallel_size=pcfg.context_parallel
@@ -140,6 +141,8 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
 
 
 def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

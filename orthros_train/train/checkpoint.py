@@ -55,6 +55,7 @@ from orthros_train.model.config import OrthrosConfig
 from orthros_train.parallel import collectives
 from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, reference_shapes, shard_tensor
 from orthros_train.train.checkpoint_store import (
+    CheckpointError,
     CheckpointStore,
     FileSink,
     HostBudget,
@@ -81,11 +82,6 @@ MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
 OPTIMIZER_FORMAT = 2  # 1: fp32 masters of bf16 runs as ``<param>.master`` here; 2: masters in model/
 HOST_BUFFER_BYTES = 4 << 30  # per rank; files of half of it (~2 GiB: an 8B model's moments are ~30 files)
-
-
-class CheckpointError(RuntimeError):
-    """A save failed on some rank (the previous checkpoint and ``latest`` are untouched), or a
-    checkpoint cannot be loaded."""
 
 
 class IncompatibleCheckpointError(CheckpointError, ValueError):

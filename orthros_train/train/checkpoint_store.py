@@ -30,6 +30,11 @@ PREFIX = "step_"
 MANIFEST = "manifest.json"
 
 
+class CheckpointError(RuntimeError):
+    """A save failed on some rank (the previous checkpoint and ``latest`` are untouched), or a
+    checkpoint cannot be loaded."""
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
     try:

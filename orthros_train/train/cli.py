@@ -155,7 +155,6 @@ def run(cfg: DictConfig) -> dict:
     """Resolve the recipe into typed config, then dry-run or train."""
     from orthros_train.parallel.setup import destroy_parallel
     from orthros_train.train.plan import plan_summary
-    from orthros_train.train.trainer import Trainer
 
     _own_multirun_dir(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -174,6 +173,8 @@ def run(cfg: DictConfig) -> dict:
     complete = _completed(run_cfg, resolved)
     if complete is not None:
         return complete
+    from orthros_train.train.trainer import Trainer  # megatron-core and DeepSpeed: only a run that trains
+
     # SLURM_JOB_ID: a requeued job takes its own run-directory lock over (read here, at the entry point).
     trainer = None
     try:
@@ -252,7 +253,7 @@ def hydra_main(cfg: DictConfig) -> None:
     if not cfg or (HydraConfig.initialized() and HydraConfig.get().job.config_name is None):
         raise SystemExit(f"orthros-train: pick a recipe with --config-name\n\n{usage()}")
     from orthros_train.logging_setup import configure_logging
-    from orthros_train.train.checkpoint import CheckpointError
+    from orthros_train.train.checkpoint_store import CheckpointError  # no megatron import: a config error is quick
     from orthros_train.train.health import NonFiniteTrainingError
     from orthros_train.train.stop_signals import INTERRUPTED_EXIT_CODE
 
