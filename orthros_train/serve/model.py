@@ -158,15 +158,19 @@ class OrthrosAttention(nn.Module):
         q, k = self._per_head(q, self.q_norm), self._per_head(k, self.k_norm)
         # The output queries' affine, in place on their rows (q is this call's own tensor, the
         # projection's or the norm's): no copy of q, as a decode step would pay per layer.
-        q[n_base:].view(-1, self.num_heads, self.head_dim).mul_(self.gamma).add_(self.beta)
+        q_out = q[n_base:].view(-1, self.num_heads, self.head_dim)
+        torch.addcmul(self.beta, q_out, self.gamma, out=q_out)
         q, k = self.rotary_emb(positions, q, k)
         k, v = k[:n_base], v[:n_base]
-        if base_output:
-            x_attn = self.attn(q[:n_base], k, v)  # writes the step's K/V, then the windowed attention
-        else:
+        if not base_output:
             self._write_kv(k, v)
-        y_attn = self._output_attention(q[n_base:], plan)
-        return self.o_proj(torch.cat([x_attn, y_attn]) if base_output else y_attn)[0]
+            return self.o_proj(self._output_attention(q[n_base:], plan))[0]
+        # Writes the step's K/V, then the windowed attention into the first n_base rows of a buffer
+        # that holds the output stream's rows too: vLLM's attention writes only its query's rows
+        # (as for a padded batch), so the two streams need no concatenation.
+        attn = self.attn(q[:n_base], k, v, output_shape=torch.Size((h.shape[0], self.q_size)))
+        self._output_attention(q[n_base:], plan, out=attn[n_base:])
+        return self.o_proj(attn)[0]
 
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Only the K/V write of the base stream (the last layer needs no base attention output)."""
@@ -179,13 +183,16 @@ class OrthrosAttention(nn.Module):
         unified_kv_cache_update(k.view(-1, self.num_kv_heads, self.head_dim),
                                 v.view(-1, self.num_kv_heads, self.head_dim), self.attn.layer_name)
 
-    def _output_attention(self, q_out: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """Each request's output query against all of its cached keys (window unbounded)."""
+    def _output_attention(self, q_out: torch.Tensor, plan: StepPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each request's output query against all of its cached keys (window unbounded), into
+        ``out [R, q_size]`` (a new tensor when None)."""
+        if out is None:
+            out = q_out.new_empty(q_out.shape[0], self.q_size)
         md = plan.metadata
         if md is None:  # vLLM's profiling / warm-up run: no cache yet
-            return q_out.new_zeros(q_out.shape[0], self.q_size)
+            return out.zero_()
         # Every row is written: one query per request on CPU; the GPU kernel zeroes padded requests.
-        out = torch.empty(q_out.shape[0], self.num_heads, self.head_dim, dtype=q_out.dtype, device=q_out.device)
+        out3 = out.view(-1, self.num_heads, self.head_dim)
         q3 = q_out.view(-1, self.num_heads, self.head_dim)
         kv_cache = self.attn.kv_cache
         if q_out.device.type == "cpu":
@@ -195,7 +202,7 @@ class OrthrosAttention(nn.Module):
             # The CPU cache packs K and V of a block side by side (as its backend reads them).
             key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
             ops.cpu_attention_with_kv_cache(
-                query=q3, key_cache=key_cache, value_cache=value_cache, output=out,
+                query=q3, key_cache=key_cache, value_cache=value_cache, output=out3,
                 query_start_loc=plan.out_query_start_loc, seq_lens=md.seq_lens, scale=self.scaling, causal=True,
                 alibi_slopes=None, sliding_window=-1, block_table=md.block_table, softcap=0,
                 scheduler_metadata=plan.cpu_schedule, s_aux=None, dynamic_causal=None,
@@ -208,8 +215,8 @@ class OrthrosAttention(nn.Module):
             # FlashAttention-style cache (blocks, heads, block_size, 2 * head_dim) -> K, V views.
             key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)
             paged_output_attention(q3, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                   scale=self.scaling, out=out)
-        return out.flatten(1)
+                                   scale=self.scaling, out=out3)
+        return out
 
 
 class OrthrosMLP(nn.Module):
