@@ -6,6 +6,7 @@ The library logs through ``logging`` only (``logging.getLogger(__name__)``) and 
 stdout and its warnings and errors to stderr, message only. It filters by rank: rank 0 shows
 everything; other ranks show warnings and errors only, and not those logged with
 ``extra=RANK_ZERO`` (what every rank reports alike, such as a failed collective save).
+The libraries in ``QUIET_LIBRARIES`` show their warnings and errors only.
 
 This module imports nothing of the project: every layer may use it.
 """
@@ -17,6 +18,10 @@ import sys
 
 PACKAGE = "orthros_train"
 RANK_ZERO = {"rank_zero": True}  # logger.x(..., extra=RANK_ZERO): rank 0 alone shows it
+# Libraries whose INFO lines say nothing a user acts on (megatron-core announces which FSDP and
+# Transformer-Engine paths it picked, per rank, when first imported; it is imported lazily, after
+# Hydra has put the root logger at INFO). Their warnings and errors still show.
+QUIET_LIBRARIES = ("megatron",)
 
 
 class RankFilter(logging.Filter):
@@ -59,6 +64,8 @@ def configure_logging(rank: int = 0, level: int = logging.INFO) -> None:
             logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False  # the console handlers above replace the root's (no line twice)
+    for library in QUIET_LIBRARIES:
+        logging.getLogger(library).setLevel(max(level, logging.WARNING))
 
 
-__all__ = ["RANK_ZERO", "RankFilter", "configure_logging"]
+__all__ = ["QUIET_LIBRARIES", "RANK_ZERO", "RankFilter", "configure_logging"]

@@ -69,3 +69,28 @@ def test_an_error_on_every_rank_is_printed_once(tmp_path):
     proc = _torchrun(tmp_path, "trainer.max_steps=five", f"trainer.run_dir={tmp_path / 'run'}")
     assert proc.returncode != 0
     assert proc.stderr.count("trainer.max_steps='five': expected int") == 1, proc.stderr[-3000:]
+
+
+def test_megatron_info_lines_are_hidden_after_configure_logging(capsys):
+    """megatron-core is imported lazily, after Hydra put the root logger at INFO: its per-rank
+    announcements (which FSDP path it picked) must not reach the console; its warnings must."""
+    import logging
+
+    from orthros_train.logging_setup import configure_logging
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        configure_logging(0)
+        lib = logging.getLogger("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp")
+        lib.info("Detected Megatron Core, using Megatron-FSDP with Megatron.")
+        lib.warning("a real megatron warning")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    err = capsys.readouterr().err
+    assert "Detected Megatron Core" not in err
+    assert "a real megatron warning" in err
