@@ -79,13 +79,14 @@ def build_models(preset: str, root: Path, max_len: int) -> tuple[OrthrosConfig, 
     return cfg, export, dense
 
 
-def make_engine(model_dir: Path, cfg: OrthrosConfig, max_len: int, max_batch: int, max_prompt: int):
-    """An fp32 eager engine whose step budget prefills a whole batch at once, with cache for it."""
+def make_engine(model_dir: Path, cfg: OrthrosConfig, max_len: int, max_batch: int, max_prompt: int, eager: bool):
+    """An fp32 engine whose step budget prefills a whole batch at once, with cache for it; compiled
+    as vLLM compiles by default (on CPU: one dynamo trace, inductor) unless ``eager``."""
     from vllm import LLM
 
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, fp32
     kv_bytes = max_batch * (max_len + 256) * per_token + (64 << 20)
-    return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=max_len,
+    return LLM(model=str(model_dir), dtype="float32", enforce_eager=eager, max_model_len=max_len,
                enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, skip_tokenizer_init=True, seed=0,
                max_num_seqs=max_batch, max_num_batched_tokens=max(max_len, max_prompt * max_batch))
 
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the project's rule: quote 1)")
     p.add_argument("--window-check", default="4096,16384",
                    help="prompt lengths of the kernel window check (comma-separated; empty: skip it)")
+    p.add_argument("--eager", action="store_true",
+                   help="run both engines eagerly (--enforce-eager) instead of compiled, vLLM's default")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -238,12 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     env = {"utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": cpu_name(),
            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
            "torch": torch.__version__, "preset": args.preset, "dtype": "float32", "repeats": args.repeats,
-           "decode_tokens": args.decode_tokens, "load_average_start": os.getloadavg()[0]}
+           "decode_tokens": args.decode_tokens, "mode": "eager" if args.eager else "compiled",
+           "load_average_start": os.getloadavg()[0]}
     max_len = max(lengths) + args.decode_tokens + 8
     with tempfile.TemporaryDirectory() as tmp:
         cfg, export, dense = build_models(args.preset, Path(tmp), max_len)
         env["window"] = cfg.sliding_window
-        engines = {m: make_engine(d, cfg, max_len, max(batches), max(lengths)) for m, d in zip(MODELS, (export, dense))}
+        engines = {m: make_engine(d, cfg, max_len, max(batches), max(lengths), args.eager)
+                   for m, d in zip(MODELS, (export, dense))}
         block_size = engines["orthros"].llm_engine.vllm_config.cache_config.block_size
         for llm in engines.values():  # warm-up: first-call allocations and lazy imports
             warm = Run(llm, "warm", [[1] * 64], 3)
@@ -266,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                          "pct_of_limit": 100 * ratio / limit,
                          "decode_ratio": o["decode_tok_s_cpu"] / d["decode_tok_s_cpu"]})
     print(f"vLLM {env['vllm']} (torch {env['torch']}), preset {args.preset} (W = {cfg.sliding_window}), fp32, "
+          f"{env['mode']}, "
           f"{env['machine']}, {env['cpus']} CPUs, {env['torch_threads_during_run']} torch thread(s), {env['utc']}, "
           f"load average {env['load_average_start']:.1f} at start, {env['load_average_end']:.1f} at end")
     print("\nTTFT (process CPU time; wall time beside it), best of", args.repeats)

@@ -10,12 +10,15 @@ when it is built: in the process that starts the engine (the OpenAI server's fro
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "OrthrosForCausalLM"
 # Loaded by vLLM from these names (front end and engine), one per model-runner interface.
@@ -51,6 +54,21 @@ def check_serving_config(vllm_config: VllmConfig) -> None:
         raise OrthrosServeError(f"base_window must be >= 1 in config.json, got {hf.base_window}")
 
 
+def run_eagerly_off_cpu(vllm_config: VllmConfig) -> None:
+    """Eager mode (no torch.compile, no CUDA graphs) on every platform but the CPU.
+
+    The output stream adds a second dynamic size to the step (one row per request, beside one
+    per token), which vLLM's CUDA graphs, captured per token count, cannot replay; on CPU vLLM
+    compiles without CUDA graphs, and the model compiles there. Same as ``--enforce-eager``.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and not vllm_config.model_config.enforce_eager:
+        logger.info("Orthros model: running eagerly on %s (the output stream's per-request rows cannot be "
+                    "replayed by CUDA graphs captured per token count)", current_platform.device_name)
+        vllm_config.model_config.enforce_eager = True
+
+
 def add_prompt_logprobs_refusal(vllm_config: VllmConfig) -> None:
     """Append the request validator that refuses prompt logprobs to the engine's logits processors.
 
@@ -71,4 +89,5 @@ class OrthrosConfigHook(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
         check_serving_config(vllm_config)
+        run_eagerly_off_cpu(vllm_config)
         add_prompt_logprobs_refusal(vllm_config)

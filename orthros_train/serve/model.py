@@ -14,13 +14,21 @@ maps onto that as follows:
   request's last row (in a decode step that is the new token; in a prefill chunk its last prompt
   token). Its query ``norm_q(y W_q) * gamma + beta`` attends every cached key of the request: a
   second paged-attention call after the base one, one query per request, no window, no K/V
-  write (``_output_attention``: the CPU backend's own op, or the Triton kernel of
-  ``paged_attention.py`` on GPU).
+  write (the custom op ``torch.ops.orthros.output_attention``: the CPU backend's own paged
+  attention, or the Triton kernel of ``paged_attention.py`` on GPU).
 * Token-wise work (norms, projections, MLP) runs on ``h = [x; y]``, one tensor for the whole
   pass, with the residual carried beside it as in vLLM's Llama (fused add + RMSNorm); the last
   layer only writes the base stream's K/V (no base attention output, no base MLP), and the
   model returns hidden states whose request-last rows hold the output stream (the other rows
   are NaN: nothing may read them).
+
+vLLM compiles the model (``support_torch_compile``; on CPU one dynamo trace, inductor fusing the
+token-wise work) as it compiles its Llama. What depends on the step's scheduling stays out of the
+traced graph: ``OrthrosForCausalLM.forward`` (eager) reads the output rows from the attention
+metadata and hands them in as a tensor whose length is a second dynamic size, and the output
+attention is an opaque custom op that reads the cache and the metadata at run time, like vLLM's
+own attention op. The compiled part returns the output stream's rows only; the eager part
+places them.
 
 Tensor parallelism comes from vLLM's layers (QKV/merged column-parallel and row-parallel linears,
 vocab-parallel embedding and LM head); ``gamma``/``beta`` are split by heads in their weight
@@ -37,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.library import Library
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -48,6 +58,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.utils.torch_utils import _encode_layer_name, direct_register_custom_op
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from orthros_train.serve.config import OrthrosServeError
@@ -64,13 +75,26 @@ STACKED = (
 )
 
 
+@dataclass
+class OutputQueries:
+    """This step's output queries, one per request at its last row (set by the eager forward)."""
+
+    metadata: object | None = None  # the step's attention metadata (None in vLLM's dummy runs)
+    count: int = 0  # requests with an output query (the model may carry padding rows beyond them)
+    query_start_loc: torch.Tensor | None = None  # arange(count + 1): one query per request
+    cpu_schedule: torch.Tensor | None = None  # the CPU attention op's work split for those queries
+
+
 class BaseStreamAttention(Attention):
-    """vLLM's attention with the base stream's window, whose KV blocks are never freed early.
+    """vLLM's attention with the base stream's window, whose KV blocks are never freed early, and
+    the output stream's call over the same cache.
 
     A windowed layer's ``SlidingWindowSpec`` lets the KV manager drop blocks outside the window
     (wrong tokens under block pressure, since the output stream reads every key); a full-attention
     spec keeps them and makes prefix caching match whole prefixes.
     """
+
+    output_queries: OutputQueries  # shared by every layer of a model, refreshed every step
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
         return FullAttentionSpec(
@@ -81,18 +105,57 @@ class BaseStreamAttention(Attention):
             dtype=self.kv_cache_torch_dtype,
         )
 
+    def output_attention(self, q_out: torch.Tensor, out: torch.Tensor) -> None:
+        """Each request's output query against all of its cached keys (window unbounded), into
+        ``out [R, heads * head_dim]``; rows past the step's requests (padding) are zeroed."""
+        plan = self.output_queries
+        md, n = plan.metadata, plan.count
+        if md is None:  # vLLM's profiling / warm-up run: no cache yet
+            out.zero_()
+            return
+        out[n:].zero_()
+        out3 = out[:n].view(n, self.num_heads, self.head_size)
+        q3 = q_out[:n].view(n, self.num_heads, self.head_size)
+        if q_out.device.type == "cpu":
+            from vllm import _custom_ops as ops
 
-@dataclass
-class StepPlan:
-    """Where the output stream sits in this step's flat batch (shared by every layer)."""
+            num_blocks, num_kv_heads, block_size, _ = self.kv_cache.size()
+            # The CPU cache packs K and V of a block side by side (as its backend reads them).
+            key_cache, value_cache = self.kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
+            ops.cpu_attention_with_kv_cache(
+                query=q3, key_cache=key_cache, value_cache=value_cache, output=out3,
+                query_start_loc=plan.query_start_loc, seq_lens=md.seq_lens, scale=self.impl.scale, causal=True,
+                alibi_slopes=None, sliding_window=-1, block_table=md.block_table, softcap=0,
+                scheduler_metadata=plan.cpu_schedule, s_aux=None, dynamic_causal=None,
+                k_scale=self._k_scale_float, v_scale=self._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
+            )
+        else:
+            from orthros_train.serve.paged_attention import paged_output_attention
 
-    rows: torch.Tensor  # [R] the last row of every request: the output token's base position
-    metadata: object | None  # the attention metadata of the step (None in vLLM's dummy runs)
-    # One token per request (a pure decode step): rows == arange(R), so the output stream is a
-    # copy of the whole batch and no row gather or scatter is needed.
-    every_row: bool = False
-    out_query_start_loc: torch.Tensor | None = None  # arange(R + 1): one output query per request
-    cpu_schedule: torch.Tensor | None = None  # the CPU attention op's work split for those queries
+            # FlashAttention-style cache (blocks, heads, block_size, 2 * head_dim) -> K, V views.
+            key_cache, value_cache = self.kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            paged_output_attention(q3, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                                   scale=self.impl.scale, out=out3)
+
+
+def _output_attention_op(q_out: torch.Tensor, out: torch.Tensor, layer_name: str,
+                         kv_written: torch.Tensor | None = None) -> None:
+    """``torch.ops.orthros.output_attention``: opaque to torch.compile, as vLLM's attention op is,
+    because it reads the paged cache and the step's metadata (the forward context) at run time.
+    ``kv_written`` only orders it after the K/V write of a layer without base attention."""
+    del kv_written
+    get_forward_context().no_compile_layers[layer_name].output_attention(q_out, out)
+
+
+def _output_attention_fake(q_out: torch.Tensor, out: torch.Tensor, layer_name: str,
+                           kv_written: torch.Tensor | None = None) -> None:
+    return None
+
+
+# The op lives in its own library, kept alive as long as this module (the op's lifetime).
+_ORTHROS_OPS = Library("orthros", "FRAGMENT")
+direct_register_custom_op("output_attention", _output_attention_op, mutates_args=["out"],
+                          fake_impl=_output_attention_fake, target_lib=_ORTHROS_OPS)
 
 
 def _head_split_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -149,8 +212,7 @@ class OrthrosAttention(nn.Module):
             return t
         return norm(t.view(*t.shape[:-1], -1, self.head_dim)).view(t.shape)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, n_base: int, plan: StepPlan,
-                base_output: bool) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, n_base: int, base_output: bool) -> torch.Tensor:
         """``h`` is the normed ``[x; y]`` (``n_base`` base rows); returns the attention output of
         ``[x; y]``, or of ``y`` alone when nothing reads the base stream's output."""
         qkv, _ = self.qkv_proj(h)
@@ -158,65 +220,30 @@ class OrthrosAttention(nn.Module):
         q, k = self._per_head(q, self.q_norm), self._per_head(k, self.k_norm)
         # The output queries' affine, in place on their rows (q is this call's own tensor, the
         # projection's or the norm's): no copy of q, as a decode step would pay per layer.
-        q_out = q[n_base:].view(-1, self.num_heads, self.head_dim)
-        torch.addcmul(self.beta, q_out, self.gamma, out=q_out)
+        q[n_base:].view(-1, self.num_heads, self.head_dim).mul_(self.gamma).add_(self.beta)
         q, k = self.rotary_emb(positions, q, k)
         k, v = k[:n_base], v[:n_base]
+        layer = _encode_layer_name(self.attn.layer_name)
         if not base_output:
-            self._write_kv(k, v)
-            return self.o_proj(self._output_attention(q[n_base:], plan))[0]
+            out = q.new_empty(h.shape[0] - n_base, self.q_size)
+            torch.ops.orthros.output_attention(q[n_base:], out, self.attn.layer_name, self._write_kv(k, v, layer))
+            return self.o_proj(out)[0]
         # Writes the step's K/V, then the windowed attention into the first n_base rows of a buffer
         # that holds the output stream's rows too: vLLM's attention writes only its query's rows
-        # (as for a padded batch), so the two streams need no concatenation.
+        # (as for a padded batch), so the two streams need no concatenation. The output attention
+        # reads what the base call wrote (ordered by its use of the same buffer).
         attn = self.attn(q[:n_base], k, v, output_shape=torch.Size((h.shape[0], self.q_size)))
-        self._output_attention(q[n_base:], plan, out=attn[n_base:])
+        torch.ops.orthros.output_attention(q[n_base:], attn[n_base:], self.attn.layer_name)
         return self.o_proj(attn)[0]
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Only the K/V write of the base stream (the last layer needs no base attention output)."""
-        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
-
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: object) -> torch.Tensor | None:
+        """Only the K/V write of the base stream (the last layer needs no base attention output);
+        returns what orders a later reader of the cache after it."""
         if self.attn.attn_backend.forward_includes_kv_cache_update:
             # Backends that write inside their attention call: run it and drop the output.
-            self.attn(k.new_zeros(k.shape[0], self.q_size), k, v)
-            return
-        unified_kv_cache_update(k.view(-1, self.num_kv_heads, self.head_dim),
-                                v.view(-1, self.num_kv_heads, self.head_dim), self.attn.layer_name)
-
-    def _output_attention(self, q_out: torch.Tensor, plan: StepPlan, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Each request's output query against all of its cached keys (window unbounded), into
-        ``out [R, q_size]`` (a new tensor when None)."""
-        if out is None:
-            out = q_out.new_empty(q_out.shape[0], self.q_size)
-        md = plan.metadata
-        if md is None:  # vLLM's profiling / warm-up run: no cache yet
-            return out.zero_()
-        # Every row is written: one query per request on CPU; the GPU kernel zeroes padded requests.
-        out3 = out.view(-1, self.num_heads, self.head_dim)
-        q3 = q_out.view(-1, self.num_heads, self.head_dim)
-        kv_cache = self.attn.kv_cache
-        if q_out.device.type == "cpu":
-            from vllm import _custom_ops as ops
-
-            num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
-            # The CPU cache packs K and V of a block side by side (as its backend reads them).
-            key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
-            ops.cpu_attention_with_kv_cache(
-                query=q3, key_cache=key_cache, value_cache=value_cache, output=out3,
-                query_start_loc=plan.out_query_start_loc, seq_lens=md.seq_lens, scale=self.scaling, causal=True,
-                alibi_slopes=None, sliding_window=-1, block_table=md.block_table, softcap=0,
-                scheduler_metadata=plan.cpu_schedule, s_aux=None, dynamic_causal=None,
-                k_scale=self.attn._k_scale_float, v_scale=self.attn._v_scale_float,
-                kv_cache_dtype=self.attn.kv_cache_dtype,
-            )
-        else:
-            from orthros_train.serve.paged_attention import paged_output_attention
-
-            # FlashAttention-style cache (blocks, heads, block_size, 2 * head_dim) -> K, V views.
-            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)
-            paged_output_attention(q3, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                   scale=self.scaling, out=out3)
-        return out
+            return self.attn(k.new_zeros(k.shape[0], self.q_size), k, v)
+        return torch.ops.vllm.unified_kv_cache_update(k.view(-1, self.num_kv_heads, self.head_dim),
+                                                      v.view(-1, self.num_kv_heads, self.head_dim), layer)
 
 
 class OrthrosMLP(nn.Module):
@@ -241,21 +268,25 @@ class OrthrosDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, n_base: int,
-                plan: StepPlan, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                last: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``h``/``residual``: ``[x; y]`` (``n_base`` base rows) as vLLM's Llama carries them; the last
         layer returns the output stream's rows only (the base stream just supplies K/V there)."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        attn = self.self_attn(positions, h, n_base, plan, base_output=not last)
+        attn = self.self_attn(positions, h, n_base, base_output=not last)
         if last:
             residual = residual[n_base:]
         h, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(h), residual
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "rows": 0, "inputs_embeds": 0})
 class OrthrosModel(nn.Module):
+    """The layers, traced by torch.compile when vLLM compiles: everything here is the same for
+    every step of a given token count and output-row count."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -265,60 +296,27 @@ class OrthrosModel(nn.Module):
             OrthrosDecoderLayer(vllm_config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.dtype = vllm_config.model_config.dtype
+        queries = OutputQueries()
+        for layer in self.layers:  # one per model: every layer's output attention reads this step's
+            layer.self_attn.attn.output_queries = queries
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def step_plan(self, num_tokens: int, device: torch.device) -> StepPlan:
-        """Rows of the output stream from the step's metadata (one per request)."""
-        attn = self.layers[0].self_attn
-        raw = get_forward_context().attn_metadata
-        md = raw.get(attn.attn.layer_name) if isinstance(raw, dict) else raw
-        if md is None:
-            return StepPlan(rows=torch.tensor([num_tokens - 1], device=device), metadata=None)
-        qsl = md.query_start_loc
-        # Padded requests repeat the last offset (their row is then a real request's row or -1):
-        # clamping keeps the gather in bounds; their attention output is masked.
-        rows = (qsl[1:] - 1).clamp(min=0).long()
-        n_req = rows.shape[0]
-        out_qsl = torch.arange(n_req + 1, dtype=qsl.dtype, device=qsl.device)
-        # R requests of at most one token each holding all of the step's tokens: exactly one each
-        # (read from host-side numbers: no device sync).
-        every_row = n_req == num_tokens and getattr(md, "max_query_len", None) == 1
-        plan = StepPlan(rows=rows, metadata=md, every_row=every_row, out_query_start_loc=out_qsl)
-        if device.type == "cpu":
-            from vllm import _custom_ops as ops
-            from vllm import envs
-
-            plan.cpu_schedule = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=n_req, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                seq_lens=md.seq_lens, dtype=self.dtype, query_start_loc=out_qsl, causal=True,
-                sliding_window_size=-1, isa=attn.attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                dynamic_causal=None, kv_cache_dtype=attn.attn.kv_cache_dtype,
-            )
-        return plan
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, rows: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The output stream's final hidden states ``[len(rows), hidden]``; output token ``i``
+        starts as a copy of input token ``rows[i]`` and uses its RoPE position."""
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         n = x.shape[0]
-        plan = self.step_plan(n, x.device)
-        y0, pos_y = (x, positions) if plan.every_row else (x[plan.rows], positions[plan.rows])
-        h = torch.cat([x, y0])  # output token p starts as a copy of input token p
-        both = torch.cat([positions, pos_y])  # output token p uses RoPE position p
+        h = torch.cat([x, x[rows]])
+        both = torch.cat([positions, positions[rows]])
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h, residual = layer(both, h, residual, n, plan, last=i == last)
+            h, residual = layer(both, h, residual, n, last=i == last)
         y, _ = self.norm(h, residual)
-        if plan.every_row:
-            return y
-        # Only the request-last rows are defined: NaN elsewhere makes any other reader visibly
-        # wrong instead of plausibly wrong (prompt logprobs, the one such reader, are refused).
-        hidden = y.new_full((n, y.shape[1]), float("nan"))
-        hidden[plan.rows] = y
-        return hidden
+        return y
 
 
 class OrthrosForCausalLM(nn.Module):
@@ -336,6 +334,7 @@ class OrthrosForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.dtype = vllm_config.model_config.dtype
         logger.info("Orthros model: %d layers, base window %d, %d query heads / %d kv heads",
                     config.num_hidden_layers, config.base_window, config.num_attention_heads,
                     config.num_key_value_heads)
@@ -345,7 +344,53 @@ class OrthrosForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
+        n = (input_ids if inputs_embeds is None else inputs_embeds).shape[0]
+        rows, every_row = self._plan_output_queries(n, positions.device)
+        y = self.model(input_ids, positions, rows, inputs_embeds)
+        count = self.model.layers[0].self_attn.attn.output_queries.count or 1
+        if every_row:  # a pure decode step: the output stream is the batch, in order
+            return y[:n]
+        # Only the request-last rows are defined: NaN elsewhere makes any other reader visibly
+        # wrong instead of plausibly wrong (prompt logprobs, the one such reader, are refused).
+        hidden = y.new_full((n, y.shape[1]), float("nan"))
+        hidden[rows[:count]] = y[:count]
+        return hidden
+
+    def _plan_output_queries(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """The rows of this step's output queries (one per request, at its last row; at least
+        two: one row is padded to two so that the compiled graph's row count is never traced as
+        the constant 1), and whether they are every row in order (a pure decode step). Sets the
+        shared ``OutputQueries`` that every layer's output attention reads."""
+        attn = self.model.layers[0].self_attn
+        queries = attn.attn.output_queries
+        raw = get_forward_context().attn_metadata
+        md = raw.get(attn.attn.layer_name) if isinstance(raw, dict) else raw
+        if md is None:
+            queries.metadata, queries.count = None, 0
+            return torch.tensor([0, num_tokens - 1], device=device), False
+        qsl = md.query_start_loc
+        # Padded requests repeat the last offset (their row is then a real request's row or -1):
+        # clamping keeps the gather in bounds; their attention output is masked.
+        rows = (qsl[1:] - 1).clamp(min=0).long()
+        n_req = rows.shape[0]
+        queries.metadata, queries.count = md, n_req
+        queries.query_start_loc = torch.arange(n_req + 1, dtype=qsl.dtype, device=qsl.device)
+        if device.type == "cpu":
+            from vllm import _custom_ops as ops
+            from vllm import envs
+
+            queries.cpu_schedule = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=n_req, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                seq_lens=md.seq_lens, dtype=self.dtype, query_start_loc=queries.query_start_loc, causal=True,
+                sliding_window_size=-1, isa=attn.attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=None, kv_cache_dtype=attn.attn.kv_cache_dtype,
+            )
+        # R requests of at most one token each holding all of the step's tokens: exactly one each
+        # (read from host-side numbers: no device sync).
+        every_row = n_req == num_tokens and getattr(md, "max_query_len", None) == 1
+        if n_req == 1:
+            rows = rows.repeat(2)
+        return rows, every_row
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

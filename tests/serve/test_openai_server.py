@@ -73,9 +73,10 @@ def server(tmp_path_factory):
     ckpt, export = make_orthros(root, seed=11)
     port = free_port()
     cmd = [*server_command(export), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", str(16 << 20),
+           "--max-model-len", "512", "--kv-cache-memory-bytes", str(16 << 20),
            "--served-model-name", "orthros-tiny", "--seed", "0"]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # as users run it: engine in its own process
+    # As users run it: engine in its own process, compiled (vLLM's default), here from a fresh cache.
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CACHE_ROOT": str(root / "vllm-cache")}
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
                             start_new_session=True)

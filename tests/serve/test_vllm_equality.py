@@ -1,7 +1,8 @@
 """vLLM serving an Orthros export gives the project's own generate: greedy tokens and top-k logprobs.
 
-Each case runs vLLM's engine (CPU backend, fp32, eager) on a tiny `orthros-convert to-hf` export
-and compares with ``orthros_train.infer.generate`` (prefill + decode on the project's model):
+Each case runs vLLM's engine (CPU backend, fp32, eager; one case compiled, vLLM's CPU default) on
+a tiny `orthros-convert to-hf` export and compares with ``orthros_train.infer.generate`` (prefill +
+decode on the project's model):
 the base window smaller than the prompts, a mixed-length batch, chunked prefill with a small token
 budget, prefix caching over shared prefixes and KV-block pressure (preemption and recompute); and,
 with gamma = 1, beta = 0 and W >= length, vLLM's own Llama on the same weights. What the design
@@ -169,6 +170,23 @@ def test_prompt_logprobs_are_refused_per_request(tiny, roomy):
     assert_same(vllm_run(roomy, prompt), model, prompt)
 
 
+def test_compiled_engine_equals_generate(tiny, tmp_path, monkeypatch):
+    """vLLM's default on CPU compiles the model (one dynamo trace, inductor): the output rows are a
+    second dynamic size beside the token count, traced at two so that one request (a row padded
+    to two) and a decode step of one token replay the same graph with the same results."""
+    from vllm.compilation.counter import compilation_counter
+    from vllm.config import CompilationMode
+
+    model, export = tiny
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # compile afresh, not from a cache
+    compiles = compilation_counter.num_aot_compiles + compilation_counter.num_models_seen
+    with engine(export, enforce_eager=False) as llm:
+        assert llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.DYNAMO_TRACE_ONCE
+        assert compilation_counter.num_aot_compiles + compilation_counter.num_models_seen > compiles
+        for prompts in (MIXED, prompts_of([50], seed=4), prompts_of([7, 300], seed=5)):
+            assert_same(vllm_run(llm, prompts), model, prompts)
+
+
 @pytest.mark.parametrize(
     "variant",
     [
@@ -242,3 +260,31 @@ def test_model_runner_v2_gets_its_own_refusal():
     from orthros_train.serve.prompt_logprobs import RefusePromptLogprobsV2
 
     assert RefusePromptLogprobsV2(None, None).add_request(0, SamplingParams()) is False  # never applied
+
+
+def test_off_cpu_the_engine_runs_eagerly(tiny, monkeypatch):
+    """CUDA graphs are captured per token count and cannot replay the output stream's per-request
+    rows: off the CPU the config hook turns on eager mode (as --enforce-eager); on CPU the model
+    compiles (vLLM's default there)."""
+    import vllm.platforms
+
+    from orthros_train.serve.config import run_eagerly_off_cpu
+
+    _, export = tiny
+    assert not EngineArgs(model=str(export), dtype="float32", max_model_len=1024).create_engine_config() \
+        .model_config.enforce_eager
+
+    class Gpu:
+        device_name = "cuda"
+
+        @staticmethod
+        def is_cpu() -> bool:
+            return False
+
+    class Config:
+        model_config = type("M", (), {"enforce_eager": False})()
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", Gpu())
+    config = Config()
+    run_eagerly_off_cpu(config)
+    assert config.model_config.enforce_eager is True
