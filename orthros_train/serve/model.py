@@ -113,7 +113,8 @@ class BaseStreamAttention(Attention):
         if md is None:  # vLLM's profiling / warm-up run: no cache yet
             out.zero_()
             return
-        out[n:].zero_()
+        if out.shape[0] > n:
+            out[n:].zero_()
         out3 = out[:n].view(n, self.num_heads, self.head_size)
         q3 = q_out[:n].view(n, self.num_heads, self.head_size)
         if q_out.device.type == "cpu":
@@ -357,10 +358,9 @@ class OrthrosForCausalLM(nn.Module):
         return hidden
 
     def _plan_output_queries(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-        """The rows of this step's output queries (one per request, at its last row; at least
-        two: one row is padded to two so that the compiled graph's row count is never traced as
-        the constant 1), and whether they are every row in order (a pure decode step). Sets the
-        shared ``OutputQueries`` that every layer's output attention reads."""
+        """The rows of this step's output queries (one per request, at its last row), and whether
+        they are every row in order (a pure decode step). Sets the shared ``OutputQueries`` that
+        every layer's output attention reads."""
         attn = self.model.layers[0].self_attn
         queries = attn.attn.output_queries
         raw = get_forward_context().attn_metadata
@@ -388,7 +388,10 @@ class OrthrosForCausalLM(nn.Module):
         # R requests of at most one token each holding all of the step's tokens: exactly one each
         # (read from host-side numbers: no device sync).
         every_row = n_req == num_tokens and getattr(md, "max_query_len", None) == 1
-        if n_req == 1:
+        if n_req == 1 and getattr(self.model, "compiled", True) is False:
+            # The first call of a compiling model traces it: one row would be traced as the
+            # constant 1 (0/1 specialisation) and the graph, run without guards, would be wrong
+            # for more. vLLM's warm-up run (no metadata, two rows below) normally traces first.
             rows = rows.repeat(2)
         return rows, every_row
 

@@ -172,8 +172,8 @@ def test_prompt_logprobs_are_refused_per_request(tiny, roomy):
 
 def test_compiled_engine_equals_generate(tiny, tmp_path, monkeypatch):
     """vLLM's default on CPU compiles the model (one dynamo trace, inductor): the output rows are a
-    second dynamic size beside the token count, traced at two so that one request (a row padded
-    to two) and a decode step of one token replay the same graph with the same results."""
+    second dynamic size beside the token count, traced at two rows in the warm-up run, so that one
+    request (one row) and a decode step of one token replay the same graph with the same results."""
     from vllm.compilation.counter import compilation_counter
     from vllm.config import CompilationMode
 
