@@ -50,8 +50,12 @@ def check_serving_config(vllm_config: VllmConfig) -> None:
             f"num_attention_heads={hf.num_attention_heads} is not divisible by --tensor-parallel-size {tp}: gamma/beta "
             "and the query heads are split by heads; pick a tensor-parallel size that divides the head count"
         )
-    if int(hf.base_window) < 1:
-        raise OrthrosServeError(f"base_window must be >= 1 in config.json, got {hf.base_window}")
+    window = hf.base_window
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise OrthrosServeError(
+            f"base_window in config.json must be a positive integer (the base stream's window W), got {window!r}: "
+            "re-export the checkpoint with `orthros-convert to-hf`, or set it to the W the model was trained with"
+        )
 
 
 def run_eagerly_off_cpu(vllm_config: VllmConfig) -> None:

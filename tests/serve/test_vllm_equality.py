@@ -223,6 +223,22 @@ def test_identity_affine_and_full_window_equals_vllm_llama(tmp_path):
                 assert tok in ea and abs(ea[tok].logprob - lp.logprob) <= LOGPROB_TOL
 
 
+def test_two_tensor_parallel_ranks_equal_generate(tiny, monkeypatch):
+    """Tensor parallelism from vLLM's parallel layers, gamma/beta split by query heads (2 heads a
+    rank, 1 KV head a rank), two CPU worker processes over gloo."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("two tensor-parallel CPU workers need two cores to bind their threads to")
+    model, export = tiny
+    # vLLM's CPU workers bind their threads per NUMA node by default; this machine kind has one.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+    with engine(export, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20) as llm:
+        assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+        assert_same(vllm_run(llm, MIXED), model, MIXED)
+
+
 def test_unservable_configurations_are_refused_when_the_config_is_built(tiny):
     """vLLM runs the plugin's config hook when it builds an engine's config: before any engine."""
     _, export = tiny
@@ -238,6 +254,20 @@ def test_unservable_configurations_are_refused_when_the_config_is_built(tiny):
             EngineArgs(**base, **extra).create_engine_config()
     config = EngineArgs(**base).create_engine_config()
     assert config.model_config.logits_processors == [PROMPT_LOGPROBS_REFUSAL]
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True, "abc", None])
+def test_a_bad_base_window_is_refused_when_the_config_is_built(tiny, tmp_path, window):
+    import json
+    import shutil
+
+    export = tmp_path / "export"
+    shutil.copytree(tiny[1], export)
+    config = json.loads((export / "config.json").read_text())
+    config["base_window"] = window
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="base_window in config.json must be a positive integer"):
+        EngineArgs(model=str(export), dtype="float32", enforce_eager=True, max_model_len=1024).create_engine_config()
 
 
 def test_model_runner_v2_gets_its_own_refusal():
