@@ -224,10 +224,9 @@ class OrthrosAttention(nn.Module):
         q[n_base:].view(-1, self.num_heads, self.head_dim).mul_(self.gamma).add_(self.beta)
         q, k = self.rotary_emb(positions, q, k)
         k, v = k[:n_base], v[:n_base]
-        layer = _encode_layer_name(self.attn.layer_name)
         if not base_output:
             out = q.new_empty(h.shape[0] - n_base, self.q_size)
-            torch.ops.orthros.output_attention(q[n_base:], out, self.attn.layer_name, self._write_kv(k, v, layer))
+            torch.ops.orthros.output_attention(q[n_base:], out, self.attn.layer_name, self._write_kv(k, v))
             return self.o_proj(out)[0]
         # Writes the step's K/V, then the windowed attention into the first n_base rows of a buffer
         # that holds the output stream's rows too: vLLM's attention writes only its query's rows
@@ -237,14 +236,15 @@ class OrthrosAttention(nn.Module):
         torch.ops.orthros.output_attention(q[n_base:], attn[n_base:], self.attn.layer_name)
         return self.o_proj(attn)[0]
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: object) -> torch.Tensor | None:
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         """Only the K/V write of the base stream (the last layer needs no base attention output);
         returns what orders a later reader of the cache after it."""
         if self.attn.attn_backend.forward_includes_kv_cache_update:
             # Backends that write inside their attention call: run it and drop the output.
             return self.attn(k.new_zeros(k.shape[0], self.q_size), k, v)
         return torch.ops.vllm.unified_kv_cache_update(k.view(-1, self.num_kv_heads, self.head_dim),
-                                                      v.view(-1, self.num_kv_heads, self.head_dim), layer)
+                                                      v.view(-1, self.num_kv_heads, self.head_dim),
+                                                      _encode_layer_name(self.attn.layer_name))
 
 
 class OrthrosMLP(nn.Module):
@@ -297,9 +297,9 @@ class OrthrosModel(nn.Module):
             OrthrosDecoderLayer(vllm_config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        queries = OutputQueries()
+        self.output_queries = OutputQueries()  # set by the eager forward before each pass
         for layer in self.layers:  # one per model: every layer's output attention reads this step's
-            layer.self_attn.attn.output_queries = queries
+            layer.self_attn.attn.output_queries = self.output_queries
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -348,7 +348,7 @@ class OrthrosForCausalLM(nn.Module):
         n = (input_ids if inputs_embeds is None else inputs_embeds).shape[0]
         rows, every_row = self._plan_output_queries(n, positions.device)
         y = self.model(input_ids, positions, rows, inputs_embeds)
-        count = self.model.layers[0].self_attn.attn.output_queries.count or 1
+        count = self.model.output_queries.count or 1
         if every_row:  # a pure decode step: the output stream is the batch, in order
             return y[:n]
         # Only the request-last rows are defined: NaN elsewhere makes any other reader visibly
@@ -362,7 +362,7 @@ class OrthrosForCausalLM(nn.Module):
         they are every row in order (a pure decode step). Sets the shared ``OutputQueries`` that
         every layer's output attention reads."""
         attn = self.model.layers[0].self_attn
-        queries = attn.attn.output_queries
+        queries = self.model.output_queries
         raw = get_forward_context().attn_metadata
         md = raw.get(attn.attn.layer_name) if isinstance(raw, dict) else raw
         if md is None:
