@@ -108,6 +108,14 @@ class Recompute(Option):
     full = "full"  # each layer recomputed from its input
 
 
+class MoERouting(Option):
+    """How the two streams of a position pick their experts in a sparse (MoE) layer."""
+
+    independent = "independent"  # every token routes on its own gate (a pair may touch 2k experts)
+    tied = "tied"  # an output token uses the experts its base token chose (k per pair)
+    joint = "joint"  # the pair routes together on the mean of both gates' probabilities (k per pair)
+
+
 class RLTask(Option):
     pattern = "pattern"  # the CPU toy task
     prompts = "prompts"  # an orthros-data rl prompt set + a reward function
@@ -122,6 +130,7 @@ __all__ = [
     "Device",
     "LRSchedule",
     "LossAverage",
+    "MoERouting",
     "Option",
     "Overlong",
     "Precision",

@@ -1,10 +1,11 @@
-"""Hugging Face Llama / Qwen2 / Qwen3 checkpoint -> Orthros checkpoint (``docs/convert.md``).
+"""Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE checkpoint -> Orthros checkpoint
+(``docs/convert.md``, ``docs/moe.md``).
 
 The conversion swaps the attention module and nothing else: every HF tensor keeps its value and
-(minus the ``model.`` prefix) its name; each layer gains the output stream's query affine
-``gamma = 1, beta = 0``. The converted model therefore reproduces the HF logits exactly on any
-sequence of at most ``sliding_window`` tokens, and is the starting point of continued
-pretraining (``model.init_from`` in the recipes).
+(minus the ``model.`` prefix) its name (the MoE models' routers and experts included); each
+layer gains the output stream's query affine ``gamma = 1, beta = 0``. The converted model
+therefore reproduces the HF logits exactly on any sequence of at most ``sliding_window``
+tokens, and is the starting point of continued pretraining (``model.init_from`` in the recipes).
 
 Everything a config may say that Orthros cannot express is refused by name (sliding-window or
 hybrid attention, RoPE variants other than default/llama3, MLP or output-projection biases,
@@ -41,7 +42,10 @@ SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 DEFAULT_WINDOW = 128
 SRC_FIX = (
     "the source must be a Hugging Face model directory (config.json + model.safetensors or "
@@ -112,11 +116,25 @@ def _resolved_rope(hf: dict[str, Any]) -> dict[str, Any] | None:
     class default. Rather than re-implement that, let the library's config class resolve it, so
     the converted model gets the RoPE the HF model is loaded with.
     """
-    try:
-        from transformers import CONFIG_MAPPING
-    except ImportError:  # no transformers: the file's own fields, v5 spelling first
+    config = _transformers_config(hf)
+    if config is None:  # no transformers: the file's own fields, v5 spelling first
         params = hf.get("rope_parameters") or hf.get("rope_scaling")
         return dict(params) if params else None
+    if hasattr(config, "rope_parameters"):  # transformers 5: one standardized dict
+        params = config.rope_parameters
+        return dict(params) if params else None
+    # transformers 4: rope_theta beside a validated rope_scaling
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
+
+
+def _transformers_config(hf: dict[str, Any]) -> Any | None:
+    """The config object transformers builds from ``hf`` (its defaults filled in), or None
+    without transformers."""
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return None
     import logging
     import warnings
 
@@ -127,17 +145,67 @@ def _resolved_rope(hf: dict[str, Any]) -> dict[str, Any] | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = config_class.from_dict(json.loads(json.dumps(hf)))  # a copy: it mutates dicts
+            return config_class.from_dict(json.loads(json.dumps(hf)))  # a copy: it mutates dicts
     except (TypeError, ValueError, KeyError) as err:
         raise ConversionError(f"transformers cannot load this config ({err})") from err
     finally:
         hf_logger.setLevel(level)
-    if hasattr(config, "rope_parameters"):  # transformers 5: one standardized dict
-        params = config.rope_parameters
-        return dict(params) if params else None
-    # transformers 4: rope_theta beside a validated rope_scaling
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
+
+
+# The MoE fields an Orthros config takes from a Qwen3-MoE / Qwen2-MoE config, with transformers'
+# defaults for a file that omits them (used only when transformers is not installed; otherwise
+# transformers' own config class fills them in).
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "router_aux_loss_coef": 0.001},
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "router_aux_loss_coef": 0.001},
+}
+
+
+def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """OrthrosConfig's MoE fields for a ``qwen3_moe`` / ``qwen2_moe`` config (ConversionError
+    naming the key for what Orthros cannot express)."""
+    if "num_experts" in hf and "num_local_experts" in hf and hf["num_experts"] != hf["num_local_experts"]:
+        raise ConversionError(
+            f"num_experts={hf['num_experts']!r} and num_local_experts={hf['num_local_experts']!r} disagree "
+            "(transformers reads them as one field); keep one of them"
+        )
+    config = _transformers_config(hf)
+    defaults = _MOE_DEFAULTS[model_type]
+    out: dict[str, Any] = {}
+    for key, default in defaults.items():
+        if config is not None:
+            value = getattr(config, key)
+        else:
+            value = hf.get(key, hf.get("num_local_experts", default) if key == "num_experts" else default)
+        out[key] = [] if key == "mlp_only_layers" and value is None else value
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        value = out[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConversionError(f"{key}={value!r}: must be a positive integer")
+    if out["num_experts_per_tok"] > out["num_experts"]:
+        raise ConversionError(
+            f"num_experts_per_tok={out['num_experts_per_tok']} exceeds num_experts={out['num_experts']}"
+        )
+    if model_type == "qwen2_moe":
+        shared = out["shared_expert_intermediate_size"]
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
+            raise ConversionError(
+                f"shared_expert_intermediate_size={shared!r}: Qwen2-MoE layers always run their shared expert, "
+                "so it must be a positive integer"
+            )
+    layers = out["mlp_only_layers"]
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ConversionError(f"mlp_only_layers={layers!r}: must be a list of layer indices")
+    if hf.get("router_jitter_noise"):
+        raise ConversionError(
+            f"router_jitter_noise={hf['router_jitter_noise']!r} is not supported (Orthros routers are deterministic)"
+        )
+    out["norm_topk_prob"] = bool(out["norm_topk_prob"])
+    return out
 
 
 def orthros_config_from_hf(
@@ -163,10 +231,13 @@ def orthros_config_from_hf(
     if hf.get("mlp_bias"):
         raise refuse("mlp_bias=true is not supported (Orthros MLP projections have no bias)")
 
-    # Attention biases: Qwen2 has q/k/v biases (and none on o_proj); Llama/Qwen3 with
-    # attention_bias=true would also put one on o_proj, which Orthros does not have.
+    # Attention biases: Qwen2 has q/k/v biases (and none on o_proj), Qwen2-MoE has them when
+    # qkv_bias (default true); Llama/Qwen3 with attention_bias=true would also put one on
+    # o_proj, which Orthros does not have.
     if model_type == "qwen2":
         attention_bias = True
+    elif model_type == "qwen2_moe":
+        attention_bias = bool(hf.get("qkv_bias", True))
     else:
         if hf.get("attention_bias"):
             raise refuse(
@@ -202,6 +273,10 @@ def orthros_config_from_hf(
         rope_theta, rope_scaling = _rope_from_hf(hf)
     except ConversionError as err:
         raise refuse(str(err)) from err
+    try:
+        moe = _moe_from_hf(hf, model_type) if model_type in MOE_MODEL_TYPES else {}
+    except ConversionError as err:
+        raise refuse(str(err)) from err
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     provenance = {
@@ -224,13 +299,14 @@ def orthros_config_from_hf(
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=attention_bias,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=sliding_window,
             attention_type="orthros",
             max_position_embeddings=hf.get("max_position_embeddings", 131072),
             initializer_range=hf.get("initializer_range", 0.02),
+            **moe,
             extra={"hf": provenance},
         )
     except KeyError as err:

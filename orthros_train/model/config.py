@@ -7,7 +7,7 @@ from typing import Any
 
 from orthros_train.model.layers import check_rope_scaling
 from orthros_train.ops.reference import UNBOUNDED
-from orthros_train.options import AttentionType
+from orthros_train.options import AttentionType, MoERouting
 
 
 @dataclass
@@ -31,10 +31,25 @@ class OrthrosConfig:
     max_position_embeddings: int = 131072
     initializer_range: float = 0.02
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
+    # Mixture of experts, with Qwen3-MoE / Qwen2-MoE's names and layer rule (``is_sparse_layer``).
+    # num_experts = 0: every layer has the dense SwiGLU MLP of width intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int | None = None  # each expert's width (None: intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k gate probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    router_aux_loss_coef: float = 0.001  # load-balancing loss weight (transformers' definition)
+    router_z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE); 0: off
+    moe_routing: MoERouting = MoERouting.tied  # how a position's base and output tokens pick experts
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.attention_type = AttentionType.parse(self.attention_type, "attention_type")
+        self.moe_routing = MoERouting.parse(self.moe_routing, "moe_routing")
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -73,10 +88,75 @@ class OrthrosConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        self._validate_experts()
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, dict):
                 raise ValueError(f"rope_scaling must be a mapping or null, got {self.rope_scaling!r}")
             check_rope_scaling(self.rope_scaling)
+
+    def _validate_experts(self) -> None:
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not integer(self.num_experts) or self.num_experts < 0:
+            raise ValueError(f"num_experts must be an integer >= 0 (0: dense MLPs), got {self.num_experts!r}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not self.num_experts:
+            return
+        k = self.num_experts_per_tok
+        if not integer(k) or not 1 <= k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be an integer in 1..num_experts={self.num_experts}, got {k!r}"
+            )
+        for name in ("moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not integer(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        shared = self.shared_expert_intermediate_size
+        if not integer(shared) or shared < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be an integer >= 0 (0: none), got {shared!r}")
+        layers = self.mlp_only_layers
+        if not isinstance(layers, (list, tuple)) or not all(integer(i) for i in layers):
+            raise ValueError(f"mlp_only_layers must be a list of layer indices, got {layers!r}")
+        outside = sorted(i for i in layers if not 0 <= i < self.num_hidden_layers)
+        if outside:
+            raise ValueError(
+                f"mlp_only_layers {outside} are not layers of this model (0..{self.num_hidden_layers - 1})"
+            )
+        self.mlp_only_layers = sorted(set(layers))
+        if not any(self.is_sparse_layer(i) for i in range(self.num_hidden_layers)):
+            raise ValueError(
+                f"num_experts={self.num_experts} but no layer is sparse (decoder_sparse_step="
+                f"{self.decoder_sparse_step}, mlp_only_layers={self.mlp_only_layers}); set num_experts=0 for a "
+                "dense model"
+            )
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has the mixture of experts (Qwen2/3-MoE's rule), else the dense MLP."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
+
+    def mlp_parameters(self, layer_idx: int, active: bool = False) -> int:
+        """Weights of layer ``layer_idx``'s MLP (router, experts, shared expert); ``active``: those one
+        token multiplies by (its top-k experts only), the unit of FLOPs."""
+        d = self.hidden_size
+        if not self.is_sparse_layer(layer_idx):
+            return 3 * d * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        total = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        if self.shared_expert_intermediate_size:
+            total += 3 * d * self.shared_expert_intermediate_size + d  # the expert and its gate
+        return total
 
     @property
     def base_window(self) -> int:
@@ -95,9 +175,9 @@ class OrthrosConfig:
             attn += h * hd + 2 * kv * hd
         if self.qk_norm:
             attn += 2 * hd
-        mlp = 3 * d * self.intermediate_size
-        per_layer = attn + mlp + 2 * d
-        total = self.num_hidden_layers * per_layer + d
+        per_layer = attn + 2 * d
+        total = self.num_hidden_layers * per_layer + sum(self.mlp_parameters(i) for i in range(self.num_hidden_layers))
+        total += d
         if include_embeddings:
             total += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return total

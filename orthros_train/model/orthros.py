@@ -35,6 +35,7 @@ from torch import nn
 from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from orthros_train.model.moe import MoEOutput, SparseMoE, StreamPairs
 from orthros_train.ops.attention import UNBOUNDED, orthros_attention, prepare_attention
 from orthros_train.phase.builders import decode_layout, positions_layout, prefill_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
@@ -62,6 +63,8 @@ class AttentionPlan:
     # and the backward (the kernels' query sort and tile plan, host-known counts): no layer
     # rebuilds it or waits for the device to size it.
     attention_meta: dict = field(default_factory=dict, repr=False, compare=False)
+    # (load-balancing loss, z-loss) of every sparse layer of this pass, appended as the layers run.
+    router_losses: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_base(self) -> int:
@@ -84,6 +87,12 @@ class AttentionPlan:
             torch.cat([self.base_key_index, self.out_key_index]),
             torch.cat([base_window, out_window]),
         )
+
+    def stream_pairs(self, with_base: bool) -> StreamPairs:
+        """The rows of an MLP input ``[x; y]`` (or ``y`` alone): each output token and its base token."""
+        # Baselines have no output stream (num_outputs = 0): their tokens route alone.
+        pairs = self.output_rows[: self.num_outputs]
+        return StreamPairs(num_base=self.num_base if with_base else 0, out_base_row=pairs)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, with_base: bool, backend: str = "auto"
@@ -203,6 +212,10 @@ class ModuleFactory:
     def mlp(self, config: OrthrosConfig) -> SwiGLU:
         return SwiGLU(config.hidden_size, config.intermediate_size, self.linear)
 
+    def moe(self, config: OrthrosConfig) -> SparseMoE:
+        """The mixture of experts of a sparse layer (``config.is_sparse_layer``)."""
+        return SparseMoE(config, self.linear)
+
     def block(self, config: OrthrosConfig, layer_idx: int) -> "OrthrosBlock":
         return OrthrosBlock(config, layer_idx, self)
 
@@ -279,7 +292,8 @@ class OrthrosBlock(nn.Module):
         self.input_layernorm = factory.norm("input_layernorm", d, eps)
         self.self_attn = factory.attention(config, layer_idx)
         self.post_attention_layernorm = factory.norm("post_attention_layernorm", d, eps)
-        self.mlp = factory.mlp(config)
+        self.sparse = config.is_sparse_layer(layer_idx)
+        self.mlp = factory.moe(config) if self.sparse else factory.mlp(config)
 
     def forward(
         self,
@@ -296,16 +310,27 @@ class OrthrosBlock(nn.Module):
         attn = self.self_attn(self.input_layernorm(h), plan, cache, not base_feeds_nothing)
         if base_feeds_nothing:
             h = y + attn
-            return x, h + self.mlp(self.post_attention_layernorm(h))
+            return x, h + self.feed_forward(self.post_attention_layernorm(h), plan, with_base=False)
         h = h + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.feed_forward(self.post_attention_layernorm(h), plan, with_base=True)
         return h[:n_base], h[n_base:]
+
+    def feed_forward(self, h: torch.Tensor, plan: AttentionPlan, with_base: bool) -> torch.Tensor:
+        """The MLP of the normed ``[x; y]`` (or ``y``): dense, or the experts routed by stream pairs."""
+        if not self.sparse:
+            return self.mlp(h)
+        out: MoEOutput = self.mlp(h, plan.stream_pairs(with_base))
+        plan.router_losses.append((out.aux_loss, out.z_loss))
+        return out.hidden
 
 
 @dataclass
 class OrthrosOutput:
     logits: torch.Tensor | None  # None when the caller asked for the loss only
     loss: torch.Tensor | None = None
+    # Sparse layers: router_aux_loss_coef x load balancing + router_z_loss_coef x z-loss, averaged
+    # over the sparse layers (detached; in training mode ``loss`` includes it).
+    router_loss: torch.Tensor | None = None
 
 
 class OrthrosForCausalLM(nn.Module):
@@ -369,8 +394,23 @@ class OrthrosForCausalLM(nn.Module):
             loss = plan.whole_loss(
                 weighted_cross_entropy(logits, labels, weights, normalizer, self.lm_head.token_losses)
             )
+        router = self.router_loss(plan)
+        if router is not None and loss is not None and self.training:
+            # Like the cross entropy, a mean over this micro batch: DeepSpeed's 1/accumulation and
+            # data-parallel average make it the step's mean. Added after whole_loss: each context-
+            # parallel rank balances its own chunk's routing, the average of which is the sequence's.
+            loss = loss + router
         full = plan.whole_logits(self.lm_head.full_logits(logits), layout) if return_logits else None
-        return OrthrosOutput(logits=full, loss=loss)
+        return OrthrosOutput(logits=full, loss=loss, router_loss=None if router is None else router.detach())
+
+    def router_loss(self, plan: AttentionPlan) -> torch.Tensor | None:
+        """``router_aux_loss_coef`` x the mean load-balancing loss + ``router_z_loss_coef`` x the mean
+        z-loss of the pass's sparse layers (None for a dense model)."""
+        if not plan.router_losses:
+            return None
+        aux = torch.stack([a for a, _ in plan.router_losses]).mean()
+        z = torch.stack([z for _, z in plan.router_losses]).mean()
+        return self.config.router_aux_loss_coef * aux + self.config.router_z_loss_coef * z
 
     def forward(
         self,
@@ -392,7 +432,9 @@ class OrthrosForCausalLM(nn.Module):
         b = 1 if input_ids.dim() == 1 else input_ids.shape[0]
         layout = positions_layout(input_ids, output_positions, document_ids, labels)
         out = self.forward_layout(layout)
-        return OrthrosOutput(logits=out.logits.view(b, -1, out.logits.shape[-1]), loss=out.loss)
+        return OrthrosOutput(
+            logits=out.logits.view(b, -1, out.logits.shape[-1]), loss=out.loss, router_loss=out.router_loss
+        )
 
     def save_pretrained(self, directory: str | Path) -> None:
         """``config.json`` + ``model.safetensors`` (tied weights stored once)."""

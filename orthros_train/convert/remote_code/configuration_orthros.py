@@ -6,6 +6,12 @@ Orthros-specific ones are ``base_window`` (the base stream's sliding-window size
 and ``attention_bias`` (biases on q/k/v only, as in Qwen2). ``rope_parameters`` is
 ``{"rope_type": "default" | "linear" | "llama3" | "yarn", "rope_theta": ..., <that type's keys>}``.
 
+Mixture-of-experts models (Qwen3-MoE / Qwen2-MoE) carry those models' fields: ``num_experts``
+(0: dense), ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``,
+``decoder_sparse_step``, ``mlp_only_layers``, ``shared_expert_intermediate_size`` (Qwen2-MoE's
+shared expert; 0: none), ``router_aux_loss_coef``, plus ``moe_routing`` (``independent``,
+``tied`` or ``joint``: how a position's base and output tokens pick their experts).
+
 The window is deliberately not called ``sliding_window``: transformers would then build
 sliding-window KV caches, but the output stream attends every cached key.
 """
@@ -35,6 +41,15 @@ class OrthrosConfig(PretrainedConfig):
         initializer_range=0.02,
         use_cache=True,
         tie_word_embeddings=False,
+        num_experts=0,
+        num_experts_per_tok=2,
+        moe_intermediate_size=None,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=None,
+        shared_expert_intermediate_size=0,
+        router_aux_loss_coef=0.001,
+        moe_routing="tied",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -53,4 +68,15 @@ class OrthrosConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size or intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.decoder_sparse_step = decoder_sparse_step
+        self.mlp_only_layers = list(mlp_only_layers or [])
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.router_aux_loss_coef = router_aux_loss_coef
+        if moe_routing not in ("independent", "tied", "joint"):
+            raise ValueError(f"moe_routing must be 'independent', 'tied' or 'joint', got {moe_routing!r}")
+        self.moe_routing = moe_routing
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -220,14 +220,75 @@ class OrthrosAttention(nn.Module):
 
 
 class OrthrosMLP(nn.Module):
+    def __init__(self, config, intermediate_size=None):
+        super().__init__()
+        width = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+
+    def forward(self, x, n_base=None, output_index=None):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OrthrosSparseMoeBlock(nn.Module):
+    """Qwen3-MoE's mixture of experts (softmax router, top-k, ``norm_topk_prob``; Qwen2-MoE's gated
+    shared expert when ``shared_expert_intermediate_size``), with ``moe_routing`` deciding how a
+    position's base and output tokens pick experts: ``independent`` (each its own top-k), ``tied``
+    (the output token takes its base token's experts, weighted by its own probabilities over them)
+    or ``joint`` (the pair takes the top-k of the mean of both tokens' probabilities, each weighting
+    them by its own). Base tokens without an output token route alone."""
+
     def __init__(self, config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routing = config.moe_routing
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(OrthrosMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = OrthrosMLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, h, n_base, output_index):
+        """``h`` [B, n_base + N, D]: base rows, then output token m of each row paired with base row
+        ``output_index[m]`` (``n_base`` 0: the output tokens have no base partner)."""
+        b, rows, d = h.shape
+        flat = h.reshape(-1, d)
+        probs = torch.softmax(self.gate(flat).float(), dim=-1)
+        experts = torch.topk(probs, self.top_k, dim=-1).indices
+        n_out = rows - n_base
+        if n_base and n_out and self.routing != "independent":
+            row0 = torch.arange(b, device=h.device)[:, None] * rows
+            base_of = (row0 + output_index[None, :]).flatten()
+            out_rows = (row0 + n_base + torch.arange(n_out, device=h.device)[None, :]).flatten()
+            if self.routing == "joint":
+                chosen = torch.topk(0.5 * (probs[base_of] + probs[out_rows]), self.top_k, dim=-1).indices
+                experts[base_of] = chosen
+            else:
+                chosen = experts[base_of]
+            experts[out_rows] = chosen
+        weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in experts.unique().tolist():
+            row, slot = torch.nonzero(experts == e, as_tuple=True)
+            y = self.experts[e](flat[row]) * weights[row, slot, None].to(flat.dtype)
+            out.index_add_(0, row, y)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(b, rows, d)
+
+
+def _is_sparse_layer(config, layer_idx):
+    return (
+        getattr(config, "num_experts", 0) > 0
+        and layer_idx not in (config.mlp_only_layers or [])
+        and (layer_idx + 1) % config.decoder_sparse_step == 0
+    )
 
 
 class OrthrosDecoderLayer(nn.Module):
@@ -236,7 +297,7 @@ class OrthrosDecoderLayer(nn.Module):
         self.input_layernorm = OrthrosRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = OrthrosAttention(config, layer_idx)
         self.post_attention_layernorm = OrthrosRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = OrthrosMLP(config)
+        self.mlp = OrthrosSparseMoeBlock(config) if _is_sparse_layer(config, layer_idx) else OrthrosMLP(config)
 
     def forward(self, x, y, plan, cache, base_feeds_nothing):
         n_base = x.shape[1]
@@ -244,9 +305,9 @@ class OrthrosDecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(h), n_base, plan, cache, not base_feeds_nothing)
         if base_feeds_nothing:  # last layer: the base stream only supplies K/V
             y = y + attn
-            return x, y + self.mlp(self.post_attention_layernorm(y))
+            return x, y + self.mlp(self.post_attention_layernorm(y), 0, plan["output_index"])
         h = h + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h), n_base, plan["output_index"])
         return h[:, :n_base], h[:, n_base:]
 
 
@@ -264,7 +325,7 @@ class OrthrosPreTrainedModel(PreTrainedModel):
             module.beta.zero_()
         elif isinstance(module, OrthrosRMSNorm):
             module.weight.fill_(1.0)
-        elif isinstance(module, nn.Linear):
+        elif isinstance(module, nn.Linear):  # routers and experts included
             module.weight.normal_(0.0, std)
             if module.bias is not None:
                 module.bias.zero_()
@@ -353,6 +414,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
             "out_q_window": out_q_window,
             "key_valid": key_valid,
             "num_keys": num_keys,
+            "output_index": output_index,  # the base row each output token pairs with (MoE routing)
         }
         y = x[:, output_index]  # output token p starts as a copy of input token p
         last = len(self.layers) - 1
