@@ -42,6 +42,8 @@ _RULES = {
     "q_norm.weight": REPLICATE,
     "k_norm.weight": REPLICATE,
     "norm.weight": REPLICATE,
+    "gate.weight": REPLICATE,  # the MoE router (mlp.gate)
+    "shared_expert_gate.weight": REPLICATE,
 }
 
 

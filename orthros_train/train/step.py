@@ -39,6 +39,8 @@ class StepStats:
     flops: float  # model FLOPs of the step (every TP rank of a DP group computes the same layout: counted once)
     nonfinite: bool  # the update was skipped (or, under ZeRO, its gradient norm came out non-finite)
     objective: dict[str, float] = field(default_factory=dict)  # the objective's diagnostics (RL: rewards, KL)
+    # MoE: the router losses' share of ``loss`` (load balancing + z-loss, weighted), None for dense models
+    router_loss: float | None = None
 
 
 def zero_loss(module: torch.nn.Module) -> torch.Tensor:
@@ -101,10 +103,16 @@ class TrainStep:
         prepared = self.objective.prepare([b.to(self.device) for b in batches], units)
         normalizer = micro_batch_normalizer(units, accum, dp)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        router_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        has_router = False
         grad_norm = math.nan
         finite = True
         for layout in prepared.layouts:
-            loss = engine(layout, loss_normalizer=normalizer).loss
+            out = engine(layout, loss_normalizer=normalizer)
+            loss = out.loss
+            if out.router_loss is not None:
+                has_router = True
+                router_sum += out.router_loss.double()
             if loss is None:  # no labelled token in this micro batch: it adds nothing
                 loss = zero_loss(engine.module)
             ok = self.guard.admit(loss)
@@ -130,7 +138,7 @@ class TrainStep:
             loss_sum = loss_sum.new_tensor(sum(prepared.values))
         else:
             loss_sum = loss_sum / (accum * dp)
-        stats = collectives.reduce_floats([loss_sum, float(tokens), flops], group=dp_group)
+        stats = collectives.reduce_floats([loss_sum, float(tokens), flops, router_sum / (accum * dp)], group=dp_group)
         return StepStats(
             loss=float(stats[0]) if finite else math.nan,
             lr=lr,
@@ -139,6 +147,7 @@ class TrainStep:
             flops=float(stats[2]),
             nonfinite=not finite,
             objective=prepared.stats,
+            router_loss=float(stats[3]) if has_router else None,
         )
 
 

@@ -54,6 +54,8 @@ class StepLog:
             "skipped_steps": skipped_steps,
             **stats.objective,
         }
+        if stats.router_loss is not None:
+            record["router_loss"] = stats.router_loss  # included in loss
         if self.peak is not None:
             record["mfu"] = stats.flops / elapsed / TERA / (self.peak * self.world)
         if self.device.type == "cuda":
