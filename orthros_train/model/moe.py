@@ -83,27 +83,37 @@ class Routing:
     pairs: StreamPairs
 
 
-def route(
-    logits: torch.Tensor, pairs: StreamPairs, policy: MoERouting, top_k: int, norm_topk_prob: bool
-) -> Routing:
-    """The routing of every row (see the module docstring for the policies). The one statement of
-    the routing math: the tensor-parallel router and the serving model call it too."""
-    probs = torch.softmax(logits.float(), dim=-1)
+def select_experts(probs: torch.Tensor, pairs: StreamPairs, policy: MoERouting, top_k: int) -> torch.Tensor:
+    """``[R, k]`` experts of every row from the router probabilities (no gradient flows through a
+    choice). The one statement of the policies: the tensor-parallel router calls it on the probabilities
+    of the whole sequence, and the serving model too."""
     n_base, n_out = pairs.num_base, pairs.num_out
     experts = torch.topk(probs, top_k, dim=-1).indices
     if n_base and n_out and policy != MoERouting.independent:
         base_of = pairs.out_base_row
         if policy == MoERouting.joint:
-            pair_probs = 0.5 * (probs[base_of] + probs[n_base:])
-            chosen = torch.topk(pair_probs, top_k, dim=-1).indices
+            chosen = torch.topk(0.5 * (probs[base_of] + probs[n_base:]), top_k, dim=-1).indices
             experts = experts.clone()
             experts[base_of] = chosen  # a base token with a partner takes the pair's choice
         else:  # tied: the base tokens' own choice
             chosen = experts[base_of]
         experts = torch.cat([experts[:n_base], chosen])
+    return experts
+
+
+def mixing_weights(probs: torch.Tensor, experts: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+    """Each row's own probabilities at its experts, renormalised to sum to 1 when ``norm_topk_prob``."""
     weights = probs.gather(-1, experts)
-    if norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
+    return weights / weights.sum(-1, keepdim=True) if norm_topk_prob else weights
+
+
+def route(
+    logits: torch.Tensor, pairs: StreamPairs, policy: MoERouting, top_k: int, norm_topk_prob: bool
+) -> Routing:
+    """The routing of every row (see the module docstring for the policies)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    experts = select_experts(probs, pairs, policy, top_k)
+    weights = mixing_weights(probs, experts, norm_topk_prob)
     return Routing(logits=logits, probs=probs, experts=experts, weights=weights, pairs=pairs)
 
 
@@ -223,6 +233,8 @@ __all__ = [
     "combine_experts",
     "expert_reads",
     "load_balancing_loss",
+    "mixing_weights",
     "route",
     "router_z_loss",
+    "select_experts",
 ]
