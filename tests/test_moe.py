@@ -418,3 +418,17 @@ def test_verify_cli_covers_moe_beyond_the_window(hf_moe_dirs, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["tokens"] == 3 * W and result["window"] == 3 * W  # compared as the dense model beyond W
     assert result["max_abs_diff"] <= 1e-5 * result["max_abs_logit"] and result["argmax_agreement"] == 1.0
+
+
+def test_flops_count_the_active_experts_and_the_router():
+    """A top-k MoE layer costs what a dense MLP of width k x expert width costs, plus its router."""
+    from orthros_train.train.metrics import layout_flops
+
+    moe = moe_config()
+    dense = OrthrosConfig(**{**MOE_SHAPE, "num_experts": 0, "intermediate_size": 2 * 24})
+    layout = pretrain_layout(torch.randint(0, VOCAB, (2, 20)))
+    t, n, layers = layout.num_tokens, layout.num_outputs, moe.num_hidden_layers
+    router_rows = t * (layers - 1) + n * layers  # the last layer's base stream skips its MLP
+    router = 2 * moe.hidden_size * moe.num_experts * router_rows
+    assert layout_flops(moe, layout, training=False) == layout_flops(dense, layout, training=False) + router
+    assert layout_flops(moe, layout) == 3 * layout_flops(moe, layout, training=False)

@@ -62,7 +62,8 @@ def prefill_flop_limits(cfg: OrthrosConfig, length: int) -> tuple[float, float]:
     """
     d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     n = cfg.num_hidden_layers
-    linear = 2 * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * cfg.intermediate_size)
+    mlp = sum(cfg.mlp_parameters(i, active=True) for i in range(n)) / n  # a sparse layer's active weights
+    linear = 2 * (2 * d * h * hd + 2 * d * kv * hd + mlp)
     per_pair = 4 * h * hd
     dense = n * (linear + per_pair * length / 2)
     window = cfg.sliding_window if cfg.attention_type == "orthros" else length

@@ -28,14 +28,18 @@ def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = Tru
     Counts what the model really computes: token-wise weights on the base tokens of layers
     0..L-2 (+ the last layer's K/V projections) and on every output token in all layers, the LM
     head on output tokens, and attention over the exact number of visible (query, key) pairs of
-    each stream (window-clipped for base queries, document-clipped for both). For an sft layout
+    each stream (window-clipped for base queries, document-clipped for both). A sparse (MoE) layer
+    counts its active weights: the router, the top-k experts and the shared expert. For an sft layout
     with few answer tokens this is close to a sliding-window model; for pretrain it is the
     Orthros cost of a pretraining layout (T*W + T^2/2 pairs per layer).
     """
     from orthros_train.ops.reference import UNBOUNDED, key_ranges
 
     d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * cfg.intermediate_size
+    # Weights a token multiplies by in each layer: q/k/v/o and its MLP (a sparse layer's router, its
+    # top-k experts and the shared expert: the active parameters).
+    attention = 2 * d * h * hd + 2 * d * kv * hd
+    layers = [attention + cfg.mlp_parameters(i, active=True) for i in range(cfg.num_hidden_layers)]
     k_v = 2 * d * kv * hd
     n_layers = cfg.num_hidden_layers
     t, n = layout.num_tokens, layout.num_outputs
@@ -48,10 +52,10 @@ def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = Tru
         out_idx = layout.output_index.cpu()
         s_out, e_out = key_ranges(out_idx, torch.full((n,), UNBOUNDED), layout.cu_seqlens.cpu())
         out_pairs = float((e_out - s_out + 1).sum())
-        matmul = t * ((n_layers - 1) * layer + k_v) + n * (n_layers * layer + d * cfg.vocab_size)
+        matmul = t * (sum(layers[:-1]) + k_v) + n * (sum(layers) + d * cfg.vocab_size)
         attn = per_pair * ((n_layers - 1) * base_pairs + n_layers * out_pairs)
     else:
-        matmul = t * n_layers * layer + n * d * cfg.vocab_size
+        matmul = t * sum(layers) + n * d * cfg.vocab_size
         attn = per_pair * n_layers * base_pairs
     forward = 2 * matmul + attn
     return 3 * forward if training else forward
