@@ -20,6 +20,8 @@ class ParallelConfig:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     context_parallel: int = 1  # ranks one packed sequence is split across (long context)
+    # ranks a sparse layer's experts are split across (megatron-core's expert parallelism)
+    expert_parallel: int = 1
     # None: follows the world size, world_size / (tensor_parallel x context_parallel); a number is
     # checked against it (orthros_train/train/config.py resolves the batch geometry)
     data_parallel: int | None = None
@@ -36,7 +38,7 @@ class ParallelConfig:
     world_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "context_parallel", "data_parallel", "world_size"):
+        for name in ("tensor_parallel", "context_parallel", "expert_parallel", "data_parallel", "world_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {value}")
