@@ -254,3 +254,50 @@ def test_a_gpu_run_refuses_a_layout_that_overflows_the_device_unless_told(monkey
     check_memory_fit(cfg, cuda)  # starts, with a warning
     assert "starting anyway" in caplog.text
     check_memory_fit(compose_recipe("pretrain_1p3b"), cuda)
+
+
+def _moe(**overrides) -> OrthrosConfig:
+    shape = dict(vocab_size=1000, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=384, sliding_window=128, attention_backend="reference", num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=96, mlp_only_layers=[1])
+    return OrthrosConfig(**{**shape, **overrides})
+
+
+def test_expert_parallel_splits_the_experts_and_their_optimizer_states():
+    cfg = _moe()
+    model = OrthrosForCausalLM(cfg)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in model.parameters())
+    assert params_per_rank(cfg, 1, 1) == total
+    assert params_per_rank(cfg, 1, 4) == total - experts + experts // 4
+    one = estimate_memory(cfg, ParallelConfig(data_parallel=4, zero_stage=1), 512, 1, "bf16", "reference")
+    four = estimate_memory(cfg, ParallelConfig(data_parallel=4, expert_parallel=4, zero_stage=1), 512, 1,
+                           "bf16", "reference")
+    assert four.weights == one.weights - experts * 2 * 3 // 4
+    # ZeRO-1 partitions experts over the ranks holding them (world / EP): 4 ranks x all experts at
+    # EP=1, 1 rank x a quarter at EP=4 -- the same optimizer bytes; the weights and grads shrink.
+    assert four.optimizer == pytest.approx(one.optimizer, rel=1e-6)
+    assert four.grads < one.grads
+    assert four.activations == one.activations
+
+
+@pytest.mark.parametrize("shared", [0, 64])
+def test_moe_activation_estimate_matches_what_autograd_saves(shared):
+    cfg = _moe(shared_expert_intermediate_size=shared)
+    torch.manual_seed(0)
+    model = OrthrosForCausalLM(cfg)
+    seq_len = 512
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids[:, :-1], labels=ids[:, 1:])
+    est = estimate_memory(cfg, ParallelConfig(zero_stage=0), seq_len, 1, "fp32", "reference")
+    forward_logits = seq_len * cfg.vocab_size * (4 + 4)
+    expected = est.activations + forward_logits
+    assert abs(sum(storages.values()) - expected) <= 0.2 * expected

@@ -77,14 +77,46 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def params_per_rank(model: OrthrosConfig, tensor_parallel: int) -> int:
-    """Parameters one tensor-parallel rank holds: projections, MLP, gamma/beta and the
-    (vocab-parallel) embeddings split by ``tp``; RMSNorm weights replicated."""
+def expert_parameters(model: OrthrosConfig) -> int:
+    """The routed experts' weights of every sparse layer (what expert parallelism splits)."""
+    return len(model.sparse_layers) * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
+
+
+def params_per_rank(model: OrthrosConfig, tensor_parallel: int, expert_parallel: int = 1) -> int:
+    """Parameters one rank holds: projections, dense MLPs, shared experts, gamma/beta and the
+    (vocab-parallel) embeddings split by ``tp``; RMSNorm weights and routers replicated; the
+    routed experts split by ``expert_parallel`` (whole experts on a rank: no tensor split)."""
     replicated = model.num_hidden_layers * 2 * model.hidden_size + model.hidden_size
     if model.qk_norm:
         replicated += model.num_hidden_layers * 2 * model.head_dim
+    replicated += len(model.sparse_layers) * model.hidden_size * model.num_experts  # routers
+    if model.shared_expert_intermediate_size:
+        replicated += len(model.sparse_layers) * model.hidden_size  # the shared experts' gates
+    experts = expert_parameters(model)
     total = model.num_parameters(include_embeddings=True)
-    return (total - replicated) // tensor_parallel + replicated
+    return (total - replicated - experts) // tensor_parallel + replicated + experts // expert_parallel
+
+
+def mlp_activation_bytes(model: OrthrosConfig, parallel: ParallelConfig, layer_idx: int, n: int, a: int) -> int:
+    """Bytes autograd keeps for layer ``layer_idx``'s MLP over ``n`` local tokens of both streams.
+
+    Dense: gate, up, silu(gate) and their product, ``n x intermediate / tp`` each. Sparse: the
+    router's fp32 logits, probabilities and mixing weights, then every (token, chosen expert) row —
+    ``n * k`` of them, spread over the expert-parallel ranks (under SP a rank routes its ``n / tp``
+    tokens; balanced routing hands it back as many rows as it sent) — holds its dispatched input
+    and the same four expert-width tensors, plus each expert's output before the weighted sum; a
+    shared expert adds its four tensors for every token.
+    """
+    tp = parallel.tensor_parallel
+    if not model.is_sparse_layer(layer_idx):
+        return 4 * n * model.intermediate_size * a // tp
+    sp = tp if parallel.sequence_parallel else 1
+    tokens = n // sp
+    rows = tokens * model.num_experts_per_tok
+    router = tokens * model.num_experts * 4 * 3
+    experts = rows * (2 * model.hidden_size + 4 * model.moe_intermediate_size) * a
+    shared = 4 * n * model.shared_expert_intermediate_size * a // tp
+    return router + experts + shared
 
 
 def _reference_attention_elements(n_windowed: int, n_unbounded: int, window: int, doc_len: int, chunk: int) -> int:
@@ -109,15 +141,16 @@ def layer_activation_bytes(
     act_bytes: int,
     attention_backend: str = "flash",
     drop_attention_intermediates: bool = False,
+    layer_idx: int = 0,
 ) -> int:
-    """Bytes autograd keeps for one Orthros layer over ``n_base + n_out`` local tokens.
+    """Bytes autograd keeps for Orthros layer ``layer_idx`` over ``n_base + n_out`` local tokens.
 
     Token-wise tensors of width ``hidden_size`` are split by ``tp`` only under sequence
     parallelism; head- and MLP-width tensors always are (column/row-parallel projections).
     """
     tp = parallel.tensor_parallel
     sp = tp if parallel.sequence_parallel else 1
-    d, f = model.hidden_size, model.intermediate_size
+    d = model.hidden_size
     q_width = model.num_attention_heads * model.head_dim // tp
     kv_width = model.num_key_value_heads * model.head_dim // tp
     heads = model.num_attention_heads // tp
@@ -131,7 +164,7 @@ def layer_activation_bytes(
     roped = (n * q_width + n_base * kv_width) * a  # rotated q, k: the attention op's inputs
     rope_tables = 2 * (n + n_base) * model.head_dim * a  # cos/sin cast to the activation dtype
     attn_out = n * q_width * a + n * heads * 4  # output (o_proj input) + fp32 log-sum-exp
-    mlp = 4 * n * f * a // tp  # gate, up, silu(gate), their product (down_proj input)
+    mlp = mlp_activation_bytes(model, parallel, layer_idx, n, a)
     core = 0
     if attention_backend == "reference" and not drop_attention_intermediates:
         elements = _reference_attention_elements(n_base, n_out, model.sliding_window, doc_len, REFERENCE_CHUNK)
@@ -165,13 +198,21 @@ def estimate_memory(
     # A layout not yet resolved against a world size (data_parallel None) plans for one DP rank.
     zero_group = (parallel.data_parallel or 1) * cp
     stage = parallel.zero_stage
-    p = params_per_rank(model, tp)
+    ep = parallel.expert_parallel
+    p = params_per_rank(model, tp, ep)
+    # Routed experts are whole on a rank and partitioned by ZeRO over the ranks that hold the same
+    # experts (the expert-data-parallel group: world / expert_parallel); the rest over DP x CP.
+    local_experts = expert_parameters(model) // ep
+    groups = ((p - local_experts, zero_group), (local_experts, max(tp * zero_group // ep, 1)))
 
-    weights = p * a // (zero_group if stage >= 3 else 1)
-    grads = p * a // (zero_group if stage >= 2 else 1)
+    def partitioned(from_stage: int) -> int:
+        return sum(n // (g if stage >= from_stage else 1) for n, g in groups)
+
+    weights = partitioned(3) * a
+    grads = partitioned(2) * a
     if stage >= 2:
         grads += min(DEEPSPEED_REDUCE_BUCKET, p) * a
-    shard = p // (zero_group if stage >= 1 else 1)
+    shard = partitioned(1)
     master = 4 * shard if precision != "fp32" else 0
     if precision != "fp32" and stage >= 1:
         grads += 4 * shard  # fp32 gradient of the partition, made for the optimizer step
@@ -179,26 +220,20 @@ def estimate_memory(
 
     n_base = micro_batch_size * seq_len // cp
     n_out = int(n_base * output_fraction)
-    per_layer = layer_activation_bytes(
-        model,
-        parallel,
-        n_base,
-        n_out,
-        doc_len=seq_len,
-        act_bytes=a,
-        attention_backend=attention_backend,
-        drop_attention_intermediates=parallel.recompute != "none",
-    )
     layers = model.num_hidden_layers
+
+    def layer_bytes(i: int, drop: bool) -> int:
+        return layer_activation_bytes(model, parallel, n_base, n_out, seq_len, a, attention_backend, drop, layer_idx=i)
+
+    per_layer_all = [layer_bytes(i, parallel.recompute != "none") for i in range(layers)]
+    per_layer = max(per_layer_all)  # a sparse layer's, in a model with both kinds
     sp = tp if parallel.sequence_parallel else 1
     if parallel.recompute == "full":
         # Only each layer's input survives; the backward rebuilds one layer at a time.
-        full_layer = layer_activation_bytes(
-            model, parallel, n_base, n_out, seq_len, a, attention_backend, drop_attention_intermediates=False
-        )
+        full_layer = max(layer_bytes(i, False) for i in range(layers))
         activations = layers * (n_base + n_out) * model.hidden_size * a // sp + full_layer
     else:
-        activations = layers * per_layer
+        activations = sum(per_layer_all)
     activations += 2 * n_base * model.hidden_size * a // sp  # embeddings of both streams
 
     kv = 0
