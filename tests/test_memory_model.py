@@ -209,6 +209,7 @@ GPU_RECIPES = [
     "scaling/orthros_6p8b",
     "convert_llama31_8b",
     "convert_qwen3_8b",
+    "convert_qwen3_30b_a3b",
     "longctx_128k",
 ]
 

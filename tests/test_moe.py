@@ -343,19 +343,23 @@ def test_converted_moe_keeps_hf_logits_inside_a_short_window_and_differs_beyond(
     assert (ref[:, 2 * W :] - got[:, 2 * W :]).abs().max() > 1e-3
 
 
+# config.json of Qwen/Qwen3-30B-A3B as published (transformers 4 names).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
 def test_hub_qwen3_30b_a3b_config_maps_to_orthros():
-    hub = {
-        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
-        "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
-        "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
-        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
-        "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
-        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
-        "vocab_size": 151936,
-    }
+    hub = QWEN3_30B_A3B
     cfg = orthros_config_from_hf(hub)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (128, 8, 768)
     assert cfg.norm_topk_prob and cfg.qk_norm and cfg.sparse_layers == list(range(48))
@@ -363,6 +367,19 @@ def test_hub_qwen3_30b_a3b_config_maps_to_orthros():
     assert 30.0e9 < cfg.num_parameters() < 31.0e9
     active = cfg.num_parameters() - sum(cfg.mlp_parameters(i) - cfg.mlp_parameters(i, True) for i in range(48))
     assert 3.0e9 < active < 3.6e9
+
+
+def test_convert_qwen3_30b_a3b_recipe_describes_the_converted_checkpoint():
+    """The recipe's model section must be what `orthros-convert from-hf` writes for the hub model."""
+    from pathlib import Path
+
+    omegaconf = pytest.importorskip("omegaconf")
+    path = Path(__file__).resolve().parents[1] / "recipes" / "convert_qwen3_30b_a3b.yaml"
+    model = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path).model)
+    assert model.pop("init_from")
+    converted = orthros_config_from_hf(QWEN3_30B_A3B)
+    converted.extra = {}
+    assert OrthrosConfig(**model) == converted
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
             "tensor_parallel": cfg.parallel.tensor_parallel,
             "sequence_parallel": cfg.parallel.sequence_parallel,
             "context_parallel": cfg.parallel.context_parallel,
+            "expert_parallel": cfg.parallel.expert_parallel,
             "data_parallel": cfg.parallel.data_parallel,
             "zero_stage": cfg.parallel.zero_stage,
             "recompute": cfg.parallel.recompute,
@@ -55,6 +56,17 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         "expected_at_40pct_mfu": _expected_throughput(cfg, flops, PLANNED_MFU),
         "memory_per_gpu": memory_summary(cfg),  # analytic model, per sequence-length stage
     }
+    m = cfg.model
+    if m.num_experts:  # a mixture of experts: what a token uses of it
+        inactive = sum(m.mlp_parameters(i) - m.mlp_parameters(i, active=True) for i in range(m.num_hidden_layers))
+        summary["experts"] = {
+            "num_experts": m.num_experts,
+            "top_k": m.num_experts_per_tok,
+            "sparse_layers": len(m.sparse_layers),
+            "routing": m.moe_routing,
+            "active_parameters": params - inactive,
+            "experts_per_rank": m.num_experts // cfg.parallel.expert_parallel,
+        }
     if cfg.rl is not None:  # an RL recipe: what one step samples and trains on
         rows = cfg.rl.prompts_per_step * cfg.rl.group_size
         summary["rl"] = {"task": cfg.task.name, "rollouts_per_step": rows,
