@@ -33,8 +33,13 @@ class OptimConfig:
     warmup_steps: int = 100
     schedule: LRSchedule = LRSchedule.cosine  # after linear warmup
     grad_clip: float = 1.0  # <= 0 disables clipping
+    # The first frozen_steps optimizer steps update only the output-stream query affine
+    # (gamma, beta); every other weight is held (learning rate 0). 0: nothing is frozen.
+    frozen_steps: int = 0
 
     def __post_init__(self) -> None:
+        if self.frozen_steps < 0:
+            raise ValueError(f"optim.frozen_steps must be >= 0, got {self.frozen_steps}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optim: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
         self.schedule = LRSchedule.parse(self.schedule, "optim.schedule")

@@ -10,24 +10,57 @@ from torch import nn
 from orthros_train.train.config import OptimConfig
 
 
+class AdamW(torch.optim.AdamW):
+    """AdamW whose param groups may be held still for their first ``frozen_steps`` updates.
+
+    A held group steps at learning rate 0: its moments still follow its gradients, its weights do
+    not move. The count is the group's AdamW ``step`` state, which a checkpoint restores, so a
+    resumed run continues it; where a wrapper keeps that state elsewhere, the updates counted here.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 - torch's signature
+        held = []
+        for group in self.param_groups:
+            frozen = group.get("frozen_steps", 0)
+            state = self.state.get(group["params"][0], {}) if group["params"] else {}
+            if frozen and int(state.get("step", group.get("updates", 0))) < frozen:
+                held.append((group, group["lr"]))
+                group["lr"] = 0.0
+        try:
+            return super().step(closure)
+        finally:
+            for group, lr in held:
+                group["lr"] = lr
+            for group in self.param_groups:
+                group["updates"] = group.get("updates", 0) + 1
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     # Norm weights, biases and the output-stream query affine (gamma/beta) are scales and shifts:
     # decaying them towards 0 would fight their initialisation (1/0), as for norms in Llama.
-    decay, no_decay = [], []
+    decay, no_decay, affine = [], [], []
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.dim() < 2 or name.endswith(("gamma", "beta")):
+        if name.endswith(("gamma", "beta")):
+            affine.append(p)
+        elif p.dim() < 2:
             no_decay.append(p)
         else:
             decay.append(p)
+    # optim.frozen_steps: a converted model's first updates move only the output-stream affine,
+    # the one part conversion adds; every pretrained weight waits (docs/convert.md).
+    held = {"frozen_steps": cfg.frozen_steps} if cfg.frozen_steps else {}
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": cfg.weight_decay, **held},
+        {"params": no_decay, "weight_decay": 0.0, **held},
+        {"params": affine, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    groups = [g for g in groups if g["params"]]
+    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
