@@ -5,6 +5,14 @@ gradients / parameters (stages 1-3), optional optimizer offload to CPU, bf16 mas
 gradient clipping with a global norm that counts tensor-parallel shards once, and gradient
 accumulation boundaries. The optimizer itself is a plain ``torch.optim.AdamW`` (fused on CUDA):
 DeepSpeed's FusedAdam/CPUAdam would first JIT-compile C++/CUDA extensions (minutes).
+
+Experts that are not the same on every data-parallel rank (expert parallelism, or TP under SP:
+``parallel/moe.py``) use DeepSpeed's MoE support: their parameters are DeepSpeed MoE parameters,
+the optimizer holds them in MoE param groups (``train/optim.py``), and DeepSpeed sums their
+gradients over the expert-data-parallel group, divided by the data-parallel size (megatron's
+``expert_gradient_scaling_factor``), and ZeRO partitions them over that group. The groups are
+megatron's (``register_expert_groups``), so DeepSpeed reduces over exactly the ranks megatron's
+dispatcher sends the experts' tokens from.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
+from orthros_train.parallel import collectives
 from orthros_train.parallel.setup import ParallelConfig
 
 
@@ -73,6 +82,74 @@ def deepspeed_config(
     }
 
 
+def is_expert_parameter(p: torch.Tensor) -> bool:
+    """A DeepSpeed MoE parameter (``deepspeed.moe.utils.is_moe_param``): reduced over its
+    expert-data-parallel group, not the data-parallel group."""
+    return getattr(p, "allreduce", True) is False
+
+
+def register_expert_groups(model: torch.nn.Module) -> bool:
+    """File megatron's expert-parallel and expert-data-parallel groups under the ``group_name`` of
+    the model's expert parameters in DeepSpeed's group registry; returns whether there are any.
+
+    DeepSpeed would otherwise build its own expert groups (``deepspeed.utils.groups``), laid out
+    inside the data-parallel group, which cannot express megatron's layout (experts split over TP
+    ranks too, expert tensor parallel 1). Its registry is a module-level dict DeepSpeed reads by
+    name; the pinned DeepSpeed range (``train/deepspeed_state.py``) is what this was verified with.
+    """
+    names = {p.group_name for p in model.parameters() if is_expert_parameter(p)}
+    if not names:
+        return False
+    from deepspeed.utils import groups
+
+    for name in names:
+        groups._EXPERT_PARALLEL_GROUP[name] = parallel_state.get_expert_model_parallel_group()
+        groups._EXPERT_DATA_PARALLEL_GROUP[name] = parallel_state.get_expert_data_parallel_group()
+    return True
+
+
+def global_grad_norm(model: torch.nn.Module) -> float:
+    """Global L2 norm of the gradients (DeepSpeed reports it only when ZeRO is on): TP-sharded
+    tensors' shards summed over TP, replicated tensors once, routed experts once — every EP rank
+    holds other experts (expert tensor parallel 1), whose gradients are equal across the
+    expert-data-parallel ranks once reduced."""
+    # Summed where the gradients are (no host copy per parameter); the cross-rank sums are reduced
+    # on the device each group's backend needs (CUDA under NCCL).
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    sums: dict[str, list[torch.Tensor]] = {"tp": [], "replicated": [], "expert": []}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if is_expert_parameter(p):
+            kind = "expert"
+        else:
+            kind = "tp" if getattr(p, "tensor_model_parallel", False) else "replicated"
+        sums[kind].append(p.grad.detach().double().pow(2).sum())
+    device = collectives.comm_device(tp_group)
+
+    def total(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(parts).sum().to(device) if parts else torch.zeros((), dtype=torch.float64, device=device)
+
+    sharded, replicated, experts = total(sums["tp"]), total(sums["replicated"]), total(sums["expert"])
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        collectives.all_reduce(sharded, group=tp_group)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        collectives.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+    return float((sharded + replicated + experts).sqrt())
+
+
+def clip_grads_by_global_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` (DeepSpeed's rule) with the norm
+    of ``global_grad_norm``; returns the norm."""
+    norm = global_grad_norm(model)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
+
+
 def build_engine(
     model: torch.nn.Module,
     pcfg: ParallelConfig,
@@ -91,6 +168,14 @@ def build_engine(
     # DeepSpeed's engine reads LOCAL_RANK from the environment and asserts it is there; torchrun
     # sets it, and a process started without a launcher is rank 0 of its node.
     os.environ.setdefault("LOCAL_RANK", "0")
+    experts = register_expert_groups(model)
+    if experts and pcfg.zero_stage == 0 and bf16:
+        raise ValueError(
+            "trainer.precision=bf16 with parallel.zero_stage=0 and experts split over ranks (parallel.expert_parallel="
+            f"{pcfg.expert_parallel}, parallel.tensor_parallel={pcfg.tensor_parallel}) is not supported: DeepSpeed's "
+            "stage-0 bf16 optimizer clips with a norm that counts each rank's experts as if they were replicas; use "
+            "parallel.zero_stage=1 or 2"
+        )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -98,4 +183,10 @@ def build_engine(
         mpu=MegatronMPU,
         dist_init_required=False,
     )
+    if experts and pcfg.zero_stage == 0 and grad_clip > 0:
+        # DeepSpeed's fp32 stage-0 clipping (runtime/utils.py: clip_grad_norm_) averages each
+        # rank's norm over the data-parallel group, which under EP mixes norms of different
+        # experts; this engine clips with the norm that counts every expert once. (ZeRO 1/2 count
+        # them right: MoE param groups are partitioned over the expert-data-parallel group.)
+        engine.clip_fp32_gradients = partial(clip_grads_by_global_norm, engine.module, grad_clip)
     return engine

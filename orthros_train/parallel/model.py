@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import RMSNorm, SwiGLU
+from orthros_train.model.moe import SparseMoE
 from orthros_train.model.orthros import (
     AttentionPlan,
     ModuleFactory,
@@ -66,6 +67,7 @@ from orthros_train.model.orthros import (
 from orthros_train.parallel.context import context_plan
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
 from orthros_train.parallel.state_dict import SPLIT_ROWS, reference_shapes, shard_tensor, split_rule
+from orthros_train.parallel.streams import StreamShards, gather_tokens
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
 
@@ -158,49 +160,6 @@ class TPReducedRMSNorm(RMSNorm):
         return copy_to_tensor_model_parallel_region(self.weight) * self.normalize(x)
 
 
-# -- the two streams under sequence parallelism -----------------------------------------------------
-
-
-class StreamShards:
-    """Token-dimension bookkeeping of the two streams under sequence parallelism.
-
-    Base and output streams are padded separately to multiples of ``shards`` (the TP size under
-    SP, else 1); rank r holds ``[x_r; y_r]``. Gathering yields ``[x_0; y_0; x_1; y_1; ...]``,
-    which ``split`` reorders into the full ``x`` and ``y``; ``join`` is the inverse order, so a
-    reduce-scatter hands every rank its own ``[x_r; y_r]`` back.
-    """
-
-    def __init__(self, plan: AttentionPlan, shards: int) -> None:
-        self.shards = shards
-        self.n_base, self.n_out = plan.num_base, plan.num_outputs
-        self.base_local = -(-self.n_base // shards)
-        self.out_local = -(-self.n_out // shards)
-
-    def pad(self, x: torch.Tensor, n_local: int) -> torch.Tensor:
-        missing = n_local * self.shards - x.shape[0]
-        return torch.cat([x, x.new_zeros((missing, *x.shape[1:]))]) if missing else x
-
-    def split(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathered ``[x_0; y_0; x_1; y_1; ...]`` -> ``x``, ``y`` (padding removed)."""
-        per_rank = full.view(self.shards, self.base_local + self.out_local, *full.shape[1:])
-        x = per_rank[:, : self.base_local].reshape(-1, *full.shape[1:])
-        y = per_rank[:, self.base_local :].reshape(-1, *full.shape[1:])
-        return x[: self.n_base], y[: self.n_out]
-
-    def join(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = self.pad(x, self.base_local).view(self.shards, self.base_local, *x.shape[1:])
-        y = self.pad(y, self.out_local).view(self.shards, self.out_local, *y.shape[1:])
-        return torch.cat([x, y], dim=1).reshape(-1, *x.shape[2:])
-
-
-def _gather_tokens(h: torch.Tensor, sequence_parallel: bool, output_grad_partial: bool = True) -> torch.Tensor:
-    """This rank's tokens -> every rank's (SP), or the same tensor with its gradient summed over
-    the TP group (TP alone: each rank's column-parallel linears see part of the heads)."""
-    if sequence_parallel:
-        return gather_from_sequence_parallel_region(h[:, None], tensor_parallel_output_grad=output_grad_partial)[:, 0]
-    return copy_to_tensor_model_parallel_region(h) if output_grad_partial else h
-
-
 def _gather_context_parallel(t: torch.Tensor) -> torch.Tensor:
     """All-gather along dim 0 over the CP group; the backward reduce-scatters (sums) the grads."""
     return gather_from_sequence_parallel_region(
@@ -221,7 +180,7 @@ class ParallelAttention(OrthrosAttention):
     def forward(
         self, h: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, with_base_queries: bool
     ) -> torch.Tensor:
-        h = _gather_tokens(h, self.sequence_parallel)
+        h = gather_tokens(h, self.sequence_parallel)
         if self.shards == 1:  # TP alone: every rank already holds [x; y] in order
             return self.o_proj(self.head_outputs(h, plan, cache, with_base_queries))
         shards = StreamShards(plan, self.shards)
@@ -250,7 +209,7 @@ class ParallelSwiGLU(SwiGLU):
         self.sequence_parallel = factory.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(_gather_tokens(x, self.sequence_parallel))
+        return super().forward(gather_tokens(x, self.sequence_parallel))
 
 
 class ParallelBlock(OrthrosBlock):
@@ -287,9 +246,9 @@ class ParallelBlock(OrthrosBlock):
             # What follows (final norm, LM head) is replicated on every rank and the LM head's
             # input gradient is summed over TP there, so the backward only takes this rank's rows.
             if self.read_out_base:
-                x = _gather_tokens(x, True, output_grad_partial=False)[: shards.n_base]
+                x = gather_tokens(x, True, output_grad_partial=False)[: shards.n_base]
             else:
-                y = _gather_tokens(y, True, output_grad_partial=False)[: shards.n_out]
+                y = gather_tokens(y, True, output_grad_partial=False)[: shards.n_out]
         return x, y
 
 
@@ -362,6 +321,13 @@ class TensorParallelFactory(ModuleFactory):
 
     def mlp(self, config: OrthrosConfig) -> SwiGLU:
         return ParallelSwiGLU(config, self)
+
+    def moe(self, config: OrthrosConfig) -> SparseMoE:
+        # Imported here: parallel/moe.py imports DeepSpeed, which must come after the CPU shims
+        # (init_parallel) have set its accelerator.
+        from orthros_train.parallel.moe import build_moe
+
+        return build_moe(config, self)
 
     def block(self, config: OrthrosConfig, layer_idx: int) -> OrthrosBlock:
         return ParallelBlock(config, layer_idx, self)

@@ -60,6 +60,7 @@ def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size
         if value % tp:
             problems.append(f"model.{name}={value} is not divisible by parallel.tensor_parallel={tp}")
     cp = pcfg.context_parallel
+    problems += _expert_layout_problems(pcfg, model, world_size)
     if world_size is not None:
         model_ranks = tp * cp
         if world_size % model_ranks:
@@ -79,6 +80,53 @@ def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size
             )
     if problems:
         raise ValueError("impossible parallel layout: " + "; ".join(problems))
+
+
+def _expert_layout_problems(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None) -> list[str]:
+    """What expert parallelism (megatron-core's layout with expert tensor parallel = 1: whole experts
+    on a rank, ``expert_parallel`` consecutive ranks share a layer's experts) cannot run."""
+    ep, tp, cp = pcfg.expert_parallel, pcfg.tensor_parallel, pcfg.context_parallel
+    if not model.num_experts:
+        if ep > 1:
+            return [
+                f"parallel.expert_parallel={ep} but the model is dense (model.num_experts=0): set "
+                "parallel.expert_parallel=1, or give the model experts"
+            ]
+        return []
+    problems = []
+    if model.num_experts % ep:
+        problems.append(
+            f"model.num_experts={model.num_experts} is not divisible by parallel.expert_parallel={ep} (every "
+            "expert-parallel rank holds the same number of whole experts)"
+        )
+    world = world_size or pcfg.world_size
+    if world is None and pcfg.data_parallel is not None:
+        world = pcfg.data_parallel * tp * cp
+    if world is not None and world % ep:
+        problems.append(
+            f"world size {world} is not divisible by parallel.expert_parallel={ep} (megatron-core's expert layout: "
+            "world = expert_parallel x expert-data-parallel ranks); launch a multiple of it"
+        )
+    if tp > 1 and not pcfg.sequence_parallel:
+        # Each token must be routed once: without SP every TP rank holds every token and would send
+        # it to the experts again (megatron-core requires SP with MoE and TP for the same reason).
+        problems.append(
+            f"a mixture of experts with parallel.tensor_parallel={tp} needs parallel.sequence_parallel=true "
+            "(each TP rank routes its own slice of the tokens)"
+        )
+    distinct_experts = ep > 1 or tp > 1  # experts whose gradients reduce over their own group
+    if distinct_experts and pcfg.zero_stage == 3:
+        problems.append(
+            f"parallel.zero_stage=3 with experts split over ranks (parallel.expert_parallel={ep}, "
+            f"parallel.tensor_parallel={tp}) is not supported: DeepSpeed's ZeRO-3 partitions every parameter over "
+            "the data-parallel group, which does not hold the same experts; use parallel.zero_stage=1 or 2"
+        )
+    if ep > 1 and cp > 1:
+        problems.append(
+            f"parallel.expert_parallel={ep} with parallel.context_parallel={cp} is not supported (untested "
+            "layout); use parallel.context_parallel=1, or parallel.expert_parallel=1"
+        )
+    return problems
 
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default rendezvous port
@@ -136,8 +184,15 @@ def init_parallel(pcfg: ParallelConfig, model: OrthrosConfig, env: DistributedEn
     from megatron.core import parallel_state  # here: configs and dry runs need no megatron (~6 s to import)
 
     if not parallel_state.model_parallel_is_initialized():
+        # Experts follow megatron-core's MoE layout with expert tensor parallel = 1: whole experts on
+        # a rank, expert_parallel consecutive ranks (inside the TP group first) split a layer's
+        # experts, the world / expert_parallel ranks holding the same experts form the
+        # expert-data-parallel group (what the memory model assumes).
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=pcfg.tensor_parallel, context_parallel_size=pcfg.context_parallel
+            tensor_model_parallel_size=pcfg.tensor_parallel,
+            context_parallel_size=pcfg.context_parallel,
+            expert_model_parallel_size=pcfg.expert_parallel,
+            expert_tensor_parallel_size=1,
         )
     return torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
 

@@ -1,10 +1,17 @@
-"""How each weight of the Orthros model is split over tensor-parallel ranks.
+"""How each weight of the Orthros model is split over tensor- and expert-parallel ranks.
 
 The parallel model (``parallel/model.py``) uses the reference model's parameter names at every
 TP size, so the reference state dict (the interchange format: checkpoints, HF conversion,
 random initialisation) maps to a rank's tensors by one rule per weight: ``rows`` (a contiguous
 chunk of dim 0: heads, the MLP's intermediate features, the vocabulary), ``cols`` (a chunk of
-dim 1: the inputs of the row-parallel output projections) or ``replicate`` (norms).
+dim 1: the inputs of the row-parallel output projections) or ``replicate`` (norms, the MoE
+router and the shared expert's gate).
+
+Routed experts (``layers.L.mlp.experts.E.*``) are whole on the rank that holds them (expert
+tensor parallel = 1) and keep their global name there: expert-parallel rank r of ``ep`` holds
+experts ``[r * E / ep, (r + 1) * E / ep)``. A rank's expert tensor *is* the reference tensor of
+the same name (``replicate`` over TP), so loading at any EP size reads the experts the rank
+holds by name; saving gathers every rank's experts over the expert-parallel group.
 """
 
 from __future__ import annotations
@@ -51,7 +58,26 @@ def split_rule(name: str) -> str | None:
     """``rows`` / ``cols`` / ``replicate`` for a parameter name of the model; None for anything
     else (e.g. megatron's ``_extra_state`` entries)."""
     parts = name.split(".")
-    return _RULES.get(".".join(parts[-2:])) or _RULES.get(parts[-1])
+    rule = _RULES.get(".".join(parts[-2:])) or _RULES.get(parts[-1])
+    if rule is not None and routed_expert_index(name) is not None:
+        return REPLICATE  # whole on the rank holding it (no expert tensor parallelism)
+    return rule
+
+
+def routed_expert_index(name: str) -> int | None:
+    """The global index ``e`` of ``...mlp.experts.<e>.<proj>.weight`` (a routed expert), else None."""
+    parts = name.split(".")
+    for i in range(len(parts) - 2):
+        if parts[i] == "mlp" and parts[i + 1] == "experts" and parts[i + 2].isdigit():
+            return int(parts[i + 2])
+    return None
+
+
+def expert_name(name: str, expert: int) -> str:
+    """``name`` (a routed expert's tensor) for expert ``expert`` of the same layer."""
+    parts = name.split(".")
+    i = parts.index("experts")
+    return ".".join([*parts[: i + 1], str(expert), *parts[i + 2 :]])
 
 
 def _in_model(name: str, cfg: OrthrosConfig) -> bool:
@@ -155,7 +181,9 @@ def load_reference_shards(model: torch.nn.Module, full: Mapping[str, torch.Tenso
     ``LazyCheckpoint``) into ``model``, one tensor at a time."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    own = set(model.state_dict())
+    # Every tensor of the reference model, not only this rank's: the experts other EP ranks hold
+    # are in a full checkpoint too.
+    own = set(model.state_dict()) | set(reference_shapes(cfg))
     unexpected = sorted(k for k in full if k not in own)
     if unexpected:
         raise ValueError(
@@ -180,7 +208,20 @@ def load_reference_shards(model: torch.nn.Module, full: Mapping[str, torch.Tenso
 
 def gather_reference_tensor(name: str, local: torch.Tensor, cfg: OrthrosConfig) -> dict[str, torch.Tensor]:
     """All-gather one tensor over the TP group and unshard it (collective over TP ranks; every TP
-    rank gets the result). Peak memory: one full tensor plus its parts."""
+    rank gets the result). Peak memory: one full tensor plus its parts.
+
+    A routed expert's tensor is gathered over the expert-parallel group instead: the result holds
+    the same tensor of every EP rank's expert at this local index (``ep`` reference tensors, in
+    expert order), so every rank sees the same names in the same order."""
+    expert = routed_expert_index(name)
+    if expert is not None and _in_model(name, cfg):
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        if ep == 1:
+            return {name: local}
+        local_index = expert % (cfg.num_experts // ep)
+        gathered = collectives.all_gather(local, group=parallel_state.get_expert_model_parallel_group())
+        per_rank = cfg.num_experts // ep
+        return {expert_name(name, r * per_rank + local_index): t for r, t in enumerate(gathered)}
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1 or split_rule(name) == REPLICATE:
         return unshard_tensor(name, [local], cfg)

@@ -55,10 +55,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     # the one part conversion adds; every pretrained weight waits (docs/convert.md).
     held = {"frozen_steps": cfg.frozen_steps} if cfg.frozen_steps else {}
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay, **held},
-        {"params": no_decay, "weight_decay": 0.0, **held},
-        {"params": affine, "weight_decay": 0.0},
+        {"name": "decay", "params": decay, "weight_decay": cfg.weight_decay, **held},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0, **held},
+        {"name": "affine", "params": affine, "weight_decay": 0.0},
     ]
+    # (allreduce=False: DeepSpeed's mark of an MoE parameter, parallel/moe.py sets it)
+    if any(getattr(p, "allreduce", True) is False for p in decay + no_decay):
+        # Experts split over ranks: DeepSpeed's own split into MoE param groups (one per expert
+        # group and decay setting), which ZeRO partitions over the expert-data-parallel group.
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
     groups = [g for g in groups if g["params"]]
     return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 

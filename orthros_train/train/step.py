@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from orthros_train.data import DataConfig
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.parallel import collectives
+from orthros_train.parallel.engine import global_grad_norm
 from orthros_train.phase.layout import OrthrosLayout
 from orthros_train.train.global_loss import global_loss_units, micro_batch_normalizer
 from orthros_train.train.health import NonFiniteGuard, skip_update
@@ -50,24 +51,9 @@ def zero_loss(module: torch.nn.Module) -> torch.Tensor:
 
 
 def tensor_parallel_grad_norm(model: torch.nn.Module) -> float:
-    """Global L2 norm of the gradients, counting TP-sharded tensors' shards and replicated
-    tensors once (DeepSpeed reports it only when ZeRO is on)."""
-    # Summed where the gradients are (no host copy per parameter); the TP sum of the sharded
-    # part is reduced on the device the TP group's backend needs (CUDA under NCCL).
-    group = parallel_state.get_tensor_model_parallel_group()
-    sums: dict[bool, list[torch.Tensor]] = {True: [], False: []}
-    for p in model.parameters():
-        if p.grad is not None:
-            sums[bool(getattr(p, "tensor_model_parallel", False))].append(p.grad.detach().double().pow(2).sum())
-    device = collectives.comm_device(group)
-
-    def total(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(parts).sum().to(device) if parts else torch.zeros((), dtype=torch.float64, device=device)
-
-    sharded, replicated = total(sums[True]), total(sums[False])
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        collectives.all_reduce(sharded, group=group)
-    return float((sharded + replicated).sqrt())
+    """Global L2 norm of the gradients, counting TP-sharded tensors' shards, replicated tensors
+    and routed experts once each (DeepSpeed reports it only when ZeRO is on)."""
+    return global_grad_norm(model)
 
 
 class TrainStep:
