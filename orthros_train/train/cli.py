@@ -173,26 +173,39 @@ def run(cfg: DictConfig) -> dict:
     complete = _completed(run_cfg, resolved)
     if complete is not None:
         return complete
+    from orthros_train.train.stop_signals import INTERRUPTED_EXIT_CODE
     from orthros_train.train.trainer import Trainer  # megatron-core and DeepSpeed: only a run that trains
 
     # SLURM_JOB_ID: a requeued job takes its own run-directory lock over (read here, at the entry point).
     trainer = None
+    result: dict | None = None
     try:
-        trainer = Trainer(run_cfg, resolved, env, job_id=os.environ.get("SLURM_JOB_ID"))
-        result = trainer.fit()
-        if result.get("preempted"):
-            return result
-        prompt = run_cfg.trainer.sample_prompt
-        text = trainer.sample(prompt, run_cfg.trainer.sample_tokens) if prompt else None
-        if trainer.is_main:
-            loss = result["eval_loss"]
-            print(f"final eval loss {'n/a' if loss is None else f'{loss:.4f}'}; checkpoint {result['checkpoint']}")
-            if prompt:
-                print(f"sample (greedy, prefill + decode):\n  prompt: {prompt!r}\n  continuation: {text!r}")
-    finally:
-        if trainer is not None:
-            trainer.close()
-        destroy_parallel()
+        try:
+            trainer = Trainer(run_cfg, resolved, env, job_id=os.environ.get("SLURM_JOB_ID"))
+            result = trainer.fit()
+            if result.get("preempted"):
+                return result
+            prompt = run_cfg.trainer.sample_prompt
+            text = trainer.sample(prompt, run_cfg.trainer.sample_tokens) if prompt else None
+            if trainer.is_main:
+                loss = result["eval_loss"]
+                print(f"final eval loss {'n/a' if loss is None else f'{loss:.4f}'}; checkpoint {result['checkpoint']}")
+                if prompt:
+                    print(f"sample (greedy, prefill + decode):\n  prompt: {prompt!r}\n  continuation: {text!r}")
+        finally:
+            if trainer is not None:
+                trainer.close()
+            destroy_parallel()
+    except KeyboardInterrupt:
+        if result is None:
+            raise  # before training (the loop's own handler saves a run it interrupts)
+        # After the loop returned, its signal handlers are gone and its checkpoint is saved.
+        if result.get("signal") == signal.SIGINT:
+            print("orthros-train: second Ctrl-C: exiting at once without saving", file=sys.stderr)
+        else:
+            print(f"orthros-train: interrupted (Ctrl-C) after training; checkpoint {result['checkpoint']} is saved",
+                  file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     return result
 
 
