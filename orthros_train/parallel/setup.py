@@ -129,6 +129,14 @@ def _expert_layout_problems(pcfg: ParallelConfig, model: OrthrosConfig, world_si
     return problems
 
 
+def check_expert_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None = None) -> None:
+    """The expert-parallel part of ``check_parallel_layout`` (what a recipe's config already
+    decides, before any process group exists)."""
+    problems = _expert_layout_problems(pcfg, model, world_size)
+    if problems:
+        raise ValueError("impossible parallel layout: " + "; ".join(problems))
+
+
 DEFAULT_MASTER_PORT = 29500  # torchrun's default rendezvous port
 
 

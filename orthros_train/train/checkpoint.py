@@ -14,8 +14,9 @@ Layout of ``<run_dir>/checkpoints``::
 
 The optimizer state is stored once, in reference layout, and every resume restores from it: with
 the same parallel layout the values land bit for bit where they were (and each rank gets its RNG
-and data state back), so the run continues bitwise; with another TP/DP layout or ZeRO stage
-they are resharded. DeepSpeed's own checkpoint files are not written: they would be a second
+and data state back), so the run continues bitwise; with another TP/EP/DP layout or ZeRO stage
+they are resharded (routed experts by their global names: every rank reads the experts it
+holds). DeepSpeed's own checkpoint files are not written: they would be a second
 copy of the same state (12-16 bytes per parameter) usable by one layout only.
 
 Why our own reference-layout files rather than torch DCP or megatron ``dist_checkpointing``: the
@@ -151,6 +152,7 @@ def layout_signature(parallel: Any, precision: str) -> dict[str, Any]:
         "tp": parallel.tensor_parallel,
         "sp": parallel.sequence_parallel,
         "cp": parallel.context_parallel,
+        "ep": parallel.expert_parallel,
         "dp": parallel.data_parallel,
         "zero": parallel.zero_stage,
         "precision": precision,
@@ -458,7 +460,7 @@ class CheckpointManager:
         """Collective: restore ``state`` (weights, optimizer, data, RNG) from ``path``."""
         meta = json.loads((path / "meta.json").read_text())
         rank = dist.get_rank()
-        saved = {"precision": "fp32", "cp": 1, **meta["layout"]}  # keys older checkpoints lack
+        saved = {"precision": "fp32", "cp": 1, "ep": 1, **meta["layout"]}  # keys older checkpoints lack
         same_layout = saved == state.layout
         cfg = state.model_config
         load_reference_weights(state.engine, cfg, path / MODEL_DIR)

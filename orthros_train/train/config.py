@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from orthros_train.data import DataConfig
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.options import Device, LRSchedule, Precision, ResumeChanges, RLTask, WandbMode
-from orthros_train.parallel.setup import ParallelConfig
+from orthros_train.parallel.setup import ParallelConfig, check_expert_layout
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         # Every RunConfig carries a resolved geometry; idempotent for one already resolved.
         resolve_batch_geometry(self.trainer, self.parallel, self.parallel.world_size, self.rl)
+        check_expert_layout(self.parallel, self.model)  # a config error, before any process starts
         if self.rl is not None and self.task is not None and self.task.name == RLTask.pattern:
             self.rl.max_new_tokens = self.task.response_len  # the toy task's responses have a fixed length
 
