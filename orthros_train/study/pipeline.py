@@ -8,6 +8,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -112,18 +113,21 @@ def run_overrides(lr: float, seed: int) -> list[str]:
     return [f"optim.lr={lr:g}", f"optim.min_lr={lr:g}", f"trainer.seed={seed}"]
 
 
-def train_command(arch: str, run_dir: Path, overrides: list[str]) -> list[str]:
-    """The real CLI (``orthros-train``) in a fresh interpreter: the study trains like a user does."""
-    return [sys.executable, "-m", "orthros_train.train.cli", "--config-name", f"study/{arch}",
+def train_command(arch: str, run_dir: Path, overrides: list[str], recipe: str | None = None) -> list[str]:
+    """The real CLI (``orthros-train``) in a fresh interpreter: the study trains like a user does.
+    ``recipe``: the config name (default ``study/<arch>``)."""
+    return [sys.executable, "-m", "orthros_train.train.cli", "--config-name", recipe or f"study/{arch}",
             f"trainer.run_dir={run_dir}", *overrides]
 
 
 def train_run(arch: str, run_dir: Path, overrides: list[str], log: Callable[[str], None] = _log,
-              threads: int | None = 1) -> float:
+              threads: int | None = 1, recipe: str | None = None, stop_after_s: float | None = None) -> float:
     """Train one run from scratch into ``run_dir`` (its output in ``train.log``); returns seconds.
 
     ``threads``: OMP_NUM_THREADS of the training process. One thread measured ~3x faster than
     two on the shared 2-core machine (OpenMP workers wait on each other when the cores are busy).
+    ``stop_after_s``: a time budget; past it the run gets SIGTERM, which the trainer answers by
+    finishing its step and saving a checkpoint (it then exits 0, without the final export).
     """
     run_dir = Path(run_dir)
     if run_dir.exists():
@@ -134,14 +138,23 @@ def train_run(arch: str, run_dir: Path, overrides: list[str], log: Callable[[str
             raise FileExistsError(f"{run_dir} exists and is not a study run directory; pick another --out")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cmd = train_command(arch, run_dir, overrides)
+    cmd = train_command(arch, run_dir, overrides, recipe)
     log(f"train {arch}: {' '.join(cmd[1:])}")
     start = time.perf_counter()
     env = os.environ.copy()
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     with (run_dir / "train.log").open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        try:
+            proc.wait(timeout=stop_after_s)
+        except subprocess.TimeoutExpired:
+            log(f"train {arch}: {stop_after_s / 60:.1f} min budget spent, stopping after this step (SIGTERM)")
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+        except BaseException:
+            proc.kill()
+            raise
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         tail = (run_dir / "train.log").read_text()[-3000:]
@@ -240,12 +253,13 @@ def passkey_ranges(window: int, seq_len: int) -> dict[str, tuple[int, int]]:
 
 
 def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays: list[list[int]], seq_len: int,
-                 documents: int) -> dict[str, Any]:
+                 documents: int, ranges: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """One key-value needle, asked for again at the end of the sequence: accuracy per distance range.
 
     Two haystacks: ``pairs``, a recall document of the training task over other keys (the
     distribution the models were trained on), and ``essays``, held-out prose (a needle in a
-    context the models never saw one in).
+    context the models never saw one in). ``ranges``: name -> (lowest, highest) distance
+    (default ``passkey_ranges``: inside the window and 4-8 windows back).
     """
     from orthros_train.data.embedded import EOD_TOKEN
     from orthros_train.data.synthetic_recall import RecallMix, make_passkey_document, make_recall_document
@@ -253,7 +267,7 @@ def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays
 
     mix = RecallMix.from_dict(data["recall_mix"])
     eod = tokenizer.convert_tokens_to_ids(EOD_TOKEN)
-    ranges = mix.ranges(len(tokenizer), reserved=(eod,))
+    token_ranges = mix.ranges(len(tokenizer), reserved=(eod,))
     text = [t for doc in essays for t in doc if t != eod]
     haystack_len = passkey_haystack_length(seq_len)
     if len(text) < haystack_len:
@@ -262,46 +276,64 @@ def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays
     out: dict[str, Any] = {"documents": documents, "chance": mix.chance}
     for haystack in ("pairs", "essays"):
         out[haystack] = {}
-        for name, (lo, hi) in passkey_ranges(model.config.sliding_window, seq_len).items():
+        for name, (lo, hi) in (ranges or passkey_ranges(model.config.sliding_window, seq_len)).items():
             correct = []
             for _ in range(documents):
                 distance = rng.randint(lo, hi)
                 if haystack == "pairs":
-                    hay = make_recall_document(rng, haystack_len, mix.pairs_of_document(rng), ranges).input_ids
+                    hay = make_recall_document(rng, haystack_len, mix.pairs_of_document(rng), token_ranges).input_ids
                     distance += distance % 2 if distance < hi else -(distance % 2)  # even: the needle on a key slot
                 else:
                     start = rng.randrange(0, len(text) - haystack_len + 1)
                     hay = text[start:start + haystack_len]
-                correct.extend(score_sample(model, make_passkey_document(rng, hay, distance, ranges)))
+                correct.extend(score_sample(model, make_passkey_document(rng, hay, distance, token_ranges)))
             out[haystack][name] = {"low": lo, "high": hi, "accuracy": _accuracy(correct)}
     return out
 
 
-def evaluate_run(run_dir: Path, opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Validation loss (overall, per position bucket), recall vs distance, passkey and training facts of a run."""
+def evaluate_checkpoint(ckpt: Path, data: dict[str, Any], seq_len: int, recall_documents: int,
+                        passkey_documents: int, valid_tokens: int | None = None,
+                        passkey_distances: dict[str, tuple[int, int]] | None = None,
+                        tokenizer_from: Path | None = None, **config_overrides: Any) -> dict[str, Any]:
+    """Held-out essay loss (overall, per position bucket), recall vs distance and passkey of one
+    checkpoint, on the held-out data of the run recipe's ``data`` section, at ``seq_len`` tokens.
+
+    ``config_overrides``: config fields that change no weight (``rope_scaling``, ``attention_type``).
+    ``tokenizer_from``: where the tokenizer is read (default ``ckpt``; transformers' AutoTokenizer
+    parses the checkpoint's config.json and fails on one with YaRN scaling).
+    """
     from orthros_train.eval.ppl import run_ppl
     from orthros_train.infer.loading import load_model, load_tokenizer
 
+    model = load_model(ckpt, device="cpu", **config_overrides)
+    tokenizer = load_tokenizer(tokenizer_from or ckpt)
+    essays = held_out_essays(data)
+    ppl = run_ppl(model, essays, seq_len=seq_len, batch_tokens=8 * seq_len, max_tokens=valid_tokens, log=None)
+    cfg = model.config
+    return {
+        "attention_type": cfg.attention_type,
+        "parameters": cfg.num_parameters(),
+        "config": cfg.to_dict(),
+        "essay_valid": {k: ppl[k] for k in ("loss", "perplexity", "tokens", "windows", "buckets")},
+        "recall": recall_eval(model, tokenizer, data, seq_len, recall_documents),
+        "passkey": passkey_eval(model, tokenizer, data, essays, seq_len, passkey_documents, passkey_distances),
+    }
+
+
+def evaluate_run(run_dir: Path, opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
+    """Validation loss (overall, per position bucket), recall vs distance, passkey and training facts of a run."""
     run_dir = Path(run_dir)
     recipe = json.loads((run_dir / "recipe.json").read_text())
-    ckpt = run_dir / "checkpoints" / "final"
-    model = load_model(ckpt, device="cpu")
-    tokenizer = load_tokenizer(ckpt)
     seq_len = recipe["trainer"]["seq_len"]
     metrics = read_metrics(run_dir)
     evals = [m for m in metrics if m.get("eval_loss") is not None]
     last = [m["loss"] for m in metrics[-10:]]
     log(f"evaluate {run_dir.parent.name}/{run_dir.name}: essays, recall, passkey")
-    essays = held_out_essays(recipe["data"])
-    ppl = run_ppl(model, essays, seq_len=seq_len, batch_tokens=8 * seq_len, max_tokens=opts.valid_tokens, log=None)
-    recall = recall_eval(model, tokenizer, recipe["data"], seq_len, opts.recall_documents)
-    passkey = passkey_eval(model, tokenizer, recipe["data"], essays, seq_len, opts.passkey_documents)
-    cfg = model.config
+    measured = evaluate_checkpoint(run_dir / "checkpoints" / "final", recipe["data"], seq_len, opts.recall_documents,
+                                   opts.passkey_documents, opts.valid_tokens)
     timing = run_dir / "study_train.json"  # written by train_run
     return {
-        "attention_type": cfg.attention_type,
-        "parameters": cfg.num_parameters(),
-        "config": cfg.to_dict(),
+        **{k: measured[k] for k in ("attention_type", "parameters", "config")},
         "steps": metrics[-1]["step"],
         "tokens": metrics[-1]["consumed_samples"] * seq_len,
         "seq_len": seq_len,
@@ -312,15 +344,13 @@ def evaluate_run(run_dir: Path, opts: StudyOptions, log: Callable[[str], None] =
         "final_train_loss": sum(last) / len(last),  # mean of the last 10 steps: one step is noisy
         "blend_valid_loss": evals[-1]["eval_loss"] if evals else None,  # trainer's eval: essays + synthetic
         "mean_tokens_per_s": sum(m["tokens_per_s"] for m in metrics) / len(metrics),
-        "essay_valid": {k: ppl[k] for k in ("loss", "perplexity", "tokens", "windows", "buckets")},
-        "recall": recall,
-        "passkey": passkey,
+        **{k: measured[k] for k in ("essay_valid", "recall", "passkey")},
         "curve": [{"step": m["step"], "loss": m["loss"], "eval_loss": m.get("eval_loss")} for m in metrics],
     }
 
 
-def pick_lr(sweep: dict[float, float | None]) -> float:
-    """The rate with the lowest held-out blend loss (a run without one, e.g. diverged, never wins)."""
+def pick_lr(sweep: dict[Any, float | None]) -> Any:
+    """The rate (or setting) with the lowest held-out blend loss (a run without one, e.g. diverged, never wins)."""
     scored = {lr: loss for lr, loss in sweep.items() if loss is not None and math.isfinite(loss)}
     if not scored:
         raise ValueError(f"no run of the sweep {sorted(sweep)} has a finite held-out loss")
@@ -359,8 +389,14 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _loss_beyond_window(r: dict[str, Any]) -> float | None:
-    beyond = [b for b in r["essay_valid"]["buckets"] if b["beyond_window"] and b["tokens"]]
-    return sum(b["loss"] * b["tokens"] for b in beyond) / sum(b["tokens"] for b in beyond) if beyond else None
+    return loss_between(r, r["essay_valid"]["buckets"][0]["high"])
+
+
+def loss_between(r: dict[str, Any], low: int, high: int | None = None) -> float | None:
+    """Token-weighted essay loss of the position buckets inside ``[low, high)`` (``high`` None: to the end)."""
+    inside = [b for b in r["essay_valid"]["buckets"]
+              if b["low"] >= low and (high is None or b["high"] <= high) and b["tokens"]]
+    return sum(b["loss"] * b["tokens"] for b in inside) / sum(b["tokens"] for b in inside) if inside else None
 
 
 def prefill_eval(ckpt: Path, opts: StudyOptions) -> dict[str, Any]:
@@ -491,16 +527,20 @@ def rerender_report(opts: StudyOptions) -> dict[str, Any]:
 
     if opts.report is None:
         raise ValueError("--report-only needs a --report path")
-    source = Path(opts.out) / "study.json"
-    if not source.is_file():
-        raise ValueError(f"--report-only rewrites the report from {source}, which does not exist: point --out at "
-                         "a finished study's folder")
-    try:
-        results = json.loads(source.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{source} is not valid JSON ({err}): rerun the study or restore the file") from err
+    results = read_results(Path(opts.out) / "study.json", "study")
     write_report(results, Path(opts.report), Path(opts.notes).read_text() if opts.notes else None)
     return results
+
+
+def read_results(source: Path, what: str) -> dict[str, Any]:
+    """The JSON a finished ``what`` wrote, for ``--report-only``; a missing or broken file is named with the fix."""
+    if not source.is_file():
+        raise ValueError(f"--report-only rewrites the report from {source}, which does not exist: point --out at "
+                         f"a finished {what}'s folder")
+    try:
+        return json.loads(source.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{source} is not valid JSON ({err}): rerun the study or restore the file") from err
 
 
 def _check_finite(results: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,32 +156,28 @@ def findings(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def _recall_table(results: dict[str, Any]) -> list[str]:
-    summary = results["summary"]
-    lines = [
-        "| distance | " + " | ".join(NAMES.get(a, a) for a in summary) + " | queries per seed |",
-        "| --- | " + " | ".join("---:" for _ in summary) + " | ---: |",
-    ]
-    first = next(iter(summary.values()))
-    for j, b in enumerate(first["recall_buckets"]):
-        cells = [_pm(s["recall_buckets"][j]["accuracy"], True) for s in summary.values()]
+def bucket_table(first: str, columns: dict[str, list[dict[str, Any]]], cell: Callable[[dict[str, Any]], str],
+                 count: str, count_label: str) -> list[str]:
+    """A markdown table of distance/position buckets: one row a bucket, one column a model
+    (``columns``: name -> its buckets), ``cell`` formats a bucket, ``count`` is the key of the last column."""
+    lines = [f"| {first} | " + " | ".join(columns) + f" | {count_label} |",
+             "| --- | " + " | ".join("---:" for _ in columns) + " | ---: |"]
+    rows = next(iter(columns.values()))
+    for j, b in enumerate(rows):
+        cells = [cell(buckets[j]) for buckets in columns.values()]
         lines.append(f"| {b['label']}{' (beyond W)' if b['beyond_window'] else ''} | " + " | ".join(cells)
-                     + f" | {b['queries']} |")
+                     + f" | {b[count]} |")
     return lines
+
+
+def _recall_table(results: dict[str, Any]) -> list[str]:
+    columns = {NAMES.get(a, a): s["recall_buckets"] for a, s in results["summary"].items()}
+    return bucket_table("distance", columns, lambda b: _pm(b["accuracy"], True), "queries", "queries per seed")
 
 
 def _position_table(results: dict[str, Any]) -> list[str]:
-    means = _position_means(results)
-    lines = [
-        "| position | " + " | ".join(NAMES.get(a, a) for a in means) + " | tokens |",
-        "| --- | " + " | ".join("---:" for _ in means) + " | ---: |",
-    ]
-    first = next(iter(means.values()))
-    for j, b in enumerate(first):
-        cells = [_f(rows[j]["loss"]) for rows in means.values()]
-        lines.append(f"| {b['label']}{' (beyond W)' if b['beyond_window'] else ''} | " + " | ".join(cells)
-                     + f" | {b['tokens']} |")
-    return lines
+    columns = {NAMES.get(a, a): rows for a, rows in _position_means(results).items()}
+    return bucket_table("position", columns, lambda b: _f(b["loss"]), "tokens", "tokens")
 
 
 def _sweep_table(results: dict[str, Any]) -> list[str]:

@@ -1,0 +1,602 @@
+"""``orthros-study conversion``: converting a dense model into Orthros, at small scale (docs/conversion_study.md).
+
+One dense teacher is trained from scratch (``recipes/study/dense.yaml``: the replication study's
+shape and data blend). From that one checkpoint, on the same continued-training tokens:
+
+* ``converted``: the teacher as an Orthros model, untrained (the conversion rule of
+  ``orthros-convert from-hf``: every weight kept, the output-stream query affine ``gamma = 1,
+  beta = 0``, so it equals the teacher on sequences of at most W tokens);
+* ``orthros_continued``: the converted model trained on;
+* ``dense_continued`` / ``sliding_continued``: the teacher trained on with dense attention, or
+  with the base stream's window alone (the floor), for the same steps and tokens.
+
+Before the seeds, a small sweep on the first seed picks the continued-training settings (the
+learning rate and warm-up, then whether gamma/beta start away from 1/0 and whether the pretrained
+weights are held for the first steps), by the trainer's held-out blend loss; dense and sliding
+continue with the same rate and warm-up. The Orthros runs save checkpoints at the fractions of
+the recovery curve. Optional sections: long-context extension (the Orthros model trained at L,
+extended to ``factor x L`` with YaRN, continued briefly there; ``longctx``) and a real model,
+SmolLM2-135M (``study/smollm2.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orthros_train.study.pipeline import (
+    QUICK_OVERRIDES,
+    _log,
+    evaluate_checkpoint,
+    load_average,
+    loss_between,
+    passkey_haystack_length,
+    pick_lr,
+    read_metrics,
+    read_results,
+    spread,
+    train_run,
+)
+
+logger = logging.getLogger(__name__)
+
+ARMS = ("teacher", "converted", "orthros_continued", "dense_continued", "sliding_continued")
+CONTINUED = {"orthros_continued": "orthros", "dense_continued": "dense", "sliding_continued": "sliding"}
+CURVE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
+MARKER = ".orthros-conversion-study"  # written first into --out: what makes a folder this study's
+RESULTS = "conversion.json"
+SMOLLM2_RESULTS = "smollm2.json"
+TEACHER_LR = 3e-3  # the replication study's kept rate for this shape (docs/study.md)
+TEACHER_SEED = 1234
+
+# --quick: the replication study's reduced shape (~0.1M parameters, W = 8, 96 tokens) and a
+# handful of steps: every stage end to end in a few minutes on the shared CPU.
+QUICK = {
+    "steps": 10,
+    "seeds": (1, 2),
+    "lrs": (3e-3,),
+    "warmups": (0.1,),
+    "longctx_steps": 4,
+    "recall_documents": 8,
+    "passkey_documents": 8,
+    "valid_tokens": 2048,
+}
+
+
+@dataclass
+class ConversionOptions:
+    out: Path = Path("runs/conversion")
+    report: Path | None = None  # None: no report (the CLI's default is <out>/conversion.md)
+    quick: bool = False
+    teacher: Path | None = None  # an existing dense checkpoint to convert (None: train one)
+    teacher_steps: int | None = None  # trainer.max_steps of the teacher (None: the recipe's)
+    steps: int = 100  # continued-training steps of every arm
+    window: int | None = None  # the base window W (None: the recipe's)
+    seeds: tuple[int, ...] = (1, 2, 3)  # trainer.seed of the continued runs (their data order)
+    lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3)  # swept peak rates (cosine to a tenth)
+    # Warm-up as a fraction of the steps: the first with every rate, the others at the kept rate.
+    warmups: tuple[float, ...] = (0.1, 0.0)
+    affine_noise: float = 0.1  # the sweep's other start of gamma/beta: 1/0 plus N(0, noise^2) (0: not swept)
+    frozen: float = 0.1  # the sweep's early freeze: fraction of steps only gamma/beta train (0: not swept)
+    fractions: tuple[float, ...] = CURVE_FRACTIONS
+    longctx: bool = True
+    longctx_factor: int = 4
+    longctx_steps: int = 50
+    smollm2: bool = False  # the SmolLM2-135M section (~45 min on 2 cores)
+    smollm2_minutes: float = 30.0  # its continued-training budget
+    overrides: list[str] = field(default_factory=list)  # extra Hydra overrides for every small run
+    train_threads: int | None = 1
+    jobs: int = 2  # training processes at a time (one thread each)
+    eval_threads: int = 1
+    recall_documents: int = 32
+    passkey_documents: int = 32
+    valid_tokens: int | None = None
+    notes: Path | None = None
+    command: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.seeds or not self.lrs or not self.warmups:
+            raise ValueError("the conversion study needs at least one seed, learning rate and warm-up")
+        for name in ("steps", "jobs", "eval_threads", "recall_documents", "passkey_documents", "longctx_factor",
+                     "longctx_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("teacher_steps", "window", "valid_tokens", "train_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
+        if any(not 0 <= w < 1 for w in self.warmups) or not 0 <= self.frozen < 1:
+            raise ValueError("warm-up and frozen fractions must lie in [0, 1)")
+        if self.affine_noise < 0 or self.smollm2_minutes <= 0:
+            raise ValueError("affine_noise must be >= 0 and smollm2_minutes > 0")
+        curve_steps(self.steps, self.fractions)  # refuses fractions the steps cannot resolve
+
+    @classmethod
+    def quick_defaults(cls, **given: Any) -> ConversionOptions:
+        """The reduced study: ``QUICK`` under whatever is ``given``."""
+        return cls(**{**QUICK, **given, "quick": True})
+
+
+# -- bookkeeping: overrides, steps of the curve, arm summaries -----------------------------------------
+
+
+def merge_overrides(*groups: Sequence[str]) -> list[str]:
+    """Hydra overrides with one value per key, the later group winning (QUICK_OVERRIDES sets
+    trainer.max_steps for the teacher, the continued runs set their own)."""
+    merged: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            key = item.split("=", 1)[0].lstrip("+")
+            merged.pop(key, None)  # re-inserted last: the order of the winning values is kept
+            merged[key] = item
+    return list(merged.values())
+
+
+def curve_steps(steps: int, fractions: Sequence[float]) -> list[tuple[float, int]]:
+    """(fraction, step) of every point of the recovery curve; step 0 is the converted model.
+
+    Every fraction must land on its own step: at 10 steps, 0.1 and 0.12 would both be step 1.
+    """
+    if not fractions:
+        raise ValueError("the recovery curve needs at least one fraction")
+    points = []
+    for f in sorted(set(fractions)):
+        if not 0 <= f <= 1:
+            raise ValueError(f"curve fraction {f} outside [0, 1]")
+        points.append((f, round(f * steps)))
+    taken = [s for _, s in points]
+    if len(set(taken)) != len(taken) or any(s == 0 for f, s in points if f > 0):
+        raise ValueError(f"the curve fractions {sorted(set(fractions))} do not fall on distinct steps of a "
+                         f"{steps}-step run ({taken}); use more steps or fewer fractions")
+    return points
+
+
+def save_every(steps: int, fractions: Sequence[float]) -> int:
+    """trainer.save_every that puts a checkpoint on every step of the curve (the last is the final save)."""
+    inner = [s for _, s in curve_steps(steps, fractions) if 0 < s < steps]
+    return math.gcd(*inner) if inner else 0
+
+
+def checkpoint_at(run_dir: Path, step: int, steps: int) -> Path:
+    """The weights of a run after ``step`` optimizer steps (its final export at the end)."""
+    from orthros_train.train.checkpoint_store import CheckpointStore
+
+    if step == steps:
+        return Path(run_dir) / "checkpoints" / "final"
+    return Path(run_dir) / "checkpoints" / CheckpointStore.name(step) / "model"
+
+
+def measures(e: dict[str, Any]) -> dict[str, float | None]:
+    """The numbers of one evaluated model the table compares."""
+    window = e["config"]["sliding_window"]
+    pk = e["passkey"]
+    return {
+        "loss": e["essay_valid"]["loss"],
+        "loss_within_w": loss_between(e, 0, window),
+        "loss_beyond_w": loss_between(e, window),
+        "recall_within_w": e["recall"]["accuracy_within_window"],
+        "recall_beyond_w": e["recall"]["accuracy_beyond_window"],
+        "passkey_pairs_4_8x_w": pk["pairs"]["4-8x_window"]["accuracy"],
+        "passkey_prose_4_8x_w": pk["essays"]["4-8x_window"]["accuracy"],
+    }
+
+
+def summarize_arm(evals: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each measure's mean over the evaluated models (one per seed) with ``<measure>_std`` beside it."""
+    if not evals:
+        raise ValueError("an arm needs at least one evaluated model")
+    rows = [measures(e) for e in evals]
+    out: dict[str, Any] = {"n": len(rows)}
+    for key in rows[0]:
+        s = spread([r[key] for r in rows])
+        out[key], out[f"{key}_std"] = s["mean"], s["std"]
+    return out
+
+
+def curve_point(fraction: float, step: int, evals: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    s = summarize_arm(evals)
+    keep = ("loss", "loss_beyond_w", "recall_within_w", "recall_beyond_w")
+    return {"fraction": fraction, "step": step, "n": s["n"],
+            **{k: s[k] for k in keep}, **{f"{k}_std": s[f"{k}_std"] for k in keep}}
+
+
+# -- the converted checkpoint ------------------------------------------------------------------------------
+
+
+def convert_dense_checkpoint(src: Path, dst: Path, window: int, affine_noise: float = 0.0, seed: int = 0) -> Path:
+    """The dense checkpoint ``src`` as an Orthros checkpoint in ``dst``: every weight kept, window
+    ``window``, the output-stream affine at gamma = 1, beta = 0 (``orthros-convert from-hf``'s
+    rule), or, with ``affine_noise`` > 0, 1 and 0 plus Gaussian noise of that standard deviation."""
+    from orthros_train.convert.checkpoint_io import copy_side_files
+    from orthros_train.convert.from_hf import is_output_affine
+    from orthros_train.model import OrthrosForCausalLM
+
+    model = OrthrosForCausalLM.from_pretrained(src, attention_type="orthros", sliding_window=window)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_output_affine(name):
+                p.fill_(1.0 if name.endswith("gamma") else 0.0)
+                if affine_noise > 0:
+                    p.add_(torch.randn(p.shape, generator=gen) * affine_noise)
+    dst = Path(dst)
+    model.save_pretrained(dst)
+    copy_side_files(Path(src), dst)
+    return dst
+
+
+def check_teacher(path: Path) -> None:
+    """A teacher given by path is a dense checkpoint directory; else one line with the fix."""
+    path = Path(path)
+    config = path / "config.json"
+    if not config.is_file() or not any(path.glob("*.safetensors")):
+        raise ValueError(f"--teacher {path}: no checkpoint there (config.json + *.safetensors); point it at a "
+                         "dense run's checkpoints/final, or drop --teacher to train one")
+    kind = json.loads(config.read_text()).get("attention_type")
+    if kind != "dense":
+        raise ValueError(f"--teacher {path}: attention_type is {kind!r}, the study converts a dense model; point "
+                         "it at a dense run's checkpoints/final (e.g. orthros-train --config-name study/dense)")
+
+
+def check_out(out: Path) -> None:
+    """``out`` is new, empty or this study's; anything else is refused before a file is written."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pick a folder")
+    if not out.is_dir() or (out / MARKER).is_file() or not any(out.iterdir()):
+        return
+    found = sorted(p.name for p in out.iterdir())[:4]
+    what = "the replication study (study.json)" if (out / "study.json").exists() else f"other files ({found})"
+    raise ValueError(f"--out {out} holds {what}, not a conversion study; pick an empty or new folder")
+
+
+def check_window(window: int, seq_len: int) -> None:
+    if window >= seq_len:
+        raise ValueError(f"--window {window} is not smaller than the sequence ({seq_len} tokens): nothing would be "
+                         "beyond W; pick --window below the sequence length")
+    if 4 * window > passkey_haystack_length(seq_len):
+        raise ValueError(f"--window {window}: the passkey probe needs a needle 4 windows back, beyond the "
+                         f"{seq_len}-token sequence; pick --window <= {passkey_haystack_length(seq_len) // 4}")
+
+
+# -- the study ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How the converted model is continued: peak rate, warm-up fraction, gamma/beta noise, frozen fraction."""
+
+    lr: float
+    warmup: float
+    affine_noise: float = 0.0
+    frozen: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"lr{self.lr:g}-warmup{self.warmup:g}-affine{self.affine_noise:g}-frozen{self.frozen:g}"
+
+    def overrides(self, steps: int, seed: int, orthros: bool) -> list[str]:
+        """Cosine from ``lr`` to a tenth of it after the warm-up (the shape of recipes/convert_*)."""
+        out = [f"optim.lr={self.lr:g}", f"optim.min_lr={self.lr / 10:g}", "optim.schedule=cosine",
+               f"optim.warmup_steps={round(self.warmup * steps)}", f"trainer.max_steps={steps}", f"trainer.seed={seed}"]
+        if orthros and self.frozen:
+            out.append(f"++optim.frozen_steps={round(self.frozen * steps)}")
+        return out
+
+
+def run_conversion_study(opts: ConversionOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
+    """Teacher, conversion, sweep, seeds, curve, long context (and SmolLM2 if asked); writes
+    ``<out>/conversion.json`` and the report."""
+    from orthros_train.train.cli import git_commit
+
+    out = Path(opts.out)
+    check_out(out)
+    if opts.teacher is not None:
+        check_teacher(opts.teacher)
+    base = merge_overrides(QUICK_OVERRIDES if opts.quick else [], opts.overrides)
+    recipe = _recipe("dense", base)
+    seq_len = recipe["trainer"]["seq_len"]
+    window = opts.window or recipe["model"]["sliding_window"]
+    check_window(window, seq_len)
+    if opts.window is not None:
+        base = merge_overrides(base, [f"model.sliding_window={window}"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("orthros-study conversion\n")
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "git_commit": git_commit(),
+        "command": opts.command,
+        "quick": opts.quick,
+        "overrides": base,
+        "window": window,
+        "seq_len": seq_len,
+        "steps": opts.steps,
+        "seeds": list(opts.seeds),
+        "cpu_count": os.cpu_count(),
+        "load_average_start": load_average(),
+    }
+
+    def train(arch: str, run_dir: Path, overrides: list[str]) -> float:
+        return train_run(arch, run_dir, merge_overrides(base, overrides), log, opts.train_threads)
+
+    # 1. The teacher, and the model conversion makes of it.
+    if opts.teacher is None:
+        teacher_dir = out / "teacher"
+        extra = [f"optim.lr={TEACHER_LR:g}", f"optim.min_lr={TEACHER_LR:g}", f"trainer.seed={TEACHER_SEED}"]
+        if opts.teacher_steps:
+            extra.append(f"trainer.max_steps={opts.teacher_steps}")
+        seconds = train("dense", teacher_dir, extra)
+        teacher = teacher_dir / "checkpoints" / "final"
+        results["teacher"] = _run_facts(teacher_dir, seconds, "trained by this study")
+    else:
+        teacher = Path(opts.teacher)
+        results["teacher"] = {"checkpoint": "given with --teacher", "source": teacher.name}
+    converted = convert_dense_checkpoint(teacher, out / "converted", window)
+    results["conversion_check"] = equality_within_window(teacher, converted, seq_len)
+    log(f"converted: max |logit difference| to the teacher inside W {results['conversion_check']['within_w']:.2e}")
+    inits = {0.0: converted}
+    if opts.affine_noise > 0:  # made before any run starts: the runs train in parallel threads
+        inits[opts.affine_noise] = convert_dense_checkpoint(teacher, out / f"converted-affine{opts.affine_noise:g}",
+                                                            window, opts.affine_noise)
+    every = save_every(opts.steps, opts.fractions)
+
+    def continue_run(arm: str, setting: Setting, seed: int, run_dir: Path) -> float:
+        arch = CONTINUED[arm]
+        init = inits[setting.affine_noise] if arch == "orthros" else teacher
+        extra = [f"model.init_from={init}", *setting.overrides(opts.steps, seed, arch == "orthros")]
+        if arch == "orthros":
+            extra += [f"trainer.save_every={every}", "trainer.keep_last_k=0"]
+        return train(arch, run_dir, extra)
+
+    def in_parallel(jobs: list[tuple[str, Setting, int, Path]]) -> list[float]:
+        """``opts.jobs`` training processes at a time; the first failure stops the study."""
+        with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
+            futures = [pool.submit(continue_run, *job) for job in jobs]
+            return [f.result() for f in futures]
+
+    # 2. The sweep (first seed, Orthros): the peak rate at the first warm-up, then, one at a time at
+    # the kept rate, the other warm-ups, gamma/beta started off the identity, and the early freeze.
+    first = opts.seeds[0]
+    sweep: dict[str, dict[str, Any]] = {}
+
+    def sweep_runs(settings: list[Setting]) -> dict[Setting, float | None]:
+        todo = [s for s in settings if s.name not in sweep]
+        dirs = [out / "sweep" / f"{s.name}-seed{first}" for s in todo]
+        times = in_parallel([("orthros_continued", s, first, d) for s, d in zip(todo, dirs)])
+        for s, d, t in zip(todo, dirs, times):
+            sweep[s.name] = {"setting": s.__dict__, "run_dir": d, "seconds": t, "blend_valid_loss": _final_eval_loss(d)}
+        return {s: sweep[s.name]["blend_valid_loss"] for s in settings}
+
+    scores = sweep_runs([Setting(lr, opts.warmups[0]) for lr in opts.lrs])
+    best: Setting = pick_lr(scores)
+    log(f"sweep: rate {best.lr:g} (held-out blend loss {scores[best]:.4f})")
+    variants = [best, *(replace(best, warmup=w) for w in opts.warmups[1:])]
+    if opts.affine_noise > 0:
+        variants.append(replace(best, affine_noise=opts.affine_noise))
+    if opts.frozen > 0:
+        variants.append(replace(best, frozen=opts.frozen))
+    chosen: Setting = pick_lr(sweep_runs(variants))
+    log(f"sweep: kept {chosen.name}")
+    results["sweep"] = {"criterion": "the trainer's held-out blend loss at the end of the run, seed "
+                        f"{first}", "chosen": chosen.__dict__,
+                        "runs": [{**row["setting"], "name": name, "seconds": row["seconds"],
+                                  "blend_valid_loss": row["blend_valid_loss"]} for name, row in sweep.items()]}
+
+    # 3. The seeds: every continued arm with the kept rate and warm-up (Orthros with all of it).
+    plain = replace(chosen, affine_noise=0.0, frozen=0.0)
+    jobs = [(arm, chosen if arm == "orthros_continued" else plain, seed, out / arm / f"seed{seed}")
+            for arm in CONTINUED for seed in opts.seeds if not (arm == "orthros_continued" and seed == first)]
+    times = in_parallel(jobs)
+    runs: dict[str, list[Path]] = {arm: [] for arm in CONTINUED}
+    seconds: dict[str, list[float]] = {arm: [] for arm in CONTINUED}
+    runs["orthros_continued"].append(sweep[chosen.name]["run_dir"])
+    seconds["orthros_continued"].append(sweep[chosen.name]["seconds"])
+    for (arm, _, _, run_dir), t in zip(jobs, times):
+        runs[arm].append(run_dir)
+        seconds[arm].append(t)
+    facts = _run_facts(runs["orthros_continued"][0], 0.0, "")
+    results["tokens_per_step"] = facts["tokens"] // facts["steps"]
+    results["train_wall_seconds"] = time.perf_counter() - started
+    results["load_average_after_training"] = load_average()
+
+    # 4. Evaluation: the table, the curve, the sweep's runs.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(opts.eval_threads)
+    try:
+        def evaluate(ckpt: Path, **config_overrides: Any) -> dict[str, Any]:
+            return evaluate_checkpoint(ckpt, recipe["data"], seq_len, opts.recall_documents, opts.passkey_documents,
+                                       opts.valid_tokens, **config_overrides)
+
+        log("evaluate: teacher, converted, continued arms")
+        evals = {"teacher": [evaluate(teacher)], "converted": [evaluate(converted)]}
+        for arm, dirs in runs.items():
+            evals[arm] = [evaluate(d / "checkpoints" / "final") for d in dirs]
+        results["arms"] = {arm: summarize_arm(evals[arm]) for arm in ARMS}
+        for arm in CONTINUED:
+            results["arms"][arm]["train_seconds"] = spread(seconds[arm])["mean"]
+        results["runs"] = {arm: [measures(e) | {"seed": s} for e, s in zip(evals[arm], opts.seeds)]
+                           for arm in CONTINUED}
+        results["recall_buckets"] = {arm: _bucket_means(evals[arm]) for arm in ARMS}
+        results["position_buckets"] = {arm: _position_means(evals[arm]) for arm in ARMS}
+        results["chance"] = evals["teacher"][0]["recall"]["chance"]
+        log("evaluate: the recovery curve")
+        start = evaluate(inits[chosen.affine_noise]) if chosen.affine_noise else evals["converted"][0]
+        results["curve"] = []
+        for fraction, step in curve_steps(opts.steps, opts.fractions):
+            if step == 0:
+                point = [start]
+            elif step == opts.steps:
+                point = evals["orthros_continued"]
+            else:
+                point = [evaluate(checkpoint_at(d, step, opts.steps)) for d in runs["orthros_continued"]]
+            results["curve"].append(curve_point(fraction, step, point))
+        for row in results["sweep"]["runs"]:
+            m = measures(evaluate(Path(sweep[row["name"]]["run_dir"]) / "checkpoints" / "final"))
+            row.update({k: m[k] for k in ("loss", "loss_beyond_w", "recall_beyond_w")})
+        if opts.longctx:
+            results["longctx"] = longctx_section(opts, runs["orthros_continued"][0], chosen, base, recipe, window,
+                                                 log)
+    finally:
+        torch.set_num_threads(threads)
+    results["load_average_end"] = load_average()
+    results["study_wall_seconds"] = time.perf_counter() - started
+    _check_finite(results)
+    write_results(opts, results, log)
+    return results
+
+
+def write_results(opts: ConversionOptions, results: dict[str, Any], log: Callable[[str], None] = _log) -> None:
+    """``<out>/conversion.json`` (with the SmolLM2 section if ``<out>/smollm2.json`` holds one) and the report."""
+    from orthros_train.eval.common import write_json
+
+    out = Path(opts.out)
+    extra = out / SMOLLM2_RESULTS
+    if extra.is_file():
+        results["smollm2"] = json.loads(extra.read_text())
+    write_json(results, out / RESULTS)
+    if opts.report is not None:
+        from orthros_train.study.conversion_report import write_conversion_report
+
+        notes = Path(opts.notes).read_text() if opts.notes else None
+        write_conversion_report(results, Path(opts.report), notes)
+        log(f"report: {opts.report}")
+
+
+def rerender(opts: ConversionOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
+    """The report again from ``<out>/conversion.json`` (plus a newer ``smollm2.json``), measuring nothing."""
+    results = read_results(Path(opts.out) / RESULTS, "conversion study")
+    write_results(opts, results, log)
+    return results
+
+
+# -- pieces --------------------------------------------------------------------------------------------------
+
+
+def _recipe(arch: str, overrides: list[str]) -> dict[str, Any]:
+    """The composed recipe of ``study/<arch>`` with ``overrides``, as the trainer would see it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from orthros_train.train.cli import RECIPES_DIR  # also registers the recipes' resolver
+
+    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
+        cfg = compose(config_name=f"study/{arch}", overrides=[o for o in overrides if not o.startswith("hydra")])
+    return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _final_eval_loss(run_dir: Path) -> float | None:
+    evals = [m["eval_loss"] for m in read_metrics(run_dir) if m.get("eval_loss") is not None]
+    return evals[-1] if evals else None
+
+
+def _run_facts(run_dir: Path, seconds: float, how: str) -> dict[str, Any]:
+    metrics = read_metrics(run_dir)
+    recipe = json.loads((run_dir / "recipe.json").read_text())
+    return {"checkpoint": how, "steps": metrics[-1]["step"], "seed": recipe["trainer"]["seed"],
+            "lr": recipe["optim"]["lr"], "tokens": metrics[-1]["consumed_samples"] * recipe["trainer"]["seq_len"],
+            "blend_valid_loss": _final_eval_loss(run_dir), "train_seconds": seconds}
+
+
+def equality_within_window(teacher: Path, converted: Path, seq_len: int) -> dict[str, float]:
+    """Max |logit difference| of the converted model to the teacher inside W (~0: the conversion
+    is exact there) and beyond it (the gap continued training closes)."""
+    from orthros_train.model import OrthrosForCausalLM
+
+    a = OrthrosForCausalLM.from_pretrained(teacher).eval()
+    b = OrthrosForCausalLM.from_pretrained(converted).eval()
+    window = b.config.sliding_window
+    ids = torch.randint(0, a.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = a(ids).logits
+        diff = (reference - b(ids).logits).abs()
+    return {"within_w": float(diff[:, :window].max()), "beyond_w": float(diff[:, window:].max()),
+            "max_abs_logit": float(reference.abs().max())}
+
+
+def _bucket_means(evals: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    first = evals[0]["recall"]["buckets"]
+    return [{**{k: b[k] for k in ("label", "low", "high", "beyond_window", "queries")},
+             "accuracy": spread([e["recall"]["buckets"][j]["accuracy"] for e in evals])["mean"]}
+            for j, b in enumerate(first)]
+
+
+def _position_means(evals: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    first = evals[0]["essay_valid"]["buckets"]
+    return [{**{k: b[k] for k in ("label", "low", "high", "beyond_window", "tokens")},
+             "loss": spread([e["essay_valid"]["buckets"][j]["loss"] for e in evals])["mean"]}
+            for j, b in enumerate(first)]
+
+
+def longctx_ranges(window: int, length: int, trained: int) -> dict[str, tuple[int, int]]:
+    """Passkey distances at the extended length: inside W, inside the trained length, and beyond it."""
+    hay = passkey_haystack_length(length)
+    ranges = {"within_w": (2, window - 1), "w_to_l": (window, trained - 1), "l_to_2l": (trained, 2 * trained - 1),
+              "2l_to_4l": (2 * trained, hay)}
+    return {k: (lo, min(hi, hay)) for k, (lo, hi) in ranges.items() if lo <= min(hi, hay)}
+
+
+def longctx_section(opts: ConversionOptions, source_run: Path, setting: Setting, base: list[str],
+                    recipe: dict[str, Any], window: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """The Orthros model trained at L, extended to factor x L with YaRN and trained on briefly there,
+    beside the same model unextended, all measured at factor x L."""
+    trained = recipe["trainer"]["seq_len"]
+    length = opts.longctx_factor * trained
+    micro = max(1, recipe["trainer"]["micro_batch_size"] // opts.longctx_factor)  # about the same tokens per step
+    scaling = {"rope_type": "yarn", "factor": float(opts.longctx_factor), "original_max_position_embeddings": trained}
+    rope = "{" + ",".join(f"{k}:{v}" for k, v in scaling.items()) + "}"
+    src = Path(source_run) / "checkpoints" / "final"
+    run_dir = Path(opts.out) / "longctx" / f"x{opts.longctx_factor}"
+    warmup = round(setting.warmup * opts.longctx_steps)
+    extra = [f"model.init_from={src}", f"++model.rope_scaling={rope}", f"++model.max_position_embeddings={length}",
+             f"trainer.seq_len={length}", f"trainer.micro_batch_size={micro}",
+             f"trainer.max_steps={opts.longctx_steps}", f"optim.lr={setting.lr:g}",
+             f"optim.min_lr={setting.lr / 10:g}", f"optim.warmup_steps={warmup}", f"trainer.seed={opts.seeds[0]}"]
+    seconds = train_run("orthros", run_dir, merge_overrides(base, extra), log, opts.train_threads)
+    ranges = longctx_ranges(window, length, trained)
+
+    def measure(ckpt: Path, at: int, **config_overrides: Any) -> dict[str, Any]:
+        e = evaluate_checkpoint(ckpt, recipe["data"], at, opts.recall_documents, opts.passkey_documents,
+                                opts.valid_tokens, ranges if at == length else None, tokenizer_from=src,
+                                **config_overrides)
+        buckets = e["recall"]["buckets"]
+        far = [b for b in buckets if b["low"] >= trained and b["queries"]]
+        return {
+            "loss": e["essay_valid"]["loss"],
+            "loss_within_l": loss_between(e, 0, trained),
+            "loss_beyond_l": loss_between(e, trained),
+            "recall": e["recall"]["accuracy"],
+            "recall_beyond_l": (sum(b["accuracy"] * b["queries"] for b in far) / sum(b["queries"] for b in far)
+                                if far else None),
+            "passkey": {hay: {k: v["accuracy"] for k, v in e["passkey"][hay].items()} for hay in ("pairs", "essays")},
+        }
+
+    log(f"evaluate long context at {length} tokens")
+    longer = {"max_position_embeddings": length}
+    rows = {
+        "unextended": measure(src, length, **longer),
+        "extended_untrained": measure(src, length, rope_scaling=scaling, **longer),
+        "extended_continued": measure(run_dir / "checkpoints" / "final", length),
+    }
+    return {"trained_length": trained, "length": length, "factor": opts.longctx_factor, "rope_scaling": scaling,
+            "steps": opts.longctx_steps, "micro_batch_size": micro, "train_seconds": seconds,
+            "tokens": opts.longctx_steps * micro * length, "ranges": {k: list(v) for k, v in ranges.items()},
+            "rows": rows}
+
+
+def _check_finite(results: dict[str, Any]) -> None:
+    """A NaN in the table is a bug in the pipeline, not a finding: fail loudly."""
+    for arm, row in results["arms"].items():
+        for key in ("loss", "loss_beyond_w"):
+            if row[key] is None or not math.isfinite(row[key]):
+                raise ValueError(f"{arm}: {key} is {row[key]}")

