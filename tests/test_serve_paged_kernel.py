@@ -112,3 +112,36 @@ def test_paged_kernel_on_cuda_syncs_nothing_and_captures_in_a_cuda_graph():
     torch.cuda.synchronize()
     want = paged_output_attention_reference(q, k, v, bt, seq, qsl)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _causal_rows_reference(q, k, v, bt, seq, out_qsl):
+    """Each request's last m_r output queries, query i of m_r seeing seq_len - m_r + 1 + i keys."""
+    out = torch.zeros_like(q)
+    for r in range(len(seq)):
+        lo, hi = int(out_qsl[r]), int(out_qsl[r + 1])
+        for i in range(lo, hi):
+            keys = torch.tensor([int(seq[r]) - (hi - 1 - i)], dtype=torch.int32)
+            out[i] = paged_output_attention_reference(q[i : i + 1], k, v, bt[r : r + 1], keys,
+                                                      torch.tensor([0, 1], dtype=torch.int32))[0]
+    return out
+
+
+def test_several_output_rows_per_request_see_causal_prefixes():
+    """Speculative verification and prompt logprobs put several output tokens on one request: with
+    ``row_request`` each row reads its request's blocks up to its own position; padding rows are zero."""
+    from orthros_train.serve.output_rows import OutputRows
+
+    _, k, v, bt, seq, _ = _paged_case([20, 9, 33], 4, 2, 16, 8, seed=5)
+    out_qsl = torch.tensor([0, 3, 4, 9], dtype=torch.int32)  # 3, 1 and 5 output tokens
+    padded = 11  # two padding rows, as a captured graph has
+    q = torch.randn(padded, 4, 16, generator=torch.Generator().manual_seed(6))
+    plan = OutputRows(rows=torch.arange(padded), query_start_loc=out_qsl, count=9, max_query_len=5, every_row=False)
+    request, keys = plan.row_requests(seq)
+    assert request.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2]
+    assert keys.tolist() == [18, 19, 20, 9, 29, 30, 31, 32, 33, 0, 0]
+    got = paged_output_attention(q, k, v, bt, keys, None, num_splits=3, row_request=request)
+    want = _causal_rows_reference(q[:9], k, v, bt, seq, out_qsl)
+    torch.testing.assert_close(got[:9], want, atol=2e-5, rtol=2e-5)
+    assert torch.all(got[9:] == 0)
+    ref = paged_output_attention_reference(q, k, v, bt, keys, None, row_request=request)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)

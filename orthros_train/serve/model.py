@@ -62,6 +62,8 @@ from vllm.utils.torch_utils import _encode_layer_name, direct_register_custom_op
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from orthros_train.serve.config import OrthrosServeError
+from orthros_train.serve.output_rows import OutputRows, every_row, plan_output_rows
+from orthros_train.serve.prompt_logprobs import prompt_logprob_rows
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +79,15 @@ STACKED = (
 
 @dataclass
 class OutputQueries:
-    """This step's output queries, one per request at its last row (set by the eager forward)."""
+    """This step's output tokens (set by the eager forward, read by every layer's output attention)."""
 
     metadata: object | None = None  # the step's attention metadata (None in vLLM's dummy runs)
-    count: int = 0  # requests with an output query (the model may carry padding rows beyond them)
-    query_start_loc: torch.Tensor | None = None  # arange(count + 1): one query per request
+    plan: OutputRows | None = None  # which rows carry an output token, per request
     cpu_schedule: torch.Tensor | None = None  # the CPU attention op's work split for those queries
+    # GPU, Triton kernel with one program per output row: each row's request and key count.
+    row_request: torch.Tensor | None = None
+    row_keys: torch.Tensor | None = None
+    flash: bool = False  # run the output attention with vLLM's FlashAttention (see ``use_flash``)
 
 
 class BaseStreamAttention(Attention):
@@ -106,17 +111,19 @@ class BaseStreamAttention(Attention):
         )
 
     def output_attention(self, q_out: torch.Tensor, out: torch.Tensor) -> None:
-        """Each request's output query against all of its cached keys (window unbounded), into
-        ``out [R, heads * head_dim]``; rows past the step's requests (padding) are zeroed."""
-        plan = self.output_queries
-        md, n = plan.metadata, plan.count
-        if md is None:  # vLLM's profiling / warm-up run: no cache yet
+        """Each output query against its request's cached keys, causal from the request's end (one
+        query per request: all of its keys), into ``out [M, heads * head_dim]``; padding rows
+        (past the plan's count) are zeroed."""
+        queries = self.output_queries
+        md, plan = queries.metadata, queries.plan
+        if md is None or plan is None:  # vLLM's profiling / warm-up run: no cache yet
             out.zero_()
             return
+        n = plan.count
         if out.shape[0] > n:
             out[n:].zero_()
-        out3 = out[:n].view(n, self.num_heads, self.head_size)
-        q3 = q_out[:n].view(n, self.num_heads, self.head_size)
+        if n == 0:
+            return
         if q_out.device.type == "cpu":
             from vllm import _custom_ops as ops
 
@@ -124,19 +131,54 @@ class BaseStreamAttention(Attention):
             # The CPU cache packs K and V of a block side by side (as its backend reads them).
             key_cache, value_cache = self.kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
             ops.cpu_attention_with_kv_cache(
-                query=q3, key_cache=key_cache, value_cache=value_cache, output=out3,
+                query=q_out[:n].view(n, self.num_heads, self.head_size),
+                key_cache=key_cache, value_cache=value_cache, output=out[:n].view(n, self.num_heads, self.head_size),
                 query_start_loc=plan.query_start_loc, seq_lens=md.seq_lens, scale=self.impl.scale, causal=True,
                 alibi_slopes=None, sliding_window=-1, block_table=md.block_table, softcap=0,
-                scheduler_metadata=plan.cpu_schedule, s_aux=None, dynamic_causal=None,
+                scheduler_metadata=queries.cpu_schedule, s_aux=None, dynamic_causal=None,
                 k_scale=self._k_scale_float, v_scale=self._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
             )
-        else:
-            from orthros_train.serve.paged_attention import paged_output_attention
+            return
+        # FlashAttention / Triton backends' cache (blocks, kv heads, block_size, 2 * head_dim) -> K, V views.
+        key_cache, value_cache = self.kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        if queries.flash:
+            from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
-            # FlashAttention-style cache (blocks, heads, block_size, 2 * head_dim) -> K, V views.
-            key_cache, value_cache = self.kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-            paged_output_attention(q3, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                   scale=self.impl.scale, out=out3)
+            # One varlen call: the output queries of each request (cu_seqlens_q), every cached key of
+            # it (seqused_k, block_table), causal from the end, no window, no K/V write.
+            flash_attn_varlen_func(
+                q=q_out[:n].view(n, self.num_heads, self.head_size), k=key_cache, v=value_cache,
+                out=out[:n].view(n, self.num_heads, self.head_size), cu_seqlens_q=plan.query_start_loc,
+                max_seqlen_q=max(plan.max_query_len, 1), seqused_k=md.seq_lens, max_seqlen_k=md.max_seq_len,
+                softmax_scale=self.impl.scale, causal=True, window_size=None, block_table=md.block_table,
+                fa_version=self.impl.vllm_flash_attn_version,
+            )
+            return
+        from orthros_train.serve.paged_attention import paged_output_attention
+
+        if queries.row_request is not None:  # several rows per request, or every row of a graph
+            m = queries.row_request.shape[0]
+            paged_output_attention(q_out[:m].view(m, self.num_heads, self.head_size), key_cache, value_cache,
+                                   md.block_table, queries.row_keys, None, scale=self.impl.scale,
+                                   out=out[:m].view(m, self.num_heads, self.head_size),
+                                   row_request=queries.row_request)
+            return
+        paged_output_attention(q_out[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
+                               md.block_table, md.seq_lens, md.query_start_loc, scale=self.impl.scale,
+                               out=out[:n].view(n, self.num_heads, self.head_size))
+
+    def use_flash(self, graph_mode: object) -> bool:
+        """Whether this step's output attention runs with vLLM's FlashAttention: where the base stream
+        runs on vLLM's FlashAttention backend (its cache layout and its FA build), with an unquantised
+        cache, and not inside a full CUDA graph. A full graph freezes the call's host arguments
+        (``max_seqlen_k``, from which FA sizes its splits) at capture; the Triton kernel reads every
+        length on the device, so it is the one captured there."""
+        from vllm.config import CUDAGraphMode
+
+        impl = self.impl
+        return (self.attn_backend.get_name() == "FLASH_ATTN" and getattr(impl, "vllm_flash_attn_version", None)
+                is not None and self.kv_cache_dtype == "auto" and not getattr(impl, "fa4_hd256", False)
+                and graph_mode != CUDAGraphMode.FULL)
 
 
 def _output_attention_op(q_out: torch.Tensor, out: torch.Tensor, layer_name: str,
@@ -336,6 +378,16 @@ class OrthrosForCausalLM(nn.Module):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.dtype = vllm_config.model_config.dtype
+        # Output tokens at the end of every request: the verified draft positions and the bonus one.
+        spec = vllm_config.speculative_config
+        self.output_suffix = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        # The prompt-logprob requests of this engine are published under its config (prompt_logprobs.py).
+        self.vllm_config_id = id(vllm_config)
+        # Rows of every-row steps are sliced from here: a captured graph reads its inputs at fixed
+        # addresses (the model is built on the engine's device).
+        scheduler = vllm_config.scheduler_config
+        self.register_buffer("arange", torch.arange(max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)),
+                             persistent=False)
         logger.info("Orthros model: %d layers, base window %d, %d query heads / %d kv heads",
                     config.num_hidden_layers, config.base_window, config.num_attention_heads,
                     config.num_key_value_heads)
@@ -346,54 +398,67 @@ class OrthrosForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         n = (input_ids if inputs_embeds is None else inputs_embeds).shape[0]
-        rows, every_row = self._plan_output_queries(n, positions.device)
+        plan = self._plan_output_queries(n, positions.device)
+        rows = plan.rows
+        if rows.shape[0] == 1 and getattr(self.model, "compiled", True) is False:
+            # The first call of a compiling model traces it: one row would be traced as the
+            # constant 1 (0/1 specialisation) and the graph, run without guards, would be wrong
+            # for more. vLLM's warm-up run (no metadata, two rows) normally traces first.
+            rows = rows.repeat(2)
         y = self.model(input_ids, positions, rows, inputs_embeds)
-        count = self.model.output_queries.count or 1
-        if every_row:  # a pure decode step: the output stream is the batch, in order
+        if plan.every_row:  # the output stream is the batch, in order
             return y[:n]
-        # Only the request-last rows are defined: NaN elsewhere makes any other reader visibly
-        # wrong instead of plausibly wrong (prompt logprobs, the one such reader, are refused).
+        # Only the output rows are defined: NaN elsewhere makes any other reader visibly wrong
+        # instead of plausibly wrong (every reader vLLM has is covered by the plan).
         hidden = y.new_full((n, y.shape[1]), float("nan"))
-        hidden[rows[:count]] = y[:count]
+        placed = plan.count if self.model.output_queries.metadata is not None else rows.shape[0]
+        hidden[rows[:placed]] = y[:placed]
         return hidden
 
-    def _plan_output_queries(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-        """The rows of this step's output queries (one per request, at its last row), and whether
-        they are every row in order (a pure decode step). Sets the shared ``OutputQueries`` that
-        every layer's output attention reads."""
+    def _plan_output_queries(self, num_tokens: int, device: torch.device) -> OutputRows:
+        """This step's output tokens (``output_rows.plan_output_rows``); sets the shared
+        ``OutputQueries`` that every layer's output attention reads."""
+        from vllm.config import CUDAGraphMode
+
         attn = self.model.layers[0].self_attn
         queries = self.model.output_queries
-        raw = get_forward_context().attn_metadata
+        context = get_forward_context()
+        graph_mode = getattr(context, "cudagraph_runtime_mode", CUDAGraphMode.NONE)
+        # A captured graph is keyed by the token count alone: every row carries an output token.
+        graph = graph_mode not in (None, CUDAGraphMode.NONE)
+        raw = context.attn_metadata
         md = raw.get(attn.attn.layer_name) if isinstance(raw, dict) else raw
+        queries.metadata, queries.row_request, queries.row_keys = md, None, None
         if md is None:
-            queries.metadata, queries.count = None, 0
-            return torch.tensor([0, num_tokens - 1], device=device), False
-        qsl = md.query_start_loc
-        # Padded requests repeat the last offset (their row is then a real request's row or -1):
-        # clamping keeps the gather in bounds; their attention output is masked.
-        rows = (qsl[1:] - 1).clamp(min=0).long()
-        n_req = rows.shape[0]
-        queries.metadata, queries.count = md, n_req
-        queries.query_start_loc = torch.arange(n_req + 1, dtype=qsl.dtype, device=qsl.device)
+            if graph:
+                plan = every_row(torch.zeros(1, dtype=torch.int32, device=device), num_tokens, 0, 1, self.arange)
+            else:
+                rows = torch.tensor([0, num_tokens - 1], device=device)
+                plan = OutputRows(rows=rows, query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+                                  count=0, max_query_len=0, every_row=False)
+            queries.plan = plan
+            return plan
+        plan = plan_output_rows(
+            md.query_start_loc, num_tokens, md.num_actual_tokens, md.max_query_len, suffix=self.output_suffix,
+            full_requests=prompt_logprob_rows(self.vllm_config_id), graph=graph, arange=self.arange,
+        )
+        queries.plan = plan
         if device.type == "cpu":
             from vllm import _custom_ops as ops
             from vllm import envs
 
+            n_req = plan.query_start_loc.shape[0] - 1
             queries.cpu_schedule = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=n_req, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                seq_lens=md.seq_lens, dtype=self.dtype, query_start_loc=queries.query_start_loc, causal=True,
+                seq_lens=md.seq_lens, dtype=self.dtype, query_start_loc=plan.query_start_loc, causal=True,
                 sliding_window_size=-1, isa=attn.attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
                 dynamic_causal=None, kv_cache_dtype=attn.attn.kv_cache_dtype,
             )
-        # R requests of at most one token each holding all of the step's tokens: exactly one each
-        # (read from host-side numbers: no device sync).
-        every_row = n_req == num_tokens and getattr(md, "max_query_len", None) == 1
-        if n_req == 1 and getattr(self.model, "compiled", True) is False:
-            # The first call of a compiling model traces it: one row would be traced as the
-            # constant 1 (0/1 specialisation) and the graph, run without guards, would be wrong
-            # for more. vLLM's warm-up run (no metadata, two rows below) normally traces first.
-            rows = rows.repeat(2)
-        return rows, every_row
+        else:
+            queries.flash = attn.attn.use_flash(graph_mode)
+            if not queries.flash and (plan.every_row or plan.max_query_len > 1):
+                queries.row_request, queries.row_keys = plan.row_requests(md.seq_lens)
+        return plan
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

@@ -43,19 +43,27 @@ DEFAULT_SPLITS = 16  # programs per (request, kv head): fills an H100/H200 at ba
 
 @triton.jit
 def _paged_split_kernel(
-    Q, KC, VC, BT, SEQ, QSL, OP, LP,
+    Q, KC, VC, BT, SEQ, QSL, RR, OP, LP,
     stride_qm, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btr, stride_opm, stride_oph, stride_ops, stride_lpm, stride_lph,
     n_splits, qk_scale,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     s = tl.program_id(2)
-    # A padded request (no tokens this step) reads nothing: its key range is empty.
-    n_new = tl.load(QSL + r + 1) - tl.load(QSL + r)
-    seq_len = tl.where(n_new > 0, tl.load(SEQ + r), 0)
+    if ROWS:
+        # One program per output row: the request whose blocks it reads, and its own key count
+        # (several rows of one request see causal prefixes; padding rows see 0 keys).
+        req = tl.load(RR + r).to(tl.int64)
+        seq_len = tl.load(SEQ + r)
+    else:
+        req = r
+        # A padded request (no tokens this step) reads nothing: its key range is empty.
+        n_new = tl.load(QSL + r + 1) - tl.load(QSL + r)
+        seq_len = tl.where(n_new > 0, tl.load(SEQ + r), 0)
     # Splits of whole cache blocks, sized on the device from this request's length.
     n_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
     per_split = tl.cdiv(n_blocks, n_splits) * BLOCK_SIZE
@@ -79,7 +87,7 @@ def _paged_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
         c_ok = cols < hi
-        block = tl.load(BT + r * stride_btr + cols // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
+        block = tl.load(BT + req * stride_btr + cols // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
         slot = (cols % BLOCK_SIZE).to(tl.int64)
         k_rows = block * stride_kb + slot * stride_ks + hk * stride_kh
         v_rows = block * stride_vb + slot * stride_vs + hk * stride_vh
@@ -109,17 +117,24 @@ def paged_output_attention(
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
     scale: float | None = None,
     num_splits: int = DEFAULT_SPLITS,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    row_request: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over all of its cached keys: ``out [R, Hq, D]``.
 
     ``q [R, Hq, D]`` holds request r's output-stream query (the token at position
     ``seq_lens[r] - 1``); ``query_start_loc`` only marks requests without tokens this step,
     whose rows come back zero. Shapes are checked; values are not (that would sync the host).
+
+    With ``row_request [M]`` the rows are output tokens, several per request where a request
+    has several (speculative verification, prompt logprobs, every row of a captured graph):
+    row ``i`` reads the blocks of request ``row_request[i]`` and its first ``seq_lens[i]`` keys
+    (``OutputRows.row_requests`` gives both; 0 keys: a padding row, zero), and
+    ``query_start_loc`` is not read.
     """
     if q.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the paged output-stream kernel needs CUDA tensors or TRITON_INTERPRET=1")
@@ -133,11 +148,19 @@ def paged_output_attention(
     if d_k != d or h_q % h_kv:
         raise ValueError(f"head_dim {d} vs cache {d_k}, query heads {h_q} vs kv heads {h_kv}: need equal head_dim "
                          "and query heads a multiple of kv heads")
-    if block_table.dim() != 2 or block_table.shape[0] < n_req or seq_lens.shape[0] < n_req \
-            or query_start_loc.shape[0] < n_req + 1:
+    rows = row_request is not None
+    if rows:
+        if block_table.dim() != 2 or row_request.shape != (n_req,) or seq_lens.shape[0] < n_req:
+            raise ValueError(
+                f"row_request [M] / seq_lens [M] must cover the M={n_req} query rows and block_table be "
+                f"[R, blocks], got {tuple(row_request.shape)}, {tuple(seq_lens.shape)}, {tuple(block_table.shape)}"
+            )
+    elif block_table.dim() != 2 or block_table.shape[0] < n_req or seq_lens.shape[0] < n_req \
+            or query_start_loc is None or query_start_loc.shape[0] < n_req + 1:
         raise ValueError(
             f"block_table [R, blocks] / seq_lens [R] / query_start_loc [R+1] must cover R={n_req} requests, got "
-            f"{tuple(block_table.shape)}, {tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}"
+            f"{tuple(block_table.shape)}, {tuple(seq_lens.shape)}, "
+            f"{None if query_start_loc is None else tuple(query_start_loc.shape)}"
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
         raise ValueError("the caches and the block table must be contiguous in their last dimension")
@@ -154,14 +177,15 @@ def paged_output_attention(
     part_l = torch.empty((n_req, h_q, num_splits), dtype=torch.float32, device=q.device)
     lse = torch.empty((h_q, n_req), dtype=torch.float32, device=q.device)
     _paged_split_kernel[(n_req, h_kv, num_splits)](
-        q, key_cache, value_cache, block_table, seq_lens, query_start_loc, part_o, part_l,
+        q, key_cache, value_cache, block_table, seq_lens, row_request if rows else query_start_loc,
+        row_request if rows else query_start_loc, part_o, part_l,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
         num_splits, scale * LOG2E,
         BLOCK_SIZE=block_size, GROUP=group, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=INTERPRET or q.dtype == torch.float32, PRECISION="ieee",
-        num_warps=SPLIT_LAUNCH["num_warps"], num_stages=1 if INTERPRET else SPLIT_LAUNCH["num_stages"],
+        ROWS=rows, num_warps=SPLIT_LAUNCH["num_warps"], num_stages=1 if INTERPRET else SPLIT_LAUNCH["num_stages"],
     )
     _decode_combine_kernel[(n_req, h_q)](
         part_o, part_l, out, lse, n_req, num_splits,
@@ -179,8 +203,9 @@ def paged_output_attention_reference(
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
     scale: float | None = None,
+    row_request: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same contract in plain torch: gather each request's keys through its block table."""
     n_req, h_q, d = q.shape
@@ -189,10 +214,11 @@ def paged_output_attention_reference(
     out = torch.zeros_like(q)
     for r in range(n_req):
         n = int(seq_lens[r])
-        if int(query_start_loc[r + 1]) == int(query_start_loc[r]) or n == 0:
+        if row_request is None and int(query_start_loc[r + 1]) == int(query_start_loc[r]) or n == 0:
             continue
         pos = torch.arange(n, device=q.device)
-        blocks = block_table[r, pos // block_size].long()
+        table = block_table[r if row_request is None else int(row_request[r])]
+        blocks = table[pos // block_size].long()
         k = key_cache[blocks, pos % block_size].float()  # [n, Hkv, D]
         v = value_cache[blocks, pos % block_size].float()
         k = k.repeat_interleave(h_q // h_kv, dim=1)

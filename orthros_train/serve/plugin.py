@@ -5,8 +5,8 @@ every process it starts (the engine core and its workers included). It registers
 lazily (vLLM imports ``orthros_train.serve.model`` when an Orthros checkpoint is loaded), the
 ``orthros`` config class with transformers' ``AutoConfig``, so the export's ``config.json`` loads
 without ``trust_remote_code`` (the export's own remote code is for transformers' ``generate``),
-and the architecture's config hook (``config.py``: what cannot be served is refused when the
-engine's configuration is built, prompt logprobs when a request asks for them).
+the architecture's config hook (``config.py``: what cannot be served is refused when the engine's
+configuration is built), and the output attention op as a splitting op of piecewise CUDA graphs.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ MODEL_CLASS = "orthros_train.serve.model:OrthrosForCausalLM"
 def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
+    from vllm.config import CompilationConfig
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from orthros_train.convert.remote_code.configuration_orthros import OrthrosConfig
-    from orthros_train.serve.config import ARCHITECTURE, OrthrosConfigHook
+    from orthros_train.serve.config import ARCHITECTURE, OUTPUT_ATTENTION_OP, OrthrosConfigHook
 
     AutoConfig.register(OrthrosConfig.model_type, OrthrosConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
@@ -28,3 +29,7 @@ def register() -> None:
     # vLLM looks its per-architecture config hooks up in this table (a plain dict) by the
     # architecture name of config.json; it has no registration call for out-of-tree models.
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, OrthrosConfigHook)
+    # vLLM's piecewise CUDA graphs split at the ops of this list (its own attention ops, and the
+    # ops models of its tree add): the output attention reads per-step metadata, as they do.
+    if OUTPUT_ATTENTION_OP not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(OUTPUT_ATTENTION_OP)

@@ -1,7 +1,8 @@
 """`vllm serve EXPORT_DIR` answers OpenAI completions for an Orthros export with the project's text.
 
 Starts the server on localhost (a free port), sends a plain and a streamed completion, compares
-the text with the project's own greedy generate, and stops the server.
+the text with the project's own greedy generate, checks an echoed completion's prompt logprobs
+against the project's full-sequence log-probs, and stops the server.
 """
 
 from __future__ import annotations
@@ -132,11 +133,18 @@ def test_served_completions_equal_the_project_generate(server):
     assert len(streamed) >= 2  # tokens arrive as they are generated, not in one piece
     assert "".join(c["choices"][0]["text"] for c in streamed) == want[0]
 
-    # Prompt logprobs do not exist for Orthros (echo + logprobs asks for them): a 400 with the
-    # reason, and the server answers the next request.
-    for extra in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 1}):
-        refused = post(f"{base}/v1/completions", {**body, "prompt": PROMPTS[0], **extra})
-        assert refused["status"] == 400, refused
-        assert "prompt logprobs are not available from an Orthros model" in refused["error"]["message"]
+    # Prompt logprobs (echo + logprobs asks for them): the request gets an output token at every
+    # prompt position, and its values are the project's full-sequence log-probs.
+    tok = AutoTokenizer.from_pretrained(str(export))
+    ids = tok(PROMPTS[0])["input_ids"]
+    model = OrthrosForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([ids])).logits.float().reshape(len(ids), -1), dim=-1)
+    echoed = post(f"{base}/v1/completions", {**body, "prompt": PROMPTS[0], "echo": True, "logprobs": 1})
+    prompt_lp = echoed["choices"][0]["logprobs"]["token_logprobs"][: len(ids)]
+    assert prompt_lp[0] is None  # the first token has no prediction
+    want_lp = [float(full[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(prompt_lp[1:], want_lp)) <= 2e-4, (prompt_lp, want_lp)
+    assert echoed["choices"][0]["text"] == PROMPTS[0] + want[0]
     again = post(f"{base}/v1/completions", {**body, "prompt": PROMPTS[1]})
     assert again["choices"][0]["text"] == want[1]

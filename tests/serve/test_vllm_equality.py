@@ -5,8 +5,10 @@ a tiny `orthros-convert to-hf` export and compares with ``orthros_train.infer.ge
 decode on the project's model):
 the base window smaller than the prompts, a mixed-length batch, chunked prefill with a small token
 budget, prefix caching over shared prefixes and KV-block pressure (preemption and recompute); and,
-with gamma = 1, beta = 0 and W >= length, vLLM's own Llama on the same weights. What the design
-cannot serve is refused: settings when the engine's config is built, prompt logprobs per request.
+with gamma = 1, beta = 0 and W >= length, vLLM's own Llama on the same weights; prompt logprobs
+against the project's full-sequence log-probs, and speculative decoding (n-gram, a draft model)
+against plain greedy decoding. What the design cannot serve is refused when the engine's config is
+built.
 
 Starting and stopping an engine costs seconds (vLLM collects garbage over every object its imports
 made, several times), so cases that can run on the same engine settings share a module-scoped one.
@@ -31,16 +33,17 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from orthros_train.infer.generate import decode, generate, prefill  # noqa: E402
 from orthros_train.model.orthros import OrthrosForCausalLM  # noqa: E402
 from orthros_train.serve.config import (  # noqa: E402
-    PROMPT_LOGPROBS_REFUSAL,
     PROMPT_LOGPROBS_REFUSAL_V2,
-    add_prompt_logprobs_refusal,
+    PROMPT_LOGPROBS_ROWS,
+    add_prompt_logprobs_rows,
 )
 
 NEW = 6  # tokens generated per request
 TOP_K = 4
+PROMPT_TOP_K = 5  # prompt_logprobs=5, as lm-eval and the OpenAI API ask
 LOGPROB_TOL = 2e-4  # fp32 on both sides; the CPU kernels sum in another order
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_memory_bytes=32 << 20, seed=0,
-                   max_logprobs=TOP_K)
+                   max_logprobs=PROMPT_TOP_K)
 # Ten KV blocks of the CPU backend's 128 tokens for the tiny export (2 layers, 2 kv heads of 32, fp32, K and V).
 TEN_BLOCKS = 10 * 128 * 2 * 2 * 2 * 32 * 4
 
@@ -158,16 +161,103 @@ def test_kv_block_pressure_preempts_and_recomputes_exactly(tiny, tight):
     assert_same(vllm_run(tight, prompts, new), model, prompts, new)
 
 
-def test_prompt_logprobs_are_refused_per_request(tiny, roomy):
-    """Only the last prompt row has an output token: asking for prompt logprobs fails the request
-    with the reason, and the engine serves the next one."""
+def full_sequence_logprobs(model, prompt):
+    """The project's log-softmax at every position of ``prompt`` (the pretraining layout)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits.float().reshape(len(prompt), -1)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_prompt_logprobs(out, model, prompt):
+    """vLLM's prompt logprobs (top-5 and the prompt token's own) equal the full-sequence ones; returns
+    the largest difference."""
+    want = full_sequence_logprobs(model, prompt)
+    got = out.prompt_logprobs
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    worst = 0.0
+    for i, entry in enumerate(got[1:]):  # entry i scores prompt token i + 1 from position i
+        top = torch.topk(want[i], PROMPT_TOP_K).indices.tolist()
+        assert set(top) <= set(entry), f"position {i}: top-{PROMPT_TOP_K} ids differ"
+        assert prompt[i + 1] in entry
+        for tok, lp in entry.items():
+            worst = max(worst, abs(lp.logprob - float(want[i, tok])))
+    assert worst <= LOGPROB_TOL, worst
+    return worst
+
+
+def test_prompt_logprobs_equal_full_sequence_logprobs_beside_plain_requests(tiny, roomy):
+    """A request with prompt_logprobs=5 gets an output token at every prompt position (that request
+    only): its values are the project's full-sequence log-probs, and the plain requests of the same
+    step answer as without it (tokens and logprobs equal generate)."""
     model, _ = tiny
-    prompt = prompts_of([50], seed=8)
-    for n in (0, 3):
-        with pytest.raises(VLLMValidationError, match="prompt logprobs are not available from an Orthros model"):
-            roomy.generate([TokensPrompt(prompt_token_ids=prompt[0])],
-                           SamplingParams(max_tokens=2, prompt_logprobs=n), use_tqdm=False)
-    assert_same(vllm_run(roomy, prompt), model, prompt)
+    prompts = prompts_of([40, 300, 129, 17], seed=8)  # W = 16 below every length
+    asks = [True, False, True, False]
+    params = [SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=TOP_K, ignore_eos=True,
+                             prompt_logprobs=PROMPT_TOP_K if a else None) for a in asks]
+    outs = roomy.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    for out, prompt, a in zip(outs, prompts, asks):
+        if a:
+            assert_prompt_logprobs(out, model, prompt)
+        else:
+            assert out.prompt_logprobs is None
+    assert_same(outs, model, prompts)
+
+
+def test_prompt_logprobs_over_prefill_chunks(tiny, tight):
+    """Under a 64-token step budget a 300-token prompt arrives in five chunks: every chunk's rows get
+    output tokens, beside another request's chunks and decode steps."""
+    model, _ = tiny
+    prompts = prompts_of([300, 150], seed=9)
+    params = [SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=TOP_K, ignore_eos=True,
+                             prompt_logprobs=PROMPT_TOP_K),
+              SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=TOP_K, ignore_eos=True)]
+    outs = tight.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    assert_prompt_logprobs(outs[0], model, prompts[0])
+    assert_same(outs, model, prompts)
+
+
+def run_speculative_engine(export, spec, prompts, new):
+    """(tokens, per-step logprobs, acceptance counters) of an engine with ``spec``, run in its own
+    process (``spec_engine.py`` says why)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "spec_engine.py"
+    proc = subprocess.run([sys.executable, str(script), str(export), json.dumps(spec), json.dumps(prompts), str(new),
+                           str(TOP_K)], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    return result["tokens"], result["logprobs"], result["counts"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_keeps_the_greedy_tokens(tiny, tmp_path, method):
+    """A verification step gives every draft position an output token (the last 1 + k rows of each
+    request); vLLM's rejection sampler then accepts what the target's greedy choice agrees with, so
+    the tokens and their logprobs are generate's. Drafts are proposed and some accepted (the rate
+    is printed; bench/serve.py --speculative reports it at scale)."""
+    model, export = tiny
+    g = torch.Generator().manual_seed(10)
+    motif = torch.randint(1, 384, (12,), generator=g).tolist()
+    prompts = [motif * 5, *prompts_of([200, 33], seed=11), motif[:5] * 9]  # repeats for the n-gram lookup
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    else:  # the export's dense Llama twin drafts (no window, no affine: it often disagrees)
+        spec = {"method": "draft_model", "model": str(make_llama_twin(export, tmp_path / "draft")),
+                "num_speculative_tokens": 3}
+    tokens, logprobs, counts = run_speculative_engine(export, spec, prompts, new=24)
+    want_tokens, want_lp = reference(model, prompts, new=24)
+    assert tokens == want_tokens
+    for i, steps in enumerate(logprobs):
+        for step, (entry, lp) in enumerate(zip(steps, want_lp[i])):
+            for tok in torch.topk(lp, TOP_K).indices.tolist():
+                assert abs(entry[str(tok)] - float(lp[tok])) <= LOGPROB_TOL, (i, step, tok)
+    assert counts["draft_tokens"] > 0 and counts["accepted"] > 0, counts
+    print(f"{method}: accepted {counts['accepted']} of {counts['draft_tokens']} draft tokens "
+          f"({counts['accepted'] / counts['draft_tokens']:.0%})")
 
 
 def test_compiled_engine_equals_generate(tiny, tmp_path, monkeypatch):
@@ -244,8 +334,6 @@ def test_unservable_configurations_are_refused_when_the_config_is_built(tiny):
     _, export = tiny
     base = dict(model=str(export), dtype="float32", enforce_eager=True, max_model_len=1024)
     refused = [
-        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
-         "speculative decoding is not supported by Orthros"),
         (dict(pipeline_parallel_size=2), "pipeline parallelism is not supported by Orthros.*tensor parallelism"),
         (dict(tensor_parallel_size=3), "num_attention_heads=4 is not divisible by --tensor-parallel-size 3"),
     ]
@@ -253,7 +341,33 @@ def test_unservable_configurations_are_refused_when_the_config_is_built(tiny):
         with pytest.raises(ValueError, match=message):
             EngineArgs(**base, **extra).create_engine_config()
     config = EngineArgs(**base).create_engine_config()
-    assert config.model_config.logits_processors == [PROMPT_LOGPROBS_REFUSAL]
+    assert config.model_config.logits_processors == [PROMPT_LOGPROBS_ROWS]
+    # Methods whose drafts read the target's hidden states (vLLM checks their draft model first, so
+    # the hook is called here on the built config with the method swapped in).
+    from orthros_train.serve.config import check_serving_config
+
+    for method in ("eagle", "eagle3", "mtp", "medusa"):
+        config.speculative_config = type("S", (), {"method": method})()
+        with pytest.raises(ValueError, match=f"speculative decoding with method '{method}' is not supported by "
+                                             "Orthros.*ngram, ngram_gpu, suffix, draft_model"):
+            check_serving_config(config)
+    # Speculative decoding: vLLM takes no custom logits processor, so none is added.
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    config = EngineArgs(**base, speculative_config=spec).create_engine_config()
+    assert not config.model_config.logits_processors
+
+
+def test_a_mixture_of_experts_export_is_refused_when_the_config_is_built(tiny, tmp_path):
+    import json
+    import shutil
+
+    export = tmp_path / "export"
+    shutil.copytree(tiny[1], export)
+    config = json.loads((export / "config.json").read_text())
+    config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, moe_routing="tied")
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="num_experts=4: mixture-of-experts Orthros checkpoints are not served"):
+        EngineArgs(model=str(export), dtype="float32", enforce_eager=True, max_model_len=1024).create_engine_config()
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True, "abc", None])
@@ -270,51 +384,50 @@ def test_a_bad_base_window_is_refused_when_the_config_is_built(tiny, tmp_path, w
         EngineArgs(model=str(export), dtype="float32", enforce_eager=True, max_model_len=1024).create_engine_config()
 
 
-def test_model_runner_v2_gets_its_own_refusal():
-    """Model Runner V2 (GPU) loads only its own logits-processor interface; its front end must
-    refuse prompt logprobs the same way (checked here through vLLM's V2 loader, no GPU needed)."""
+def test_model_runner_v2_refuses_prompt_logprobs():
+    """Model Runner V2 (GPU) tells logits processors about requests only after the forward, too late
+    for the model to give their prompts output tokens: its front end refuses prompt logprobs (checked
+    here through vLLM's V2 loader, no GPU needed) and names the V1 runner that serves them."""
     from vllm.v1.worker.gpu.sample.logits_processor.loader import build_custom_logits_processors_params_validator
 
-    class Config:  # the two fields add_prompt_logprobs_refusal reads
+    class Config:  # the fields add_prompt_logprobs_rows reads
         use_v2_model_runner = True
+        speculative_config = None
         model_config = type("M", (), {"logits_processors": ["user.module:Theirs"]})()
 
     config = Config()
-    add_prompt_logprobs_refusal(config)
-    add_prompt_logprobs_refusal(config)  # idempotent
+    add_prompt_logprobs_rows(config)
+    add_prompt_logprobs_rows(config)  # idempotent
     assert config.model_config.logits_processors == ["user.module:Theirs", PROMPT_LOGPROBS_REFUSAL_V2]
     validate = build_custom_logits_processors_params_validator([PROMPT_LOGPROBS_REFUSAL_V2])
     validate(SamplingParams(max_tokens=2, logprobs=2))
-    with pytest.raises(VLLMValidationError, match="drop prompt_logprobs"):
+    with pytest.raises(VLLMValidationError, match="VLLM_USE_V2_MODEL_RUNNER=0.*drop prompt_logprobs"):
         validate(SamplingParams(max_tokens=2, prompt_logprobs=1))
     from orthros_train.serve.prompt_logprobs import RefusePromptLogprobsV2
 
     assert RefusePromptLogprobsV2(None, None).add_request(0, SamplingParams()) is False  # never applied
 
 
-def test_off_cpu_the_engine_runs_eagerly(tiny, monkeypatch):
-    """CUDA graphs are captured per token count and cannot replay the output stream's per-request
-    rows: off the CPU the config hook turns on eager mode (as --enforce-eager); on CPU the model
-    compiles (vLLM's default there)."""
-    import vllm.platforms
+def test_output_attention_splits_piecewise_cuda_graphs(tiny):
+    """Off the CPU the engine keeps vLLM's CUDA graphs (no forced eager mode): the output attention is
+    one of the splitting ops of piecewise graphs, as vLLM's own attention is (checked on the config
+    vLLM builds for piecewise compilation, no GPU needed); a user's own list gets it appended."""
+    from vllm.config import CompilationConfig, CompilationMode
 
-    from orthros_train.serve.config import run_eagerly_off_cpu
+    from orthros_train.serve.config import OUTPUT_ATTENTION_OP, split_graphs_at_output_attention
 
     _, export = tiny
     assert not EngineArgs(model=str(export), dtype="float32", max_model_len=1024).create_engine_config() \
         .model_config.enforce_eager
-
-    class Gpu:
-        device_name = "cuda"
-
-        @staticmethod
-        def is_cpu() -> bool:
-            return False
+    assert OUTPUT_ATTENTION_OP in CompilationConfig._attention_ops
+    piecewise = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    piecewise.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert OUTPUT_ATTENTION_OP in piecewise.splitting_ops
+    assert "vllm::unified_attention_with_output" in piecewise.splitting_ops
 
     class Config:
-        model_config = type("M", (), {"enforce_eager": False})()
+        compilation_config = type("C", (), {"splitting_ops": ["vllm::unified_attention_with_output"]})()
 
-    monkeypatch.setattr(vllm.platforms, "current_platform", Gpu())
     config = Config()
-    run_eagerly_off_cpu(config)
-    assert config.model_config.enforce_eager is True
+    split_graphs_at_output_attention(config)
+    assert config.compilation_config.splitting_ops == ["vllm::unified_attention_with_output", OUTPUT_ATTENTION_OP]
