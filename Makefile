@@ -121,6 +121,7 @@ $(SERVE_STAMP): pyproject.toml orthros_train/serve/vllm_alias.py
 	$(SERVE_PY) -m pip install -q --no-deps -e .
 	$(SERVE_PY) -m orthros_train.serve.vllm_alias
 	$(SERVE_PY) -m pip install -q "pytest>=8"
+	$(SERVE_PY) -m pip install -q "lm_eval>=0.4.13"  # lm-eval's vllm model on exports (docs/serve.md)
 	touch $(SERVE_STAMP)
 
 serve-env: $(SERVE_STAMP)

@@ -26,6 +26,11 @@ Sections:
    backward (deterministic and atomic), T = 4K..32K, next to SDPA's flash and cuDNN backends;
    the autotuner's choices recorded per sequence length.
 4. ``inference``: prefill time to first token and decode tokens/s, Orthros vs dense.
+5. ``serving``: the Orthros export and its dense Llama twin in vLLM as users run them (compiled,
+   CUDA graphs on): decode tokens/s of a batch at a 1K context, TTFT at 16K and 128K, and the
+   Orthros engine's greedy tokens against the project's ``generate``. It runs in the time the
+   other sections leave (``--sections serving`` gives it the whole budget) and needs vLLM, which
+   the locked-down GPU image lacks: there it records that and takes no time.
 
 ``--dry-run`` runs every section on CPU at tiny sizes (the trainer through torchrun on gloo, the
 kernels on the Triton interpreter) and times nothing that means anything.
@@ -68,7 +73,9 @@ TARGETS = {
 TOTAL_BUDGET_S = 7 * 60  # the whole run, from process start
 ALARM_MARGIN_S = 10  # SIGALRM after the budget plus this: the backstop when a unit overruns
 # Seconds per section (capped by what the whole run has left).
-BUDGET_S = {"trainer": 170, "correctness": 40, "kernels": 130, "inference": 60}
+# ``serving`` (last) has no share of its own: it runs in the time the others leave, all of the
+# budget with ``--sections serving``, and takes none where vLLM is not installed.
+BUDGET_S = {"trainer": 170, "correctness": 40, "kernels": 130, "inference": 60, "serving": 0}
 
 
 def shape_1p3b() -> dict:
@@ -895,11 +902,152 @@ def _ratio(a, b):
 
 
 # ---------------------------------------------------------------------------------------------
+# 5. serving in vLLM with CUDA graphs
+# ---------------------------------------------------------------------------------------------
+
+SERVE_DECODE_BATCHES = (1, 16)
+SERVE_DECODE_PROMPT = 1024
+SERVE_DECODE_TOKENS = 64
+SERVE_TTFT_PROMPTS = (16384, 131072)
+SERVE_LAYERS = 4  # the 1.3B shape's width with few layers: engine start and graph capture fit the budget
+
+
+def serving_models(root: Path, dry: bool) -> tuple[dict, Path, Path]:
+    """A random-weight export of the 1.3B shape (``SERVE_LAYERS`` layers) and its dense Llama twin."""
+    from orthros_train.convert.to_hf import convert_to_hf
+    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+
+    shape = {**shape_1p3b(), "num_hidden_layers": 2 if dry else SERVE_LAYERS}
+    if dry:
+        shape.update(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=256, vocab_size=384, sliding_window=16, max_position_embeddings=4096)
+    cfg = OrthrosConfig(**shape)
+    model = OrthrosForCausalLM(cfg)
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    model.save_pretrained(root / "orthros")
+    export = root / "export"
+    convert_to_hf(root / "orthros", export)
+    hf = json.loads((export / "config.json").read_text())
+    hf.setdefault("eos_token_id", 0)
+    (export / "config.json").write_text(json.dumps(hf))
+    dense = root / "llama"
+    dense.mkdir()
+    llama = {k: v for k, v in hf.items() if k not in ("auto_map", "qk_norm", "base_window")}
+    llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", mlp_bias=False)
+    (dense / "config.json").write_text(json.dumps(llama))
+    from safetensors.torch import load_file, save_file
+
+    state = {k: v for k, v in load_file(str(export / "model.safetensors")).items()
+             if not k.endswith((".gamma", ".beta"))}
+    save_file(state, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    return shape, export, dense
+
+
+def run_serving(run: Run) -> None:
+    """Both models in vLLM as users run them (compiled, CUDA graphs on): decode tokens/s of a batch
+    at a 1K context and TTFT of one 16K / 128K prompt, the Orthros export beside its dense Llama twin,
+    and the Orthros engine's greedy tokens against the project's ``generate``. Needs vLLM (the GPU
+    build) in the environment; without it the section says so and takes no time."""
+    import importlib.util
+    import tempfile
+
+    with section(run, "serving") as sec:
+        if importlib.util.find_spec("vllm") is None:
+            sec["status_note"] = ("vllm is not installed here: nothing to measure (pip install vllm, then "
+                                  "--sections serving)")
+            sec["skipped"] = ["vllm not installed"]
+            return
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from orthros_train.infer.generate import generate
+        from orthros_train.model import OrthrosForCausalLM
+
+        dry = run.dry
+        guard = Guard(run, max(0.0, run.left()))  # what the other sections left (all of it with --sections serving)
+        batches = (2,) if dry else SERVE_DECODE_BATCHES
+        prompt_len, new = (64, 4) if dry else (SERVE_DECODE_PROMPT, SERVE_DECODE_TOKENS)
+        ttft_prompts = (256,) if dry else SERVE_TTFT_PROMPTS
+        g = torch.Generator().manual_seed(3)
+        with tempfile.TemporaryDirectory() as tmp:
+            shape, export, dense = serving_models(Path(tmp), dry)
+            sec["shape"] = {k: shape[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                 "num_key_value_heads", "head_dim", "sliding_window")}
+            max_len = max(ttft_prompts) + 64
+            vocab = shape["vocab_size"]
+            for name, path in (("orthros", export), ("llama", dense)):
+                if not guard.ok(f"{name} engine", need_s=60):
+                    continue
+                with attempt(run, sec, f"{name} engine"):
+                    llm = LLM(model=str(path), dtype="float32" if dry else "bfloat16", max_model_len=max_len,
+                              gpu_memory_utilization=0.4, skip_tokenizer_init=True, seed=0,
+                              enable_prefix_caching=False, enforce_eager=dry)
+                    mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+                    row = {"model": name, "cudagraph_mode": str(mode)}
+                    sec["rows"].append(row)
+                    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
+                    for b in batches:
+                        if not guard.ok(f"{name} decode B={b}"):
+                            continue
+                        prompts = [TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (prompt_len,), generator=g)
+                                                .tolist()) for _ in range(b)]
+                        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+                        llm.generate(prompts, greedy, use_tqdm=False)  # warm-up
+                        _sync()
+                        t0 = time.perf_counter()
+                        llm.generate(prompts, one, use_tqdm=False)
+                        first = time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                        outs = llm.generate(prompts, greedy, use_tqdm=False)
+                        total = time.perf_counter() - t0
+                        # Decode: the batch's tokens after the first, over the time after the prefill.
+                        row[f"decode_tok_s_b{b}"] = b * (new - 1) / max(total - first, 1e-9)
+                        if name == "orthros" and b == batches[0]:
+                            model = OrthrosForCausalLM.from_pretrained(Path(tmp) / "orthros").eval()
+                            model = model.to("cpu" if dry else "cuda", torch.float32 if dry else torch.bfloat16)
+                            with torch.no_grad():
+                                want = generate(model, [p["prompt_token_ids"] for p in prompts],
+                                                max_new_tokens=new).sequences
+                            got = [list(o.outputs[0].token_ids) for o in outs]
+                            row["greedy_equals_generate"] = sum(a == w for a, w in zip(got, want)) / len(want)
+                            del model
+                    for t in ttft_prompts:
+                        if not guard.ok(f"{name} TTFT T={t}"):
+                            continue
+                        prompt = [TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (t,), generator=g).tolist())]
+                        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+                        llm.generate(prompt, one, use_tqdm=False)  # warm-up at this length
+                        _sync()
+                        t0 = time.perf_counter()
+                        llm.generate([TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (t,), generator=g)
+                                                   .tolist())], one, use_tqdm=False)
+                        row[f"ttft_ms_{t}"] = (time.perf_counter() - t0) * 1e3
+                    llm.llm_engine.engine_core.shutdown()
+                    del llm
+                    if not dry:
+                        torch.cuda.empty_cache()
+                    if dry:  # nothing timed means anything on CPU
+                        for k in list(row):
+                            if k.startswith(("decode_tok_s", "ttft_ms")):
+                                row[k] = None
+        by = {r["model"]: r for r in sec["rows"]}
+        o, d = by.get("orthros", {}), by.get("llama", {})
+        sec["ratios"] = {
+            **{f"decode_orthros_over_llama_b{b}": _ratio(o.get(f"decode_tok_s_b{b}"), d.get(f"decode_tok_s_b{b}"))
+               for b in batches},
+            **{f"ttft_llama_over_orthros_{t}": _ratio(d.get(f"ttft_ms_{t}"), o.get(f"ttft_ms_{t}"))
+               for t in ttft_prompts},
+        }
+        sec["skipped"] = guard.skipped
+
+
+# ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
 
 RUNNERS = {"trainer": run_trainer_section, "correctness": run_correctness, "kernels": run_kernels,
-           "inference": run_inference}  # fmt: skip
+           "inference": run_inference, "serving": run_serving}  # fmt: skip
 
 
 def _f(x, spec: str = ".2f") -> str:
@@ -950,6 +1098,17 @@ def markdown(report: dict) -> str:
         if k.get("deterministic_bwd_ceiling"):
             lines += ["", f"Deterministic backward ceiling: {k['deterministic_bwd_ceiling']}."]
         lines.append("")
+    if "serving" in s:
+        sv = s["serving"]
+        lines += [f"## Serving in vLLM ({sv.get('shape')})", ""]
+        if sv.get("status_note"):
+            lines += [sv["status_note"], ""]
+        for r in sv.get("rows", []):
+            lines.append(f"- {r['model']}: " + ", ".join(f"{k} {_f(v) if isinstance(v, float) else v}"
+                                                       for k, v in r.items() if k != "model"))
+        for k, v in sv.get("ratios", {}).items():
+            lines.append(f"- {k}: {_f(v)}")
+        lines.append("")
     if "inference" in s:
         lines += [f"## Prefill / decode ({s['inference'].get('layers')} layers)", "",
                   "| model | prompt | TTFT ms | decode tokens/s |", "| --- | --- | --- | --- |"]  # fmt: skip
@@ -989,9 +1148,12 @@ def plan_text(sections: list[str], dry: bool) -> str:
         "correctness": "Triton fwd/bwd/decode vs the fp32 reference; two layers under the sync detector",
         "kernels": "TFLOP/s per layout and T, deterministic and atomic backward, SDPA flash and cuDNN",
         "inference": "prefill TTFT and decode tokens/s, Orthros vs dense",
+        "serving": "vLLM with CUDA graphs: decode tokens/s and TTFT 16K/128K, the Orthros export vs its Llama twin; "
+        "greedy tokens vs generate",
     }
     for name in sections:
-        lines.append(f"  {name:<12} <= {BUDGET_S[name]:>3d} s  {what[name]}")
+        share = f"<= {BUDGET_S[name]:>3d} s" if BUDGET_S[name] else "  the rest"
+        lines.append(f"  {name:<12} {share}  {what[name]}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,9 @@ How it measures, so that ratios hold on a shared machine:
   ratio's share of each.
 * Both engines run as vLLM runs them by default (compiled: on CPU one dynamo trace, inductor),
   or eagerly with ``--eager``.
+* ``--speculative ngram``: both decode with vLLM's n-gram speculative decoding (``k`` draft tokens
+  a step); decode tokens/s is then the tokens of all decode steps over their time, and each
+  engine's accepted-token rate (vLLM's counters) is printed and written to the JSON.
 * The window check times vLLM's CPU paged-attention op as the base stream calls it in one layer
   (``T`` queries over ``T`` cached keys of the preset's heads) with the window ``W`` and without
   one: whether the kernel skips the keys outside the window.
@@ -83,16 +86,26 @@ def build_models(preset: str, root: Path, max_len: int) -> tuple[OrthrosConfig, 
     return cfg, export, dense
 
 
-def make_engine(model_dir: Path, cfg: OrthrosConfig, max_len: int, max_batch: int, max_prompt: int, eager: bool):
+def make_engine(model_dir: Path, cfg: OrthrosConfig, max_len: int, max_batch: int, max_prompt: int, eager: bool,
+                speculative: dict | None = None):
     """An fp32 engine whose step budget prefills a whole batch at once, with cache for it; compiled
-    as vLLM compiles by default (on CPU: one dynamo trace, inductor) unless ``eager``."""
+    as vLLM compiles by default (on CPU: one dynamo trace, inductor) unless ``eager``; with
+    ``speculative`` (vLLM's speculative_config) it counts drafts and accepted tokens."""
     from vllm import LLM
 
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, fp32
     kv_bytes = max_batch * (max_len + 256) * per_token + (64 << 20)
+    extra = dict(speculative_config=speculative, disable_log_stats=False) if speculative else {}
     return LLM(model=str(model_dir), dtype="float32", enforce_eager=eager, max_model_len=max_len,
                enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, skip_tokenizer_init=True, seed=0,
-               max_num_seqs=max_batch, max_num_batched_tokens=max(max_len, max_prompt * max_batch))
+               max_num_seqs=max_batch, max_num_batched_tokens=max(max_len, max_prompt * max_batch), **extra)
+
+
+def acceptance(llm) -> dict[str, int]:
+    """vLLM's speculative-decoding counters of an engine (drafts, draft tokens, accepted tokens)."""
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
 
 
 class Run:
@@ -110,6 +123,7 @@ class Run:
         self.tokens = dict.fromkeys(self.ids, 0)
         self.ttft_cpu = self.ttft_wall = 0.0
         self.decode_steps: list[tuple[float, float]] = []  # (cpu s, wall s) of steps after the first tokens
+        self.decode_tokens = 0  # tokens those steps produced (more than one per request under speculation)
 
     @property
     def done(self) -> bool:
@@ -120,23 +134,28 @@ class Run:
         c0, w0 = time.process_time(), time.perf_counter()
         outputs = self.engine.step()
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+        before = sum(self.tokens.values())
         for out in outputs:
             self.tokens[out.request_id] = len(out.outputs[0].token_ids)
         if prefilled:
             self.decode_steps.append((cpu, wall))
+            self.decode_tokens += sum(self.tokens.values()) - before
         else:
             self.ttft_cpu += cpu
             self.ttft_wall += wall
 
 
 def measure(engines: dict, lengths: list[int], batches: list[int], decode_tokens: int, repeats: int,
-            vocab: int) -> dict[tuple[str, int, int], dict[str, float]]:
+            vocab: int, speculative: bool = False) -> dict[tuple[str, int, int], dict[str, float]]:
+    """TTFT and decode tokens/s per (model, prompt, batch). Under speculation a decode step yields up
+    to 1 + k tokens per request: decode tokens/s is then the tokens over the time of all decode steps."""
     g = torch.Generator().manual_seed(1)
     out: dict[tuple[str, int, int], dict[str, float]] = {}
     for t in lengths:
         for b in batches:
             ttft = {m: [] for m in engines}
             steps = {m: [] for m in engines}
+            produced = dict.fromkeys(engines, 0)
             for r in range(repeats):
                 prompts = [torch.randint(1, vocab, (t,), generator=g).tolist() for _ in range(b)]
                 runs = {m: Run(llm, f"{t}-{b}-{r}-{m}", prompts, decode_tokens + 1) for m, llm in engines.items()}
@@ -145,15 +164,20 @@ def measure(engines: dict, lengths: list[int], batches: list[int], decode_tokens
                         if not run.done:
                             run.step()
                 for m, run in runs.items():
-                    if len(run.decode_steps) != decode_tokens:
+                    produced[m] += run.decode_tokens
+                    if not speculative and len(run.decode_steps) != decode_tokens:
                         raise RuntimeError(f"{m}: expected {decode_tokens} decode steps after one prefill step, "
                                            f"got {len(run.decode_steps)} (was the batch prefilled in chunks?)")
                     ttft[m].append((run.ttft_cpu, run.ttft_wall))
                     steps[m].extend(run.decode_steps)
             for m in engines:
-                row = {"ttft_cpu_s": min(c for c, _ in ttft[m]), "ttft_wall_s": min(w for _, w in ttft[m]),
-                       "decode_tok_s_cpu": b / statistics.median(c for c, _ in steps[m]),
-                       "decode_tok_s_wall": b / statistics.median(w for _, w in steps[m])}
+                row = {"ttft_cpu_s": min(c for c, _ in ttft[m]), "ttft_wall_s": min(w for _, w in ttft[m])}
+                if speculative:
+                    row["decode_tok_s_cpu"] = produced[m] / sum(c for c, _ in steps[m])
+                    row["decode_tok_s_wall"] = produced[m] / sum(w for _, w in steps[m])
+                else:
+                    row["decode_tok_s_cpu"] = b / statistics.median(c for c, _ in steps[m])
+                    row["decode_tok_s_wall"] = b / statistics.median(w for _, w in steps[m])
                 out[(m, t, b)] = row
                 print(f"  {m}: T={t} B={b} TTFT {row['ttft_cpu_s']:.3f} s CPU ({row['ttft_wall_s']:.3f} s wall), "
                       f"decode {row['decode_tok_s_cpu']:.1f} tok/s CPU ({row['decode_tok_s_wall']:.1f} wall)",
@@ -229,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt lengths of the kernel window check (comma-separated; empty: skip it)")
     p.add_argument("--eager", action="store_true",
                    help="run both engines eagerly (--enforce-eager) instead of compiled, vLLM's default")
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="both engines decode with vLLM's speculative decoding (n-gram prompt lookup); the "
+                        "accepted-token rate is reported")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -246,19 +274,28 @@ def main(argv: list[str] | None = None) -> int:
            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
            "torch": torch.__version__, "preset": args.preset, "dtype": "float32", "repeats": args.repeats,
            "decode_tokens": args.decode_tokens, "mode": "eager" if args.eager else "compiled",
+           "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
            "load_average_start": os.getloadavg()[0]}
     max_len = max(lengths) + args.decode_tokens + 8
     with tempfile.TemporaryDirectory() as tmp:
         cfg, export, dense = build_models(args.preset, Path(tmp), max_len)
         env["window"] = cfg.sliding_window
-        engines = {m: make_engine(d, cfg, max_len, max(batches), max(lengths), args.eager)
+        spec = None
+        if args.speculative:
+            spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        # Both engines exist before either decodes: vLLM's n-gram proposer imports llvmlite (numba),
+        # after which a new engine's worker fails its kernel-override scan of sys.modules.
+        engines = {m: make_engine(d, cfg, max_len, max(batches), max(lengths), args.eager, spec)
                    for m, d in zip(MODELS, (export, dense))}
         block_size = engines["orthros"].llm_engine.vllm_config.cache_config.block_size
         for llm in engines.values():  # warm-up: first-call allocations and lazy imports
             warm = Run(llm, "warm", [[1] * 64], 3)
             while not warm.done:
                 warm.step()
-        times = measure(engines, lengths, batches, args.decode_tokens, args.repeats, cfg.vocab_size)
+        times = measure(engines, lengths, batches, args.decode_tokens, args.repeats, cfg.vocab_size,
+                        speculative=bool(spec))
+        accepted = {m: acceptance(llm) for m, llm in engines.items()} if spec else {}
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
     checks = window_check(cfg, check_lengths, block_size, max(args.repeats, 2)) if check_lengths else []
@@ -305,8 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         for c in checks:
             print(f"| {c['prompt']} | {c['windowed_ms']:.1f} | {c['full_ms']:.1f} | {c['speedup']:.1f}x "
                   f"| {c['pair_ratio']:.1f}x |")
+    for m, c in accepted.items():
+        rate = c["accepted"] / c["draft_tokens"] if c.get("draft_tokens") else float("nan")
+        c["accept_rate"] = rate
+        print(f"\n{m}: speculative decoding ({args.speculative}, k = {args.num_speculative_tokens}, warm-up included): "
+              f"{c.get('accepted', 0)} of {c.get('draft_tokens', 0)} draft tokens accepted ({rate:.1%}), "
+              f"{c.get('drafts', 0)} drafts")
     if args.json:
-        args.json.write_text(json.dumps({"environment": env, "rows": rows, "window_check": checks}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"environment": env, "rows": rows, "window_check": checks,
+                                         "speculative": accepted}, indent=2) + "\n")
     return 0
 
 
