@@ -569,15 +569,11 @@ def longctx_section(opts: ConversionOptions, source_run: Path, setting: Setting,
         e = evaluate_checkpoint(ckpt, recipe["data"], at, opts.recall_documents, opts.passkey_documents,
                                 opts.valid_tokens, ranges if at == length else None, tokenizer_from=src,
                                 **config_overrides)
-        buckets = e["recall"]["buckets"]
-        far = [b for b in buckets if b["low"] >= trained and b["queries"]]
         return {
             "loss": e["essay_valid"]["loss"],
             "loss_within_l": loss_between(e, 0, trained),
             "loss_beyond_l": loss_between(e, trained),
             "recall": e["recall"]["accuracy"],
-            "recall_beyond_l": (sum(b["accuracy"] * b["queries"] for b in far) / sum(b["queries"] for b in far)
-                                if far else None),
             "passkey": {hay: {k: v["accuracy"] for k, v in e["passkey"][hay].items()} for hay in ("pairs", "essays")},
         }
 
