@@ -85,12 +85,12 @@ def ep2_run(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_expert_parallel_forward_backward_and_steps_equal_reference():
-    """EP = 2, TP = 2 + SP with EP = 2 and TP = 2 + SP with EP = 1, every routing policy, pretrain
+    """EP = 2, TP = 2 + SP with EP = 2 (every routing policy) and TP = 2 + SP with EP = 1, pretrain
     and sft layouts: logits, loss, router loss and gradients equal the one-device model; three
     clipped AdamW steps through DeepSpeed (EP = 2 under ZeRO 0/1/2, TP = 2 + SP + EP = 2 under
     ZeRO-1) equal one process, weights and gradient norms."""
     results = result_of(torchrun("ep_equivalence"))
-    assert len(results) == 3 * 3 * 2 + 4, sorted(results)
+    assert len(results) == (1 + 3 + 1) * 2 + 5, sorted(results)
     for variant, errs in results.items():
         for what, err in errs.items():
             assert err <= TOL, (variant, what, err)
@@ -191,3 +191,8 @@ def test_recipe_with_an_impossible_expert_layout_stops_at_its_config():
         compose_recipe("moe_tiny_cpu", "parallel.expert_parallel=4", world_size=2)
     with pytest.raises(ValueError, match="parallel.expert_parallel=2 but the model is dense"):
         compose_recipe("tiny_cpu", "parallel.expert_parallel=2", world_size=2)
+
+
+def test_rl_with_expert_parallelism_is_refused():
+    with pytest.raises(ValueError, match="rl with parallel.expert_parallel=2 is not supported"):
+        compose_recipe("rl_tiny_cpu", "parallel.expert_parallel=2", "+model.num_experts=4", world_size=2)

@@ -30,6 +30,7 @@ part of the tokens (TP > 1 under SP) are DeepSpeed MoE parameters (``allreduce=F
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import deepspeed.moe.layer
 import torch
@@ -48,6 +49,20 @@ from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import SwiGLU, _plain_linear
 from orthros_train.model.moe import MoEOutput, SparseMoE, StreamPairs, load_balancing_loss, route, router_z_loss
 from orthros_train.parallel.streams import StreamShards, gather_tokens
+
+
+class MoEFactory(Protocol):
+    """What a sparse layer reads of ``parallel/model.py``'s ``TensorParallelFactory`` (named here as
+    a protocol: that module imports this one)."""
+
+    tp: int
+    tp_rank: int
+    sequence_parallel: bool
+    stream_shards: int
+    mcfg: TransformerConfig
+
+    def linear(self, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module: ...
+
 
 EXPERT_GROUP_PREFIX = "ep_size_"  # DeepSpeed's name of an expert group: ep_size_<expert_parallel>
 
@@ -117,7 +132,7 @@ class SharedExpert(SwiGLU):
     """Qwen2-MoE's shared expert: TP-split like the dense MLP (gate/up column-, down row-parallel),
     so under SP its input is gathered once and its output reduce-scattered back to this rank's rows."""
 
-    def __init__(self, hidden_size: int, width: int, factory) -> None:
+    def __init__(self, hidden_size: int, width: int, factory: MoEFactory) -> None:
         super().__init__(hidden_size, width, factory.linear)
         self.sequence_parallel = factory.sequence_parallel
 
@@ -142,7 +157,7 @@ class ParallelSparseMoE(SparseMoE):
     """The model's ``SparseMoE`` on this rank: router adapter, megatron's all-to-all dispatcher and
     ``SequentialMLP`` over the local experts, the shared expert split over TP."""
 
-    def __init__(self, config: OrthrosConfig, factory) -> None:
+    def __init__(self, config: OrthrosConfig, factory: MoEFactory) -> None:
         # SparseMoE.__init__ would build all experts through the factory's TP linears: build this
         # rank's parts instead (the next __init__ in the MRO still runs, for the DeepSpeed kind).
         super(SparseMoE, self).__init__()
@@ -237,7 +252,7 @@ class ExpertParallelSparseMoE(ParallelSparseMoE, _DeepSpeedMoEKind):
     SP). Their parameters are DeepSpeed MoE parameters of group ``ep_size_<expert_parallel>``,
     tagged as split over TP so DeepSpeed's gradient norm counts every rank's part once."""
 
-    def __init__(self, config: OrthrosConfig, factory) -> None:
+    def __init__(self, config: OrthrosConfig, factory: MoEFactory) -> None:
         super().__init__(config, factory)
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         self.expert_group_name = expert_group_name(self.ep_size)
@@ -253,7 +268,7 @@ def mark_expert_parameter(p: nn.Parameter, group_name: str) -> None:
     set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
 
 
-def build_moe(config: OrthrosConfig, factory) -> ParallelSparseMoE:
+def build_moe(config: OrthrosConfig, factory: MoEFactory) -> ParallelSparseMoE:
     """The sparse layer for this rank's layout (see ``ExpertParallelSparseMoE`` for when experts
     have their own gradient group)."""
     distinct = parallel_state.get_expert_model_parallel_world_size() > 1 or factory.tp > 1
@@ -262,6 +277,7 @@ def build_moe(config: OrthrosConfig, factory) -> ParallelSparseMoE:
 
 __all__ = [
     "ExpertParallelSparseMoE",
+    "MoEFactory",
     "LocalExperts",
     "ParallelSparseMoE",
     "build_moe",

@@ -215,6 +215,14 @@ class RunConfig:
         # Every RunConfig carries a resolved geometry; idempotent for one already resolved.
         resolve_batch_geometry(self.trainer, self.parallel, self.parallel.world_size, self.rl)
         check_expert_layout(self.parallel, self.model)  # a config error, before any process starts
+        if self.rl is not None and self.parallel.expert_parallel > 1:
+            # Every forward of a sparse layer is an all-to-all over the EP ranks, and each
+            # data-parallel rank decodes its own rollouts until its own end of sequence.
+            raise ValueError(
+                f"rl with parallel.expert_parallel={self.parallel.expert_parallel} is not supported: the "
+                "data-parallel ranks generate their rollouts for different numbers of decode steps, and every "
+                "expert-parallel rank must join each forward's all-to-all; use parallel.expert_parallel=1"
+            )
         if self.rl is not None and self.task is not None and self.task.name == RLTask.pattern:
             self.rl.max_new_tokens = self.task.response_len  # the toy task's responses have a fixed length
 

@@ -2,13 +2,13 @@
 single-device model. Prints ``RESULT <json>`` on rank 0.
 
 * One forward/backward (logits, loss with the router losses, every gradient) for EP = 2 on the two
-  data-parallel ranks, TP = 2 + SP with EP = 2 (the EP group is the TP group) and TP = 2 + SP with
-  EP = 1 (every rank holds all experts, each routes its own tokens), for the three routing policies,
-  a shared expert and the z-loss, on a packed pretrain layout and an sft layout (base tokens
+  data-parallel ranks, TP = 2 + SP with EP = 2 (the EP group is the TP group; all three routing
+  policies) and TP = 2 + SP with EP = 1 (every rank holds all experts, each routes its own
+  tokens), with a shared expert and the z-loss, on a packed pretrain layout and an sft layout (base tokens
   without an output token). The gradients are reduced as DeepSpeed reduces them (experts: summed
   over the expert-data-parallel group, divided by the data-parallel size).
 * Three AdamW steps with gradient clipping through DeepSpeed: EP = 2 on DP = 2 with ZeRO 0, 1
-  and 2 (each rank its own micro batch), and TP = 2 + SP with EP = 2 under ZeRO-1, against one
+  and 2 and ZeRO-1 with the optimizer offloaded (each rank its own micro batch), and TP = 2 + SP with EP = 2 under ZeRO-1, against one
   process on the same global batch (weights and the clipped step's gradient norm).
 """
 
@@ -64,9 +64,13 @@ def forward_backward(results: dict) -> None:
         "sft": sft_layout(tokens, [[(3, 6), (8, 11)], [(5, 11)]]),
     }
     layouts_checked = False
-    for name, (tp, ep) in {"ep2": (1, 2), "tp2-sp-ep2": (2, 2), "tp2-sp": (2, 1)}.items():
+    # The policies meet the parallelism where a position's base and output tokens sit on different
+    # ranks (SP): all three there; the default (tied) elsewhere.
+    variants = {"ep2": (1, 2, ["tied"]), "tp2-sp-ep2": (2, 2, ["tied", "joint", "independent"]),
+                "tp2-sp": (2, 1, ["tied"])}  # fmt: skip
+    for name, (tp, ep, policies) in variants.items():
         pcfg = ParallelConfig(tensor_parallel=tp, sequence_parallel=tp > 1, expert_parallel=ep)
-        for routing in ("tied", "joint", "independent"):
+        for routing in policies:
             cfg = moe_config(routing)
             start_parallel(pcfg, cfg)
             ref = seeded_model(cfg)
@@ -122,6 +126,9 @@ def steps(results: dict, rank: int, world: int) -> None:
         "dp2-ep2-zero0": (ParallelConfig(data_parallel=world, expert_parallel=2, zero_stage=0), per_rank),
         "dp2-ep2-zero1": (ParallelConfig(data_parallel=world, expert_parallel=2, zero_stage=1), per_rank),
         "dp2-ep2-zero2": (ParallelConfig(data_parallel=world, expert_parallel=2, zero_stage=2), per_rank),
+        "dp2-ep2-zero1-offload": (
+            ParallelConfig(data_parallel=world, expert_parallel=2, zero_stage=1, offload_optimizer=True), per_rank,
+        ),
         "tp2-sp-ep2-zero1": (
             ParallelConfig(tensor_parallel=2, sequence_parallel=True, expert_parallel=2, zero_stage=1), whole,
         ),
