@@ -8,8 +8,9 @@ single-device model. Prints ``RESULT <json>`` on rank 0.
   without an output token). The gradients are reduced as DeepSpeed reduces them (experts: summed
   over the expert-data-parallel group, divided by the data-parallel size).
 * Three AdamW steps with gradient clipping through DeepSpeed: EP = 2 on DP = 2 with ZeRO 0, 1
-  and 2 and ZeRO-1 with the optimizer offloaded (each rank its own micro batch), and TP = 2 + SP with EP = 2 under ZeRO-1, against one
-  process on the same global batch (weights and the clipped step's gradient norm).
+  and 2 and ZeRO-1 with the optimizer offloaded (each rank its own micro batch), and TP = 2 + SP
+  with EP = 2 under ZeRO-1, against one process on the same global batch (weights and the
+  clipped step's gradient norm).
 """
 
 from __future__ import annotations
