@@ -191,6 +191,10 @@ def test_recipe_with_an_impossible_expert_layout_stops_at_its_config():
         compose_recipe("moe_tiny_cpu", "parallel.expert_parallel=4", world_size=2)
     with pytest.raises(ValueError, match="parallel.expert_parallel=2 but the model is dense"):
         compose_recipe("tiny_cpu", "parallel.expert_parallel=2", world_size=2)
+    with pytest.raises(ValueError, match="trainer.precision=bf16 with parallel.zero_stage=0 and experts split"):
+        compose_recipe("moe_tiny_cpu", "parallel.expert_parallel=2", "trainer.precision=bf16", world_size=2)
+    compose_recipe("moe_tiny_cpu", "parallel.expert_parallel=2", "trainer.precision=bf16", "parallel.zero_stage=1",
+                   world_size=2)  # fmt: skip
 
 
 def test_rl_with_expert_parallelism_is_refused():

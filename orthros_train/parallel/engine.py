@@ -25,7 +25,7 @@ import torch
 from megatron.core import parallel_state
 
 from orthros_train.parallel import collectives
-from orthros_train.parallel.setup import ParallelConfig
+from orthros_train.parallel.setup import ParallelConfig, expert_precision_problem
 
 
 class MegatronMPU:
@@ -169,13 +169,9 @@ def build_engine(
     # sets it, and a process started without a launcher is rank 0 of its node.
     os.environ.setdefault("LOCAL_RANK", "0")
     experts = register_expert_groups(model)
-    if experts and pcfg.zero_stage == 0 and bf16:
-        raise ValueError(
-            "trainer.precision=bf16 with parallel.zero_stage=0 and experts split over ranks (parallel.expert_parallel="
-            f"{pcfg.expert_parallel}, parallel.tensor_parallel={pcfg.tensor_parallel}) is not supported: DeepSpeed's "
-            "stage-0 bf16 optimizer clips with a norm that counts each rank's experts as if they were replicas; use "
-            "parallel.zero_stage=1 or 2"
-        )
+    problem = expert_precision_problem(pcfg, experts, bf16)  # a recipe's config refuses it first
+    if problem:
+        raise ValueError(problem)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -129,6 +129,19 @@ def _expert_layout_problems(pcfg: ParallelConfig, model: OrthrosConfig, world_si
     return problems
 
 
+def expert_precision_problem(pcfg: ParallelConfig, sparse: bool, bf16: bool) -> str | None:
+    """Why bf16 cannot run with this layout's experts, or None."""
+    split = sparse and (pcfg.expert_parallel > 1 or pcfg.tensor_parallel > 1)
+    if not (split and bf16 and pcfg.zero_stage == 0):
+        return None
+    return (
+        "trainer.precision=bf16 with parallel.zero_stage=0 and experts split over ranks (parallel.expert_parallel="
+        f"{pcfg.expert_parallel}, parallel.tensor_parallel={pcfg.tensor_parallel}) is not supported: DeepSpeed's "
+        "stage-0 bf16 optimizer clips with a norm that counts each rank's experts as if they were replicas; use "
+        "parallel.zero_stage=1 or 2"
+    )
+
+
 def check_expert_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None = None) -> None:
     """The expert-parallel part of ``check_parallel_layout`` (what a recipe's config already
     decides, before any process group exists)."""

@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from orthros_train.data import DataConfig
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.options import Device, LRSchedule, Precision, ResumeChanges, RLTask, WandbMode
-from orthros_train.parallel.setup import ParallelConfig, check_expert_layout
+from orthros_train.parallel.setup import ParallelConfig, check_expert_layout, expert_precision_problem
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,11 @@ class RunConfig:
         # Every RunConfig carries a resolved geometry; idempotent for one already resolved.
         resolve_batch_geometry(self.trainer, self.parallel, self.parallel.world_size, self.rl)
         check_expert_layout(self.parallel, self.model)  # a config error, before any process starts
+        problem = expert_precision_problem(
+            self.parallel, bool(self.model.num_experts), self.trainer.precision == Precision.bf16
+        )
+        if problem:
+            raise ValueError(problem)
         if self.rl is not None and self.parallel.expert_parallel > 1:
             # Every forward of a sparse layer is an all-to-all over the EP ranks, and each
             # data-parallel rank decodes its own rollouts until its own end of sequence.
