@@ -80,10 +80,10 @@ class ConversionOptions:
     quick: bool = False
     teacher: Path | None = None  # an existing dense checkpoint to convert (None: train one)
     teacher_steps: int | None = None  # trainer.max_steps of the teacher (None: the recipe's)
-    steps: int = 100  # continued-training steps of every arm
+    steps: int = 200  # continued-training steps of every arm
     window: int | None = None  # the base window W (None: the recipe's)
     seeds: tuple[int, ...] = (1, 2, 3)  # trainer.seed of the continued runs (their data order)
-    lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3)  # swept peak rates (cosine to a tenth)
+    lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3, 1e-2)  # swept peak rates (cosine to a tenth)
     # Warm-up as a fraction of the steps: the first with every rate, the others at the kept rate.
     warmups: tuple[float, ...] = (0.1, 0.0)
     affine_noise: float = 0.1  # the sweep's other start of gamma/beta: 1/0 plus N(0, noise^2) (0: not swept)
