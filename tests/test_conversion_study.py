@@ -152,10 +152,11 @@ def test_every_arm_continues_from_the_one_teacher_on_the_same_tokens(fake_study,
     converted = str(out / "converted")
     for c in continued:  # Orthros from the converted teacher (or its noisy variant), the baselines from the teacher
         assert c["trainer.max_steps"] == "20" and c["model.sliding_window"] == "8"
+        assert c["trainer.save_every"] == "1"  # gcd(2, 5, 10): every arm's curve
         if c["arch"] == "orthros":
-            assert c["model.init_from"].startswith(converted) and c["trainer.save_every"] == "1"  # gcd(2, 5, 10)
+            assert c["model.init_from"].startswith(converted)
         else:
-            assert c["model.init_from"] == str(teacher) and "trainer.save_every" not in c
+            assert c["model.init_from"] == str(teacher)
     sweep = [c for c in continued if "sweep" in str(c["run_dir"])]
     # Two rates at the first warm-up, then at the kept rate: the other warm-up, noisy gamma/beta, the freeze.
     assert len(sweep) == 2 + 3 and {c["trainer.seed"] for c in sweep} == {"1"}
@@ -182,6 +183,8 @@ def test_every_arm_continues_from_the_one_teacher_on_the_same_tokens(fake_study,
     # The curve's first point is the converted model, its last the arm's final checkpoints.
     assert saved["curve"][0]["loss_beyond_w"] == saved["arms"]["converted"]["loss_beyond_w"]
     assert saved["curve"][-1]["recall_beyond_w"] == saved["arms"]["orthros_continued"]["recall_beyond_w"]
+    assert set(saved["curves"]) == set(CONTINUED) and saved["curves"]["orthros_continued"] == saved["curve"]
+    assert saved["curves"]["dense_continued"][0]["loss"] == saved["arms"]["teacher"]["loss"]  # dense starts as it
     assert saved["conversion_check"]["within_w"] < 1e-5
     assert set(saved["longctx"]["rows"]) == {"unextended", "extended_untrained", "extended_continued"}
     (lc,) = [c for c in calls if "longctx" in str(c["run_dir"])]

@@ -82,10 +82,10 @@ def build_conversion_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher", type=Path, default=None,
                    help="convert this dense checkpoint instead of training a teacher (a dense run's checkpoints/final)")
     p.add_argument("--teacher-steps", type=positive_int, default=None, help="trainer.max_steps of the teacher")
-    p.add_argument("--steps", type=positive_int, default=None, help="continued-training steps of every arm (200)")
+    p.add_argument("--steps", type=positive_int, default=None, help="continued-training steps of every arm (100)")
     p.add_argument("--window", type=positive_int, default=None, help="base window W (default: the recipe's)")
     p.add_argument("--seeds", default=None, help="trainer.seed of the continued runs (comma-separated; 1,2,3)")
-    p.add_argument("--lrs", default=None, help="peak learning rates swept (comma-separated; 3e-4,1e-3,3e-3,1e-2)")
+    p.add_argument("--lrs", default=None, help="peak learning rates swept (comma-separated; 3e-4,1e-3,3e-3)")
     p.add_argument("--warmups", default=None, help="warm-up fractions (comma-separated; the first with every rate, "
                    "the others at the kept rate; 0.1,0)")
     p.add_argument("--affine-noise", type=float, default=None,

@@ -80,10 +80,10 @@ class ConversionOptions:
     quick: bool = False
     teacher: Path | None = None  # an existing dense checkpoint to convert (None: train one)
     teacher_steps: int | None = None  # trainer.max_steps of the teacher (None: the recipe's)
-    steps: int = 200  # continued-training steps of every arm
+    steps: int = 100  # continued-training steps of every arm
     window: int | None = None  # the base window W (None: the recipe's)
     seeds: tuple[int, ...] = (1, 2, 3)  # trainer.seed of the continued runs (their data order)
-    lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3, 1e-2)  # swept peak rates (cosine to a tenth)
+    lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3)  # swept peak rates (cosine to a tenth)
     # Warm-up as a fraction of the steps: the first with every rate, the others at the kept rate.
     warmups: tuple[float, ...] = (0.1, 0.0)
     affine_noise: float = 0.1  # the sweep's other start of gamma/beta: 1/0 plus N(0, noise^2) (0: not swept)
@@ -355,7 +355,7 @@ def run_conversion_study(opts: ConversionOptions, log: Callable[[str], None] = _
         arch = CONTINUED[arm]
         init = inits[setting.affine_noise] if arch == "orthros" else teacher
         extra = [f"model.init_from={init}", *setting.overrides(opts.steps, seed, arch == "orthros")]
-        if arch == "orthros":
+        if every:  # the curves' checkpoints (every arm: dense and sliding are the curve's references)
             extra += [f"trainer.save_every={every}", "trainer.keep_last_k=0"]
         return train(arch, run_dir, extra)
 
@@ -430,17 +430,25 @@ def run_conversion_study(opts: ConversionOptions, log: Callable[[str], None] = _
         results["recall_buckets"] = {arm: _bucket_means(evals[arm]) for arm in ARMS}
         results["position_buckets"] = {arm: _position_means(evals[arm]) for arm in ARMS}
         results["chance"] = evals["teacher"][0]["recall"]["chance"]
-        log("evaluate: the recovery curve")
-        start = evaluate(inits[chosen.affine_noise]) if chosen.affine_noise else evals["converted"][0]
-        results["curve"] = []
-        for fraction, step in curve_steps(opts.steps, opts.fractions):
-            if step == 0:
-                point = [start]
-            elif step == opts.steps:
-                point = evals["orthros_continued"]
-            else:
-                point = [evaluate(checkpoint_at(d, step, opts.steps)) for d in runs["orthros_continued"]]
-            results["curve"].append(curve_point(fraction, step, point))
+        log("evaluate: the recovery curves")
+        # Step 0 of each arm: the model it starts from, with its own attention.
+        starts = {"orthros_continued": (evaluate(inits[chosen.affine_noise]) if chosen.affine_noise
+                                        else evals["converted"][0]),
+                  "dense_continued": evals["teacher"][0],
+                  "sliding_continued": evaluate(teacher, attention_type="sliding", sliding_window=window)}
+        results["curves"] = {}
+        for arm in CONTINUED:
+            curve = []
+            for fraction, step in curve_steps(opts.steps, opts.fractions):
+                if step == 0:
+                    point = [starts[arm]]
+                elif step == opts.steps:
+                    point = evals[arm]
+                else:
+                    point = [evaluate(checkpoint_at(d, step, opts.steps)) for d in runs[arm]]
+                curve.append(curve_point(fraction, step, point))
+            results["curves"][arm] = curve
+        results["curve"] = results["curves"]["orthros_continued"]
         for row in results["sweep"]["runs"]:
             m = measures(evaluate(Path(sweep[row["name"]]["run_dir"]) / "checkpoints" / "final"))
             row.update({k: m[k] for k in ("loss", "loss_beyond_w", "recall_beyond_w")})

@@ -29,30 +29,44 @@ def _pm(row: dict[str, Any], key: str, pct: bool = False) -> str:
 
 
 def recovery_plot(results: dict[str, Any], path: Path) -> Path:
-    """Beyond-W loss and recall of the Orthros arm vs the fraction of its continued training."""
+    """Beyond-W loss (left) and recall (right) vs the fraction of continued training, every continued arm."""
     from orthros_train.eval.plots import _pyplot
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    curve = results["curve"]
-    xs = [100 * p["fraction"] for p in curve]
-    arms = results["arms"]
-    ax.errorbar(xs, [p["loss_beyond_w"] for p in curve], yerr=[p["loss_beyond_w_std"] or 0 for p in curve],
-                marker="o", capsize=3, color="C0", label="Orthros: essay loss, positions >= W")
-    for arm, style in (("teacher", ":"), ("dense_continued", "--")):
-        ax.axhline(arms[arm]["loss_beyond_w"], color="C0", linestyle=style, linewidth=0.8,
-                   label=f"{ARM_NAMES[arm]} (loss)")
-    right = ax.twinx()
-    right.errorbar(xs, [100 * p["recall_beyond_w"] for p in curve],
-                   yerr=[100 * (p["recall_beyond_w_std"] or 0) for p in curve], marker="s", capsize=3, color="C1",
-                   label="Orthros: recall beyond W")
-    right.axhline(100 * arms["sliding_continued"]["recall_beyond_w"], color="C1", linestyle=":", linewidth=0.8,
-                  label="sliding-window continued (recall)")
-    right.set_ylabel("recall beyond W (%)")
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 4))
+    curves = results.get("curves") or {"orthros_continued": results["curve"]}
+    for i, (arm, curve) in enumerate(curves.items()):
+        xs = [100 * p["fraction"] for p in curve]
+        ax.errorbar(xs, [p["loss_beyond_w"] for p in curve], yerr=[p["loss_beyond_w_std"] or 0 for p in curve],
+                    marker="o", capsize=3, color=f"C{i}", label=ARM_NAMES.get(arm, arm))
+        right.errorbar(xs, [100 * p["recall_beyond_w"] for p in curve],
+                       yerr=[100 * (p["recall_beyond_w_std"] or 0) for p in curve], marker="s", capsize=3,
+                       color=f"C{i}", label=ARM_NAMES.get(arm, arm))
+    ax.axhline(results["arms"]["teacher"]["loss_beyond_w"], color="gray", linestyle=":", linewidth=0.8,
+               label=ARM_NAMES["teacher"])
     right.set_ylim(-2, 102)
-    right.legend(fontsize=7, loc="center right")
-    return _save(fig, ax, path, "Recovery of the converted model during continued training",
-                 "continued-training steps (% of the run)", "held-out essay loss beyond W (nats/token)")
+    right.set_title("Recall beyond W (held-out synthetic documents)")
+    right.set_xlabel("continued-training steps (% of the run)")
+    right.set_ylabel("recall beyond W (%, mean ± std over seeds)")
+    right.grid(True, alpha=0.3)
+    right.legend(fontsize=8)
+    return _save(fig, ax, path, "Essay loss at positions >= W", "continued-training steps (% of the run)",
+                 "held-out loss beyond W (nats/token)")
+
+
+def _curves_table(results: dict[str, Any]) -> list[str]:
+    """Every continued arm's beyond-W loss and recall at each point of the curve."""
+    curves = results.get("curves")
+    if not curves:
+        return []
+    arms = list(curves)
+    lines = ["| fraction | " + " | ".join(f"{ARM_NAMES[a]}: loss >= W / recall beyond W" for a in arms) + " |",
+             "| ---: | " + " | ".join("---:" for _ in arms) + " |"]
+    for j, p in enumerate(curves[arms[0]]):
+        cells = [f"{_pm(curves[a][j], 'loss_beyond_w')} / {_pm(curves[a][j], 'recall_beyond_w', True)}" for a in arms]
+        lines.append(f"| {100 * p['fraction']:.0f}% | " + " | ".join(cells) + " |")
+    return ["", "The same points for every continued arm (step 0: the model each starts from, with its own "
+            "attention; the sliding arm's is the teacher with its window cut to W):", "", *lines]
 
 
 def _arm_table(results: dict[str, Any]) -> list[str]:
@@ -219,6 +233,7 @@ def write_conversion_report(results: dict[str, Any], path: Path, notes: str | No
         "## Recovery vs continued-training tokens (Orthros arm)",
         "",
         *_curve_table(results),
+        *_curves_table(results),
         "",
         f"![recovery]({folder.name}/{plot.name})",
         "",
