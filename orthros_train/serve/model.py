@@ -10,17 +10,19 @@ maps onto that as follows:
   ``per_layer_sliding_window=W``, which writes the K/V. Its KV spec is reported as full
   attention (``BaseStreamAttention.get_kv_cache_spec``): with vLLM's sliding-window spec the KV
   manager frees blocks that fall out of the window, but the output stream still reads them.
-* **output stream** ``y``: one token per request per step, a copy of the embedding of the
-  request's last row (in a decode step that is the new token; in a prefill chunk its last prompt
-  token). Its query ``norm_q(y W_q) * gamma + beta`` attends every cached key of the request: a
-  second paged-attention call after the base one, one query per request, no window, no K/V
+* **output stream** ``y``: an output token at every row whose logits vLLM reads (``output_rows.py``
+  plans them per step: the last row of each request; the last ``1 + k`` under speculative
+  decoding; every prompt row of a request that asks for prompt logprobs; every row of a step that
+  replays a CUDA graph), a copy of that row's embedding at layer 0. Its query
+  ``norm_q(y W_q) * gamma + beta`` attends the request's cached keys up to its own position: a
+  second paged-attention call after the base one, causal from the request's end, no window, no K/V
   write (the custom op ``torch.ops.orthros.output_attention``: the CPU backend's own paged
-  attention, or the Triton kernel of ``paged_attention.py`` on GPU).
+  attention; on GPU vLLM's FlashAttention, or the Triton kernel of ``paged_attention.py``).
 * Token-wise work (norms, projections, MLP) runs on ``h = [x; y]``, one tensor for the whole
   pass, with the residual carried beside it as in vLLM's Llama (fused add + RMSNorm); the last
   layer only writes the base stream's K/V (no base attention output, no base MLP), and the
-  model returns hidden states whose request-last rows hold the output stream (the other rows
-  are NaN: nothing may read them).
+  model returns hidden states whose output rows hold the output stream (the other rows are NaN:
+  nothing may read them).
 
 vLLM compiles the model (``support_torch_compile``; on CPU one dynamo trace, inductor fusing the
 token-wise work) as it compiles its Llama. What depends on the step's scheduling stays out of the
@@ -33,8 +35,9 @@ places them.
 Tensor parallelism comes from vLLM's layers (QKV/merged column-parallel and row-parallel linears,
 vocab-parallel embedding and LM head); ``gamma``/``beta`` are split by heads in their weight
 loader. What the design cannot serve is refused when vLLM builds the engine's configuration
-(``config.py``); the output stream's rows are the only defined hidden states, so prompt logprobs
-are refused per request (``prompt_logprobs.py``).
+(``config.py``); the output stream's rows are the only defined hidden states (the others are NaN),
+and which requests want prompt logprobs reaches the model through a logits processor
+(``prompt_logprobs.py``).
 """
 
 from __future__ import annotations
@@ -301,19 +304,34 @@ class OrthrosMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)[0]))[0]
 
 
+def is_sparse_layer(config: object, layer_idx: int) -> bool:
+    """Qwen2/3-MoE's rule (as ``OrthrosConfig.is_sparse_layer``): experts in every
+    ``decoder_sparse_step``-th layer not listed in ``mlp_only_layers``."""
+    experts = getattr(config, "num_experts", 0) or 0
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return experts > 0 and layer_idx not in (getattr(config, "mlp_only_layers", None) or []) \
+        and (layer_idx + 1) % step == 0
+
+
 class OrthrosDecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, layer_idx: int, prefix: str) -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.self_attn = OrthrosAttention(vllm_config, layer_idx, f"{prefix}.self_attn")
-        self.mlp = OrthrosMLP(config.hidden_size, config.intermediate_size, f"{prefix}.mlp")
+        if is_sparse_layer(config, layer_idx):
+            from orthros_train.serve.moe import OrthrosSparseMoE
+
+            self.mlp = OrthrosSparseMoE(vllm_config, f"{prefix}.mlp")
+        else:
+            self.mlp = OrthrosMLP(config.hidden_size, config.intermediate_size, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, n_base: int,
-                last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``h``/``residual``: ``[x; y]`` (``n_base`` base rows) as vLLM's Llama carries them; the last
-        layer returns the output stream's rows only (the base stream just supplies K/V there)."""
+                last: bool, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``/``residual``: ``[x; y]`` (``n_base`` base rows; output token j starts from base row
+        ``rows[j]``) as vLLM's Llama carries them; the last layer returns the output stream's rows
+        only (the base stream just supplies K/V there)."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
@@ -322,7 +340,9 @@ class OrthrosDecoderLayer(nn.Module):
         if last:
             residual = residual[n_base:]
         h, residual = self.post_attention_layernorm(attn, residual)
-        return self.mlp(h), residual
+        if isinstance(self.mlp, OrthrosMLP):
+            return self.mlp(h), residual
+        return self.mlp(h, 0 if last else n_base, rows), residual
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "rows": 0, "inputs_embeds": 0})
@@ -357,7 +377,7 @@ class OrthrosModel(nn.Module):
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h, residual = layer(both, h, residual, n, last=i == last)
+            h, residual = layer(both, h, residual, n, last=i == last, rows=rows)
         y, _ = self.norm(h, residual)
         return y
 
@@ -469,6 +489,11 @@ class OrthrosForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # a tied head stored anyway
+            if ".mlp.experts." in name:  # vLLM's fused MoE layer loads its experts itself
+                owner = name[: name.index(".mlp.experts.") + len(".mlp.experts")]
+                module = self._module(owner, name)
+                loaded.update(f"{owner}.{p}" for p in module.load_weights([(name[len(owner) + 1 :], tensor)]))
+                continue
             for fused, part, shard in STACKED:
                 if f".{part}." in name:
                     target = name.replace(f".{part}.", f".{fused}.")
@@ -487,6 +512,15 @@ class OrthrosForCausalLM(nn.Module):
                 "`orthros-convert to-hf` export of this config.json (re-export it)"
             )
         return loaded
+
+    def _module(self, path: str, name: str) -> nn.Module:
+        try:
+            return self.get_submodule(path)
+        except AttributeError:
+            raise OrthrosServeError(
+                f"checkpoint tensor {name!r} has no place in the Orthros model of this config.json: not an "
+                "`orthros-convert to-hf` export, or config.json and weights disagree (re-export it)"
+            ) from None
 
     @staticmethod
     def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:

@@ -10,6 +10,10 @@ backends whose cache is laid out as FlashAttention's:
     seq_lens                [num_reqs] int32, keys of each request including this step's tokens
     query_start_loc         [num_reqs + 1] int32, this step's tokens per request (row offsets)
 
+With ``row_request`` the rows are output tokens rather than requests (several per request under
+speculative decoding, prompt logprobs or a captured graph): each row names its request and its own
+key count (causal from the request's end), and padding rows have none.
+
 It is the paged variant of ``ops/triton_decode.py``: one program per (request, kv head, split)
 computes a partial softmax for all query heads of its GQA group, walking logical key positions
 and reading each key through the block table; the same combine kernel merges the partials.

@@ -357,17 +357,35 @@ def test_unservable_configurations_are_refused_when_the_config_is_built(tiny):
     assert not config.model_config.logits_processors
 
 
-def test_a_mixture_of_experts_export_is_refused_when_the_config_is_built(tiny, tmp_path):
-    import json
-    import shutil
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 
-    export = tmp_path / "export"
-    shutil.copytree(tiny[1], export)
-    config = json.loads((export / "config.json").read_text())
-    config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, moe_routing="tied")
-    (export / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="num_experts=4: mixture-of-experts Orthros checkpoints are not served"):
-        EngineArgs(model=str(export), dtype="float32", enforce_eager=True, max_model_len=1024).create_engine_config()
+
+@pytest.mark.parametrize(
+    "routing",
+    [dict(moe_routing="tied", shared_expert_intermediate_size=32), dict(moe_routing="joint"),
+     dict(moe_routing="independent", norm_topk_prob=False, decoder_sparse_step=2)],
+    ids=["tied-shared-expert", "joint", "independent-unnormalised-every-second-layer"],
+)
+def test_mixture_of_experts_equals_generate(tmp_path, routing):
+    """Sparse layers on vLLM's fused MoE layer with the checkpoint's routing policy: an output token
+    paired with its base token's routing as the project's model pairs them (prefill: the last prompt
+    token; decode: every new token)."""
+    ckpt, export = make_orthros(tmp_path, seed=12, **MOE, **routing)
+    model = OrthrosForCausalLM.from_pretrained(ckpt).eval()
+    assert model.config.sparse_layers
+    prompts = prompts_of([40, 300, 17], seed=13)
+    with engine(export) as llm:
+        assert_same(vllm_run(llm, prompts), model, prompts)
+
+
+def test_mixture_of_experts_compiled_engine_equals_generate(tmp_path, monkeypatch):
+    """The routing (the pairing of output and base rows) is traced with the rest of the model."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    ckpt, export = make_orthros(tmp_path, seed=14, **MOE, moe_routing="tied")
+    model = OrthrosForCausalLM.from_pretrained(ckpt).eval()
+    with engine(export, enforce_eager=False) as llm:
+        for prompts in (prompts_of([40, 300, 17], seed=15), prompts_of([50], seed=16)):
+            assert_same(vllm_run(llm, prompts), model, prompts)
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True, "abc", None])

