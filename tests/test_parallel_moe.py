@@ -43,6 +43,7 @@ MOE_RUN = (
     "trainer.max_steps=8", "trainer.save_every=3",
 )  # fmt: skip
 EP2 = ("parallel.expert_parallel=2",)
+ZERO1 = ("parallel.zero_stage=1",)
 
 
 def start_moe_run(*overrides: str, cwd: Path, nproc: int = 1) -> subprocess.Popen:
@@ -83,6 +84,13 @@ def ep2_run(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def ep2_zero1_run(tmp_path_factory) -> Path:
+    """EP = 2 under ZeRO-1 (what the large recipes run): the experts' fp32 masters and moments are
+    partitioned over their expert-data-parallel group."""
+    return finished_run(tmp_path_factory.mktemp("ep2z1") / "run", *EP2, *ZERO1, nproc=2)
+
+
 @pytest.mark.slow
 def test_expert_parallel_forward_backward_and_steps_equal_reference():
     """EP = 2, TP = 2 + SP with EP = 2 (every routing policy) and TP = 2 + SP with EP = 1, pretrain
@@ -114,11 +122,17 @@ def test_ep2_and_tp2_sp_ep2_launches_train_the_one_rank_losses(one_rank_run, ep2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("direction", ["ep2->ep1", "ep1->ep2"])
-def test_checkpoint_reshards_across_expert_parallel_sizes(one_rank_run, ep2_run, tmp_path, direction):
-    """A checkpoint saved at EP = 2 resumes at EP = 1 and the reverse: the steps after it and the
-    final weights equal the uninterrupted run's."""
-    straight, nproc, overrides = (ep2_run, 1, ()) if direction == "ep2->ep1" else (one_rank_run, 2, EP2)
+@pytest.mark.parametrize("direction", ["ep2->ep1", "ep1->ep2", "ep2-zero1->ep1-zero2"])
+def test_checkpoint_reshards_across_expert_parallel_sizes(request, tmp_path, direction):
+    """A checkpoint saved at EP = 2 resumes at EP = 1 and the reverse (ZeRO-0, the recipe's), and
+    one of EP = 2 under ZeRO-1 resumes at EP = 1 under ZeRO-2: the steps after it and the final
+    weights equal the uninterrupted run's."""
+    straight, nproc, overrides = {
+        "ep2->ep1": ("ep2_run", 1, ()),
+        "ep1->ep2": ("one_rank_run", 2, EP2),
+        "ep2-zero1->ep1-zero2": ("ep2_zero1_run", 1, ("parallel.zero_stage=2",)),
+    }[direction]
+    straight = request.getfixturevalue(straight)
     ckpt = straight / "checkpoints" / "step_000000003"
     resumed = tmp_path / "resumed"
     rc, out, err = finish(
@@ -135,22 +149,24 @@ def test_checkpoint_reshards_across_expert_parallel_sizes(one_rank_run, ep2_run,
 
 
 @pytest.mark.slow
-def test_kill_9_expert_parallel_run_resumes_bitwise(ep2_run, tmp_path):
+def test_kill_9_expert_parallel_run_resumes_bitwise(ep2_zero1_run, tmp_path):
+    """EP = 2 under ZeRO-1 killed after its first checkpoint: the resumed run's losses and final
+    weights are the uninterrupted run's, bit for bit."""
     run = tmp_path / "killed"
-    proc = start_moe_run(*EP2, f"trainer.run_dir={run}", cwd=tmp_path, nproc=2)
+    proc = start_moe_run(*EP2, *ZERO1, f"trainer.run_dir={run}", cwd=tmp_path, nproc=2)
     wait_for_step(run, 4, proc)  # the checkpoint of step 3 exists once step 4 is logged
     wait_until((run / "checkpoints" / "latest").is_file, proc, 600, "no checkpoint published")
     kill_tree(proc.pid)  # kill -9 the launcher and both ranks
     proc.wait()
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest in ("step_000000003", "step_000000006")
-    rc, out, err = finish(start_moe_run(*EP2, f"trainer.run_dir={run}", cwd=tmp_path, nproc=2))
+    rc, out, err = finish(start_moe_run(*EP2, *ZERO1, f"trainer.run_dir={run}", cwd=tmp_path, nproc=2))
     assert rc == 0, err[-4000:]
     assert "resumed from" in out and latest in out, out[-3000:] + err[-3000:]
-    straight, resumed = by_step(ep2_run), by_step(run)
+    straight, resumed = by_step(ep2_zero1_run), by_step(run)
     assert sorted(straight) == sorted(resumed) == list(range(1, 9))
     assert all(straight[s] == resumed[s] for s in straight), (straight, resumed)  # bitwise
-    assert max_diff(final_weights(ep2_run), final_weights(run)) == 0.0
+    assert max_diff(final_weights(ep2_zero1_run), final_weights(run)) == 0.0
 
 
 # -- what is refused --------------------------------------------------------------------------------
