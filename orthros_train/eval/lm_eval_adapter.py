@@ -6,7 +6,7 @@ continuation: the base stream reads the context with its window, the output stre
 ``generate_until`` runs ``orthros_train.infer.generate`` (prefill + decode with the KV cache)
 and cuts at the stop strings.
 
-``run_vllm_lm_eval`` is the other route: lm-eval's own ``vllm`` model type on an exported checkpoint
+``lm_eval_cli.run_vllm_lm_eval`` is the other route: lm-eval's own ``vllm`` model type on an exported checkpoint
 (``orthros-convert to-hf``), served by vLLM through this package's plugin. Its loglikelihoods come
 from vLLM's prompt logprobs, for which the served model puts an output token at every prompt
 position of those requests (docs/serve.md); it needs vLLM and lm-eval in one environment (the
@@ -216,63 +216,3 @@ class OrthrosLM(TemplateLM):
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out  # type: ignore[return-value]
 
-
-def run_vllm_lm_eval(
-    export_dir: str,
-    tasks: list[str],
-    limit: float | None = None,
-    num_fewshot: int | None = None,
-    batch_size: int | str = "auto",
-    max_length: int | None = None,
-    include_paths: list[str] | tuple[str, ...] = (),
-    tasks_dir: str | None = None,
-    seed: int = 1234,
-    dtype: str = "auto",
-    tensor_parallel_size: int = 1,
-    **engine_args: Any,
-) -> dict[str, Any]:
-    """``lm_eval.simple_evaluate`` with lm-eval's ``vllm`` model on an exported Orthros checkpoint.
-
-    ``engine_args`` go to ``vllm.LLM`` as lm-eval passes its extra model arguments (e.g.
-    ``kv_cache_memory_bytes``, ``enforce_eager``, ``gpu_memory_utilization``). Returns the same
-    JSON-ready summary as the in-process route (``harness.run_lm_eval``).
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ImportError("the vLLM route of lm-eval needs vLLM in this environment (make serve-env), or use the "
-                          "in-process route (orthros-eval lm-eval CHECKPOINT)")
-    import lm_eval
-    import lm_eval.models.vllm_causallms  # noqa: F401  (registers lm-eval's model "vllm"; its registry is lazy)
-
-    from orthros_train.eval.harness import task_manager
-
-    manager = task_manager(tasks, include_paths, tasks_dir)
-    missing = [t for t in tasks if t not in manager.all_tasks]
-    if missing:
-        raise ValueError(f"unknown lm-eval task(s) {missing}; offline, a task needs a YAML that reads local files")
-    if limit is not None and float(limit) >= 1:
-        limit = int(limit)
-    model_args = dict(pretrained=str(export_dir), dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
-                      **engine_args)
-    if max_length is not None:
-        model_args["max_model_len"] = int(max_length)
-    out = lm_eval.simple_evaluate(
-        model="vllm", model_args=model_args, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-        batch_size=batch_size, task_manager=manager, log_samples=False, bootstrap_iters=0, random_seed=seed,
-        numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-    )
-    results = {
-        task: {k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) and k != "alias"}
-        for task, metrics in out["results"].items()
-    }
-    return {
-        "tasks": list(tasks),
-        "limit": limit,
-        "num_fewshot": num_fewshot,
-        "results": results,
-        "versions": {k: str(v) for k, v in out.get("versions", {}).items()},
-        "n_shot": out.get("n-shot", {}),
-        "backend": "vllm",
-        "export": str(export_dir),
-    }

@@ -321,7 +321,7 @@ class OrthrosDecoderLayer(nn.Module):
         if is_sparse_layer(config, layer_idx):
             from orthros_train.serve.moe import OrthrosSparseMoE
 
-            self.mlp = OrthrosSparseMoE(vllm_config, f"{prefix}.mlp")
+            self.mlp = OrthrosSparseMoE(vllm_config, f"{prefix}.mlp", OrthrosMLP)
         else:
             self.mlp = OrthrosMLP(config.hidden_size, config.intermediate_size, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

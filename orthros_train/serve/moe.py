@@ -25,6 +25,8 @@ alone in every layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -49,10 +51,9 @@ def packed_routing(hidden_states: torch.Tensor, gating_output: torch.Tensor, top
 class OrthrosSparseMoE(nn.Module):
     """Router, vLLM's fused experts and Qwen2-MoE's gated shared expert of one sparse layer."""
 
-    def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+    def __init__(self, vllm_config: VllmConfig, prefix: str, mlp: Callable[[int, int, str], nn.Module]) -> None:
+        """``mlp(hidden, intermediate, prefix)`` builds the shared expert (the model's dense MLP)."""
         super().__init__()
-        from orthros_train.serve.model import OrthrosMLP
-
         config = vllm_config.model_config.hf_config
         d = config.hidden_size
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
@@ -64,7 +65,7 @@ class OrthrosSparseMoE(nn.Module):
             reduce_results=True, custom_routing_function=packed_routing, prefix=f"{prefix}.experts",
         )
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-        self.shared_expert = OrthrosMLP(d, shared, f"{prefix}.shared_expert") if shared else None
+        self.shared_expert = mlp(d, shared, f"{prefix}.shared_expert") if shared else None
         self.shared_expert_gate = (ReplicatedLinear(d, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
                                    if shared else None)
 

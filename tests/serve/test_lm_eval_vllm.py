@@ -15,7 +15,7 @@ from exports import TEXT, make_orthros  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from orthros_train.eval.harness import run_lm_eval  # noqa: E402
-from orthros_train.eval.lm_eval_adapter import run_vllm_lm_eval  # noqa: E402
+from orthros_train.eval.lm_eval_cli import run_vllm_lm_eval  # noqa: E402
 from orthros_train.model.orthros import OrthrosForCausalLM  # noqa: E402
 
 TASK = """\
