@@ -193,6 +193,7 @@ SHARED_FIXTURE_GROUPS = {
     "tests/test_parallel.py::test_trainer_tp2_sp_and_cp2_losses_equal_tp1": "tp2_sp_launch",
     "tests/test_quiet.py::test_two_rank_tp2_run_prints_a_handful_of_lines": "tp2_sp_launch",
     "tests/test_global_loss.py": "global_loss_splits",
+    "tests/test_parallel_moe.py": "expert_parallel_runs",  # one_rank_run, ep2_run, ep2_zero1_run
 }
 
 
