@@ -99,6 +99,9 @@ def build_conversion_parser() -> argparse.ArgumentParser:
     p.add_argument("--smollm2-only", action="store_true",
                    help="only the SmolLM2 section: <out>/smollm2.json, merged into <out>/conversion.json if present")
     p.add_argument("--smollm2-minutes", type=float, default=30.0, help="SmolLM2 continued-training budget (30)")
+    p.add_argument("--smollm2-steps", type=positive_int, default=None,
+                   help="SmolLM2 continued-training steps (default: as many as a step timed first says fit; the "
+                   "budget's SIGTERM still applies)")
     p.add_argument("--report-only", action="store_true", help="rewrite the report from <out>/conversion.json")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every small run (repeatable)")
@@ -125,6 +128,7 @@ def conversion_main(argv: list[str]) -> int:
         "longctx": not args.no_longctx,
         "smollm2": args.smollm2,
         "smollm2_minutes": args.smollm2_minutes,
+        "smollm2_steps": args.smollm2_steps,
         "overrides": args.override,
         "train_threads": args.train_threads or None,
         "jobs": args.jobs,

@@ -94,6 +94,7 @@ class ConversionOptions:
     longctx_steps: int = 50
     smollm2: bool = False  # the SmolLM2-135M section (~45 min on 2 cores)
     smollm2_minutes: float = 30.0  # its continued-training budget
+    smollm2_steps: int | None = None  # its steps (None: as many as a timed step says fit in the budget)
     overrides: list[str] = field(default_factory=list)  # extra Hydra overrides for every small run
     train_threads: int | None = 1
     jobs: int = 2  # training processes at a time (one thread each)

@@ -131,8 +131,8 @@ def run_smollm2_section(opts: ConversionOptions, log: Callable[[str], None] = _l
     started = time.perf_counter()
     step_s = step_seconds(converted, seq_len, micro)
     budget = opts.smollm2_minutes * 60
-    steps = max(1, int(budget / (1.1 * step_s)))  # 10%: the trainer's data, logging and saves
-    log(f"smollm2: {step_s:.1f} s per step measured here; {steps} steps fit in {opts.smollm2_minutes:g} min")
+    steps = opts.smollm2_steps or max(1, int(budget / (1.1 * step_s)))  # 10%: the trainer's data, logs, saves
+    log(f"smollm2: {step_s:.1f} s per step measured here; {steps} steps for {opts.smollm2_minutes:g} min")
     o = recipe["optim"]
     warmup = min(o["warmup_steps"], max(steps - 1, 0))
     run_dir = folder / "continued"
@@ -152,7 +152,8 @@ def run_smollm2_section(opts: ConversionOptions, log: Callable[[str], None] = _l
             raise ValueError(f"the SmolLM2 run in {run_dir} saved no checkpoint; see its train.log")
         final = latest / "model"
     tokens_per_step = micro * seq_len
-    training = {"planned_steps": steps, "steps": reached, "tokens_per_step": tokens_per_step,
+    training = {"planned_steps": steps, "steps_given": opts.smollm2_steps, "steps": reached,
+                "tokens_per_step": tokens_per_step,
                 "tokens": reached * tokens_per_step, "train_seconds": seconds,
                 "step_seconds_measured": step_s,
                 "tokens_per_s": sum(m["tokens_per_s"] for m in metrics) / len(metrics),
