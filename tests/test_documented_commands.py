@@ -28,10 +28,10 @@ SHELL_FENCES = ("bash", "sh", "shell", "console")
 TRAIN_TINY = {"trainer.max_steps": "2", "trainer.eval_batches": "1", "trainer.sample_tokens": "2",
               "trainer.progress": "false"}
 RUN: list[tuple[str, dict[str, str]]] = [
-    (r"^(\.venv/bin/)?orthros-train --config-name (tiny_cpu|sft_tiny_cpu|rl_tiny_cpu)"
+    (r"^(\.venv/bin/)?orthros-train --config-name (tiny_cpu|sft_tiny_cpu|rl_tiny_cpu|moe_tiny_cpu)"
      r"( (model\.sliding_window|trainer\.max_steps|data\.loss_average|optim\.lr)=\S+)*$", TRAIN_TINY),
     (r"^(\.venv/bin/)?orthros-train --config-name \S+ trainer\.dry_run=true$", {}),
-    (r"^launch/torchrun\.sh 2 tiny_cpu( \S+=\S+)+$", {"trainer.dry_run": "true"}),
+    (r"^launch/torchrun\.sh 2 (moe_)?tiny_cpu( \S+=\S+)+$", {"trainer.dry_run": "true"}),
     (r"^torchrun --nproc_per_node 2 -m orthros_train\.train\.cli --config-name rl_tiny_cpu( \S+=\S+)+$",
      {"trainer.dry_run": "true"}),
     # The RL variants with a rollouts file or a prompt set: their keys must resolve as written (the
@@ -53,6 +53,8 @@ SKIP: list[tuple[str, str]] = [
     (r"^orthros-eval \S+ +CKPT ", "a synopsis with a placeholder checkpoint (tests/test_eval.py)"),
     (r"^orthros-train --config-name sft model\.init_from=checkpoints/", "an 8B-scale SFT on placeholder data"),
     (r"^huggingface-cli download meta-llama/", "downloads 16 GB from the hub"),
+    (r"^orthros-convert from-hf Qwen3-30B-A3B/ ", "the 61 GB Qwen3-30B-A3B checkpoint (tests/test_moe.py converts a "
+                                                 "tiny Qwen3-MoE)"),
     (r"^make (serve-env|serve-demo|test-serve)$|^\.venv-serve/bin/|^curl -s 127\.0\.0\.1:8000/"
      r"|^orthros-convert to-hf runs/tiny_cpu/checkpoints/final ",
      "the vLLM serving environment (.venv-serve, minutes to install) and a server on localhost; make test-serve "

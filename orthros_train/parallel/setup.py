@@ -105,7 +105,8 @@ def _expert_layout_problems(pcfg: ParallelConfig, model: OrthrosConfig, world_si
     if world is not None and world % ep:
         problems.append(
             f"world size {world} is not divisible by parallel.expert_parallel={ep} (megatron-core's expert layout: "
-            "world = expert_parallel x expert-data-parallel ranks); launch a multiple of it"
+            "world = expert_parallel x expert-data-parallel ranks); launch a multiple of it (a dry run: set "
+            "parallel.world_size to one)"
         )
     if tp > 1 and not pcfg.sequence_parallel:
         # Each token must be routed once: without SP every TP rank holds every token and would send

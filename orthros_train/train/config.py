@@ -8,6 +8,7 @@ anything is built.
 from __future__ import annotations
 
 import logging
+import math
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -279,7 +280,10 @@ def resolve_batch_geometry(
     model_ranks = tp * cp
     layout = f"parallel.tensor_parallel={tp} x parallel.context_parallel={cp}"
     if world_size is None:
-        world_size = parallel.world_size or (parallel.data_parallel or 1) * model_ranks
+        # Planned with no count given: the fewest data-parallel ranks that also hold whole
+        # expert-parallel groups (world = expert_parallel x expert-data-parallel ranks).
+        fewest_dp = parallel.expert_parallel // math.gcd(parallel.expert_parallel, model_ranks)
+        world_size = parallel.world_size or (parallel.data_parallel or fewest_dp) * model_ranks
     elif parallel.world_size is not None and parallel.world_size != world_size:
         log.info("the recipe plans for %d processes (parallel.world_size); %d were launched: the batch geometry "
                  "follows the launch", parallel.world_size, world_size)
