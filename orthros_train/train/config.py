@@ -435,6 +435,7 @@ def run_config_from_dict(cfg: dict[str, Any], world_size: int | None = None) -> 
     given = {**cfg, "model": model}
     typed = {name: typed_section(hints[name], given.get(name), name) for name in sections}
     extra = {name: typed_section(cls, cfg[name], name) for name, cls in optional.items() if name in cfg}
+    check_expert_layout(typed["parallel"], typed["model"], world_size)  # the experts' layout first: it sets the world
     resolve_batch_geometry(typed["trainer"], typed["parallel"], world_size, extra.get("rl"))
     return RunConfig(**typed, init=init, **extra)
 
