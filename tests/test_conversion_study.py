@@ -272,3 +272,19 @@ def test_frozen_steps_update_only_the_output_affine_first() -> None:
     assert all(g["lr"] == 1e-2 for g in opt.param_groups)  # the held groups get their rate back
     with pytest.raises(ValueError, match="frozen_steps"):
         OptimConfig(frozen_steps=-1)
+
+
+@pytest.mark.slow
+def test_quick_study_end_to_end(tmp_path) -> None:
+    """The reduced study through the real trainer: teacher, sweep, seeds, curves, long context, report."""
+    from orthros_train.study.cli import main
+
+    out = tmp_path / "conv"
+    assert main(["conversion", "--quick", "--out", str(out), "--longctx-steps", "2"]) == 0
+    saved = json.loads((out / "conversion.json").read_text())
+    assert set(saved["arms"]) == set(ARMS) and saved["window"] == 8 and saved["seeds"] == [1, 2]
+    assert [p["step"] for p in saved["curve"]] == [0, 1, 2, 5, 10]
+    assert saved["conversion_check"]["within_w"] < 1e-4
+    teacher, converted = saved["arms"]["teacher"], saved["arms"]["converted"]
+    assert abs(teacher["loss"] - converted["loss"]) < 0.05  # the same model inside W, a little apart beyond it
+    assert (out / "conversion.md").is_file() and (out / "conversion" / "recovery.png").is_file()
