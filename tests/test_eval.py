@@ -413,6 +413,24 @@ def test_lm_eval_task_that_needs_the_hub_offline_is_a_message(ckpt, tmp_path, ca
     assert "orthros-nonexistent/hub-only-dataset" in err and "offline" in err.lower() and "dataset_path: json" in err
 
 
+def test_lm_eval_vllm_backend_names_what_it_needs(ckpt, tmp_path, capsys):
+    import importlib.util
+
+    args = ["lm-eval", "--tasks", "pg_lambada", "--backend", "vllm", "--output-dir", str(tmp_path / "out")]
+    # An Orthros checkpoint is not an export: the message says how to make one.
+    assert main([args[0], str(ckpt), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "orthros-convert to-hf" in err and "auto_map" in err
+    if importlib.util.find_spec("vllm") is None:  # the main venv: an export without vLLM installed
+        from orthros_train.convert.to_hf import convert_to_hf
+
+        convert_to_hf(ckpt, tmp_path / "export")
+        assert main([args[0], str(tmp_path / "export"), *args[1:]]) == 2
+        err = capsys.readouterr().err
+        assert "needs vLLM" in err and "make serve-env" in err
+    assert not (tmp_path / "out" / "lm_eval.json").exists()
+
+
 def test_lm_eval_finds_orthros_through_its_entry_point():
     """The ``lm_eval.models`` entry point lm-eval's plugin discovery reads names the adapter."""
     import importlib.metadata as md

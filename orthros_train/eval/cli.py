@@ -12,6 +12,7 @@ Every command writes JSON under ``--output-dir`` (default ``eval_results/``) and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-path", action="append", default=[], help="folder of your own task YAMLs")
     p.add_argument("--tasks-dir", default=None, help="where the example tasks are written (default: ~/.cache)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--backend", choices=("orthros", "vllm"), default="orthros",
+                   help="orthros: the project's model in this process (CKPT: an Orthros checkpoint); vllm: lm-eval's "
+                   "vllm model serving CKPT, an export of `orthros-convert to-hf` (needs vLLM: make serve-env)")
     _common(p)
 
     p = sub.add_parser(
@@ -252,12 +256,15 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ValueError(f"--tasks {args.tasks!r} names no task; e.g. --tasks pg_lambada,pg_passkey")
-    model, tokenizer = _load(args)
+    common = dict(limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                  max_length=args.max_length, include_paths=args.include_path, tasks_dir=args.tasks_dir,
+                  seed=args.seed)  # fmt: skip
     try:
-        result = run_lm_eval(
-            model, tokenizer, tasks, limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-            max_length=args.max_length, include_paths=args.include_path, tasks_dir=args.tasks_dir, seed=args.seed,
-        )  # fmt: skip
+        if args.backend == "vllm":
+            result = _lm_eval_vllm(args, tasks, common)
+        else:
+            model, tokenizer = _load(args)
+            result = run_lm_eval(model, tokenizer, tasks, **common)
     except ConnectionError as exc:  # datasets: "Couldn't reach 'X' on the Hub (OfflineModeIsEnabled)"
         raise ValueError(
             f"task(s) {', '.join(tasks)}: {exc}. The task reads its dataset from the Hugging Face Hub, which is "
@@ -272,6 +279,26 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
         print(f"lm-eval {task}: {shown}")
     print(f"-> {path}")
     return {"json": str(path)}
+
+
+def _lm_eval_vllm(args: argparse.Namespace, tasks: list[str], common: dict[str, Any]) -> dict[str, Any]:
+    """lm-eval's ``vllm`` model on an exported checkpoint (``lm_eval_cli.run_vllm_lm_eval``)."""
+    import importlib.util
+
+    export = Path(args.checkpoint)
+    config = export / "config.json"
+    if not config.is_file() or "auto_map" not in json.loads(config.read_text()):
+        raise ValueError(
+            f"--backend vllm serves an exported checkpoint (a folder whose config.json has auto_map), and "
+            f"{export} is not one: export it with `orthros-convert to-hf {export} EXPORT_DIR` and pass EXPORT_DIR"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm needs vLLM in this environment: run it from .venv-serve (make serve-env), "
+                         "or use the in-process route (--backend orthros, the default)")
+    from orthros_train.eval.lm_eval_cli import run_vllm_lm_eval
+
+    dtype = args.dtype or "auto"
+    return run_vllm_lm_eval(str(export), tasks, dtype=dtype, **common)
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:

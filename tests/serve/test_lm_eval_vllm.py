@@ -40,7 +40,7 @@ metadata:
 """
 
 
-def test_vllm_route_scores_like_the_in_process_adapter(tmp_path):
+def test_vllm_route_scores_like_the_in_process_adapter(tmp_path, monkeypatch):
     ckpt, export = make_orthros(tmp_path / "model")
     words = TEXT.split()
     docs = [{"context": " ".join(words[i : i + 30 + 7 * i]), "target": words[i + 30 + 7 * i]} for i in range(6)]
@@ -59,3 +59,14 @@ def test_vllm_route_scores_like_the_in_process_adapter(tmp_path):
     assert got["acc,none"] == want["acc,none"]
     assert 1 < want["perplexity,none"] < float("inf")
     assert got["perplexity,none"] == pytest.approx(want["perplexity,none"], rel=1e-3)
+
+    # The same route from the command line: orthros-eval lm-eval EXPORT --backend vllm.
+    from orthros_train.eval.cli import main
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the engine's default would take 4
+    out = tmp_path / "cli"
+    assert main(["lm-eval", str(export), "--tasks", "tiny_last_word", "--include-path", str(tasks), "--backend",
+                 "vllm", "--dtype", "float32", "--batch-size", "4", "--max-length", "512", "--output-dir",
+                 str(out)]) == 0
+    cli = json.loads((out / "lm_eval.json").read_text())
+    assert cli["backend"] == "vllm" and cli["results"]["tiny_last_word"]["acc,none"] == got["acc,none"]
