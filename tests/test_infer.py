@@ -286,3 +286,26 @@ def test_auto_prefill_chunks_orthros_and_sliding_but_not_dense():
     assert SamplingParams().prefill_chunk_size == "auto"
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         SamplingParams(prefill_chunk_size="big")
+
+
+def test_tokenizer_of_a_checkpoint_with_yarn_scaling_loads(tmp_path):
+    """AutoTokenizer reads config.json too, and transformers' RoPE checks fail on an Orthros config
+    with YaRN scaling (a context-extended checkpoint): the tokenizer still loads, special tokens kept."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from orthros_train.infer.loading import load_tokenizer
+    from orthros_train.model import OrthrosConfig
+
+    raw = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<eos>": 2}, unk_token="<eos>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>").save_pretrained(tmp_path)
+    cfg = OrthrosConfig(vocab_size=3, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=1024,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    tok = load_tokenizer(tmp_path)
+    assert tok("a b a")["input_ids"] == [0, 1, 0]
+    assert tok.eos_token == "<eos>" and tok.pad_token_id == 2

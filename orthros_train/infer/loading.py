@@ -162,10 +162,15 @@ def load_tokenizer(path: str | Path, required: bool = True):
 
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
-    except (ValueError, OSError, KeyError):
+    except (ValueError, OSError, KeyError, AttributeError):
+        # AttributeError: AutoTokenizer also reads config.json, and transformers' RoPE checks fail on
+        # an Orthros config with YaRN scaling; the tokenizer's own files are all a fast tokenizer needs.
         if not (path / "tokenizer.json").is_file():
             raise
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path))  # keeps tokenizer_config's special tokens
+        except (ValueError, OSError, KeyError):
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok
