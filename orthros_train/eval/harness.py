@@ -54,30 +54,43 @@ def run_lm_eval(
 ) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` through ``OrthrosLM``; returns the JSON-ready results."""
     _require_lm_eval()
-    import lm_eval
-
     from orthros_train.eval.lm_eval_adapter import OrthrosLM
+
+    lm = OrthrosLM(model=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    summary = evaluate_summary(lm, tasks, limit, num_fewshot, include_paths, tasks_dir, seed)
+    return {
+        **summary,
+        "environment": environment(next(model.parameters()).device),
+        "config": model.config.to_dict(),
+    }
+
+
+def evaluate_summary(
+    model: Any,
+    tasks: Sequence[str],
+    limit: float | None,
+    num_fewshot: int | None,
+    include_paths: Sequence[str | Path],
+    tasks_dir: str | Path | None,
+    seed: int,
+    **evaluate_args: Any,
+) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` of ``model`` (an lm-eval model object or a registered model's
+    name, with ``evaluate_args`` such as ``model_args``) on known tasks, every seed set; the
+    JSON-ready summary both routes return (in-process adapter and lm-eval's vllm model)."""
+    import lm_eval
 
     manager = task_manager(tasks, include_paths, tasks_dir)
     missing = [t for t in tasks if t not in manager.all_tasks]
     if missing:
         raise ValueError(f"unknown lm-eval task(s) {missing}; offline, a task needs a YAML that reads local files")
-    lm = OrthrosLM(model=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
     if limit is not None and float(limit) >= 1:
         limit = int(limit)
     out = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=0,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+        model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=False,
+        bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+        **evaluate_args,
+    )  # fmt: skip
     results = {
         task: {k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) and k != "alias"}
         for task, metrics in out["results"].items()
@@ -89,6 +102,4 @@ def run_lm_eval(
         "results": results,
         "versions": {k: str(v) for k, v in out.get("versions", {}).items()},
         "n_shot": out.get("n-shot", {}),
-        "environment": environment(next(model.parameters()).device),
-        "config": model.config.to_dict(),
     }

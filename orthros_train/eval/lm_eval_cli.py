@@ -48,34 +48,16 @@ def run_vllm_lm_eval(
     import lm_eval
     import lm_eval.models.vllm_causallms  # noqa: F401, F811  (registers lm-eval's model "vllm")
 
-    from orthros_train.eval.harness import task_manager
+    from orthros_train.eval.harness import evaluate_summary
 
-    manager = task_manager(tasks, include_paths, tasks_dir)
-    missing = [t for t in tasks if t not in manager.all_tasks]
-    if missing:
-        raise ValueError(f"unknown lm-eval task(s) {missing}; offline, a task needs a YAML that reads local files")
-    if limit is not None and float(limit) >= 1:
-        limit = int(limit)
     model_args = dict(pretrained=str(export_dir), dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
                       **engine_args)
     if max_length is not None:
         model_args["max_model_len"] = int(max_length)
-    out = lm_eval.simple_evaluate(
-        model="vllm", model_args=model_args, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-        batch_size=batch_size, task_manager=manager, log_samples=False, bootstrap_iters=0, random_seed=seed,
-        numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-    )
-    results = {
-        task: {k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) and k != "alias"}
-        for task, metrics in out["results"].items()
-    }
+    summary = evaluate_summary("vllm", tasks, limit, num_fewshot, include_paths, tasks_dir, seed,
+                               model_args=model_args, batch_size=batch_size)
     return {
-        "tasks": list(tasks),
-        "limit": limit,
-        "num_fewshot": num_fewshot,
-        "results": results,
-        "versions": {k: str(v) for k, v in out.get("versions", {}).items()},
-        "n_shot": out.get("n-shot", {}),
+        **summary,
         "backend": "vllm",
         "export": str(export_dir),
     }
