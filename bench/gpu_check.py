@@ -914,7 +914,7 @@ SERVE_LAYERS = 4  # the 1.3B shape's width with few layers: engine start and gra
 
 def serving_models(root: Path, dry: bool) -> tuple[dict, Path, Path]:
     """A random-weight export of the 1.3B shape (``SERVE_LAYERS`` layers) and its dense Llama twin."""
-    from orthros_train.convert.to_hf import convert_to_hf
+    from orthros_train.convert.to_hf import convert_to_hf, export_llama_twin
     from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 
     shape = {**shape_1p3b(), "num_hidden_layers": 2 if dry else SERVE_LAYERS}
@@ -930,16 +930,7 @@ def serving_models(root: Path, dry: bool) -> tuple[dict, Path, Path]:
     hf = json.loads((export / "config.json").read_text())
     hf.setdefault("eos_token_id", 0)
     (export / "config.json").write_text(json.dumps(hf))
-    dense = root / "llama"
-    dense.mkdir()
-    llama = {k: v for k, v in hf.items() if k not in ("auto_map", "qk_norm", "base_window")}
-    llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", mlp_bias=False)
-    (dense / "config.json").write_text(json.dumps(llama))
-    from safetensors.torch import load_file, save_file
-
-    state = {k: v for k, v in load_file(str(export / "model.safetensors")).items()
-             if not k.endswith((".gamma", ".beta"))}
-    save_file(state, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    dense = export_llama_twin(export, root / "llama")
     return shape, export, dense
 
 

@@ -54,7 +54,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in t
 
 import torch  # noqa: E402
 
-from orthros_train.convert.to_hf import convert_to_hf  # noqa: E402
+from orthros_train.convert.to_hf import convert_to_hf, export_llama_twin  # noqa: E402
 from orthros_train.eval.bench import prefill_flop_limits  # noqa: E402
 from orthros_train.infer.loading import PRESETS  # noqa: E402
 from orthros_train.model.config import OrthrosConfig  # noqa: E402
@@ -65,8 +65,6 @@ MODELS = ("orthros", "llama")
 
 def build_models(preset: str, root: Path, max_len: int) -> tuple[OrthrosConfig, Path, Path]:
     """(config, Orthros export dir, dense Llama twin dir) of random weights of ``preset``."""
-    from safetensors.torch import load_file, save_file
-
     cfg = OrthrosConfig(**{**PRESETS[preset], "max_position_embeddings": max_len})
     model = OrthrosForCausalLM(cfg)
     model.reset_parameters(torch.Generator().manual_seed(0))
@@ -76,14 +74,7 @@ def build_models(preset: str, root: Path, max_len: int) -> tuple[OrthrosConfig, 
     hf = json.loads((export / "config.json").read_text())
     hf.setdefault("eos_token_id", 0)
     (export / "config.json").write_text(json.dumps(hf))
-    dense = root / "llama"
-    dense.mkdir()
-    llama = {k: v for k, v in hf.items() if k not in ("auto_map", "qk_norm", "base_window")}
-    llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", mlp_bias=False)
-    (dense / "config.json").write_text(json.dumps(llama))
-    state = {k: v for k, v in load_file(str(export / "model.safetensors")).items()
-             if not k.endswith((".gamma", ".beta"))}
-    save_file(state, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    dense = export_llama_twin(export, root / "llama")
     return cfg, export, dense
 
 

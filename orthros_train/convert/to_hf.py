@@ -184,3 +184,27 @@ def convert_to_hf(
         side_files=side,
         seconds=time.perf_counter() - start,
     )
+
+
+def export_llama_twin(export: str | Path, dst: str | Path) -> Path:
+    """The dense ``LlamaForCausalLM`` directory of an export's weights (gamma/beta dropped), the
+    baseline serving benchmarks and tests run beside it: it equals the Orthros model at gamma = 1,
+    beta = 0 on sequences inside the window. Tokenizer and generation files are copied along."""
+    from safetensors.torch import load_file, save_file
+
+    export, dst = Path(export), Path(dst)
+    hf = json.loads((export / "config.json").read_text())
+    if hf.get("num_experts"):
+        raise ValueError(f"{export} has sparse (mixture-of-experts) layers: it has no dense Llama twin")
+    dst.mkdir(parents=True, exist_ok=True)
+    llama = {k: v for k, v in hf.items() if k not in ("auto_map", "qk_norm", "base_window", "attention_bias")}
+    llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
+                 mlp_bias=False)
+    (dst / "config.json").write_text(json.dumps(llama, indent=2))
+    state = {k: v for k, v in load_file(str(export / "model.safetensors")).items()
+             if not k.endswith((".gamma", ".beta"))}
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for p in export.iterdir():
+        if p.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            (dst / p.name).write_bytes(p.read_bytes())
+    return dst

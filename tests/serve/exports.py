@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from orthros_train.convert.to_hf import convert_to_hf
+from orthros_train.convert.to_hf import convert_to_hf, export_llama_twin
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import OrthrosForCausalLM
 
@@ -75,18 +75,4 @@ def make_orthros(root: Path, seed: int = 0, trained_affine: bool = True, **overr
 
 def make_llama_twin(export: Path, dst: Path) -> Path:
     """The export as a plain ``LlamaForCausalLM`` directory (gamma/beta dropped: only equal with 1/0)."""
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir(parents=True, exist_ok=True)
-    hf = json.loads((export / "config.json").read_text())
-    llama = {k: v for k, v in hf.items() if k not in ("auto_map", "qk_norm", "base_window", "attention_bias")}
-    llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
-                 mlp_bias=False)
-    (dst / "config.json").write_text(json.dumps(llama, indent=2))
-    state = {k: v for k, v in load_file(str(export / "model.safetensors")).items()
-             if not k.endswith((".gamma", ".beta"))}
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    for p in export.iterdir():
-        if p.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            (dst / p.name).write_bytes(p.read_bytes())
-    return dst
+    return export_llama_twin(export, dst)
