@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -183,6 +185,11 @@ def run(cfg: DictConfig) -> dict:
         try:
             trainer = Trainer(run_cfg, resolved, env, job_id=os.environ.get("SLURM_JOB_ID"))
             result = trainer.fit()
+            if result.get("signal") == signal.SIGINT:
+                # The loop's handlers are gone and the process is on its way out (exit 130): a
+                # second Ctrl-C during the teardown exits at once, whatever handler came before
+                # (a parent may have left SIGINT ignored, which would swallow it).
+                signal.signal(signal.SIGINT, functools.partial(_exit_on_second_ctrl_c, trainer.close))
             if result.get("preempted"):
                 return result
             prompt = run_cfg.trainer.sample_prompt
@@ -199,14 +206,21 @@ def run(cfg: DictConfig) -> dict:
     except KeyboardInterrupt:
         if result is None:
             raise  # before training (the loop's own handler saves a run it interrupts)
-        # After the loop returned, its signal handlers are gone and its checkpoint is saved.
-        if result.get("signal") == signal.SIGINT:
-            print("orthros-train: second Ctrl-C: exiting at once without saving", file=sys.stderr)
-        else:
-            print(f"orthros-train: interrupted (Ctrl-C) after training; checkpoint {result['checkpoint']} is saved",
-                  file=sys.stderr)
+        # After a finished loop (sampling, teardown): its checkpoint is saved.
+        print(f"orthros-train: interrupted (Ctrl-C) after training; checkpoint {result['checkpoint']} is saved",
+              file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     return result
+
+
+def _exit_on_second_ctrl_c(release: Callable[[], None], signum: int, frame: object) -> None:
+    """Leave at once, releasing the run directory first (as the loop's own second Ctrl-C does)."""
+    from orthros_train.train.stop_signals import INTERRUPTED_EXIT_CODE
+
+    # os-level write and exit: a signal handler may interrupt a thread holding a lock.
+    os.write(2, b"orthros-train: second Ctrl-C: exiting at once without saving\n")
+    release()
+    os._exit(INTERRUPTED_EXIT_CODE)
 
 
 # Recipe folders that hold groups (pieces of a recipe) rather than runs.
