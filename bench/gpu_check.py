@@ -914,23 +914,15 @@ SERVE_LAYERS = 4  # the 1.3B shape's width with few layers: engine start and gra
 
 def serving_models(root: Path, dry: bool) -> tuple[dict, Path, Path]:
     """A random-weight export of the 1.3B shape (``SERVE_LAYERS`` layers) and its dense Llama twin."""
-    from orthros_train.convert.to_hf import convert_to_hf, export_llama_twin
-    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+    import serve as serve_bench  # bench/serve.py: the same export and twin as the CPU table
+
+    from orthros_train.model import OrthrosConfig
 
     shape = {**shape_1p3b(), "num_hidden_layers": 2 if dry else SERVE_LAYERS}
     if dry:
         shape.update(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                      intermediate_size=256, vocab_size=384, sliding_window=16, max_position_embeddings=4096)
-    cfg = OrthrosConfig(**shape)
-    model = OrthrosForCausalLM(cfg)
-    model.reset_parameters(torch.Generator().manual_seed(0))
-    model.save_pretrained(root / "orthros")
-    export = root / "export"
-    convert_to_hf(root / "orthros", export)
-    hf = json.loads((export / "config.json").read_text())
-    hf.setdefault("eos_token_id", 0)
-    (export / "config.json").write_text(json.dumps(hf))
-    dense = export_llama_twin(export, root / "llama")
+    export, dense = serve_bench.random_export(OrthrosConfig(**shape), root)
     return shape, export, dense
 
 

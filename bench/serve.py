@@ -66,6 +66,12 @@ MODELS = ("orthros", "llama")
 def build_models(preset: str, root: Path, max_len: int) -> tuple[OrthrosConfig, Path, Path]:
     """(config, Orthros export dir, dense Llama twin dir) of random weights of ``preset``."""
     cfg = OrthrosConfig(**{**PRESETS[preset], "max_position_embeddings": max_len})
+    return (cfg, *random_export(cfg, root))
+
+
+def random_export(cfg: OrthrosConfig, root: Path) -> tuple[Path, Path]:
+    """(Orthros export dir, dense Llama twin dir) of a random-weight model of ``cfg`` under ``root``
+    (also gpu_check's serving section)."""
     model = OrthrosForCausalLM(cfg)
     model.reset_parameters(torch.Generator().manual_seed(0))
     model.save_pretrained(root / "orthros")
@@ -74,8 +80,7 @@ def build_models(preset: str, root: Path, max_len: int) -> tuple[OrthrosConfig, 
     hf = json.loads((export / "config.json").read_text())
     hf.setdefault("eos_token_id", 0)
     (export / "config.json").write_text(json.dumps(hf))
-    dense = export_llama_twin(export, root / "llama")
-    return cfg, export, dense
+    return export, export_llama_twin(export, root / "llama")
 
 
 def make_engine(model_dir: Path, cfg: OrthrosConfig, max_len: int, max_batch: int, max_prompt: int, eager: bool,
