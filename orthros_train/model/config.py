@@ -27,6 +27,9 @@ class OrthrosConfig:
     attention_bias: bool = False  # Qwen2 carries biases on q/k/v
     tie_word_embeddings: bool = False
     sliding_window: int = 128
+    # Base-stream attention sinks (an extension of the paper's layer, for converted models): a base
+    # query also attends the first ``sink_tokens`` keys of its document. 0: the paper's layer.
+    sink_tokens: int = 0
     attention_type: AttentionType = AttentionType.orthros
     max_position_embeddings: int = 131072
     initializer_range: float = 0.02
@@ -75,8 +78,19 @@ class OrthrosConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be an integer >= 1, got {self.sliding_window!r}")
+        sinks = self.sink_tokens
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(
+                f"sink_tokens must be an integer >= 0 (0: the paper's layer, 4: a converted model's usual "
+                f"choice), got {sinks!r}"
+            )
+        if sinks and sinks >= self.sliding_window:
+            raise ValueError(
+                f"sink_tokens ({sinks}) must be smaller than sliding_window ({self.sliding_window}): the sinks "
+                "are the first tokens of a document a base query sees beyond its window; lower sink_tokens"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
@@ -163,6 +177,11 @@ class OrthrosConfig:
         """Keys a base (or baseline) query sees, itself included: ``sliding_window``, or unbounded
         for the dense baseline."""
         return UNBOUNDED if self.attention_type == AttentionType.dense else self.sliding_window
+
+    @property
+    def base_sink_tokens(self) -> int:
+        """Sink tokens of the base stream (0 for the dense baseline, whose window already holds them)."""
+        return 0 if self.attention_type == AttentionType.dense else self.sink_tokens
 
     @property
     def num_kv_groups(self) -> int:

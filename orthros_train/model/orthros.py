@@ -58,6 +58,7 @@ class AttentionPlan:
     out_key_index: torch.Tensor  # [N'] key index of the base token each output token sits on
     key_cu_seqlens: torch.Tensor  # document boundaries of the keys
     base_window: int
+    sink_tokens: int = 0  # the base stream's attention sinks (``OrthrosConfig.sink_tokens``)
     new_lengths: torch.Tensor | None = None  # per-row new tokens when a KV cache is extended (CPU)
     # Per-forward attention metadata, filled by the first layer and reused by every later layer
     # and the backward (the kernels' query sort and tile plan, host-known counts): no layer
@@ -104,11 +105,12 @@ class AttentionPlan:
             # the base queries are the windowed ones when the window is shorter than the keys
             n_band = self.num_base if with_base and self.base_window <= k.shape[0] else 0
             self.attention_meta[key] = prepare_attention(
-                q_index, q_window, self.key_cu_seqlens, k.shape[0], backend,
+                q_index, q_window, self.key_cu_seqlens, k.shape[0], backend, sink_tokens=self.sink_tokens,
                 n_band=n_band, max_range=self.attention_meta.get("max_range"),
             )
         return orthros_attention(
-            q, k, v, q_index, q_window, self.key_cu_seqlens, backend=backend, prepared=self.attention_meta[key]
+            q, k, v, q_index, q_window, self.key_cu_seqlens, backend=backend, prepared=self.attention_meta[key],
+            sink_tokens=self.sink_tokens,
         )
 
     def output_targets(self, layout: OrthrosLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +153,7 @@ def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache
         out_key_index=key_index[out_index],
         key_cu_seqlens=cu,
         base_window=window,
+        sink_tokens=config.base_sink_tokens,
         new_lengths=new_lengths,
         attention_meta=meta,
     )

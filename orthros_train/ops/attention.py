@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orthros_train.ops.reference import UNBOUNDED, attention_reference
+from orthros_train.ops.reference import UNBOUNDED, attention_reference, attention_with_sinks, sink_queries
 from orthros_train.ops.sdpa_attention import (
     attention_sdpa,
     attention_sdpa_output,
@@ -38,6 +38,9 @@ AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 _BACKENDS: dict[str, AttentionFn] = {"reference": attention_reference, "sdpa": attention_sdpa}
 # Variants that skip the log-sum-exp, for callers that only use the output.
 _OUTPUT_ONLY: dict[str, AttentionFn] = {"sdpa": attention_sdpa_output}
+# Output-only variants that take ``sink_tokens`` themselves; every other backend runs sinks as a
+# second partial attention merged by its log-sum-exp (``reference.attention_with_sinks``).
+_NATIVE_SINKS: set[AttentionFn] = set()
 
 
 def _triton_backend(deterministic: bool) -> AttentionFn:
@@ -120,10 +123,19 @@ def resolve_backend(backend: str, device: torch.device, need_lse: bool = True) -
 
 @dataclass(frozen=True)
 class PreparedAttention:
-    """Per-forward metadata of one backend (``prepare_attention``), reused by every layer."""
+    """Per-forward metadata of one backend (``prepare_attention``), reused by every layer.
+
+    With sink tokens on a backend that merges a sink partial, ``payload`` is
+    ``(sink_queries result, (window payload, sink payload))``."""
 
     fn: AttentionFn
     payload: object
+    sink_tokens: int = 0
+
+
+def _prepare(fn: AttentionFn, q_index, q_window, cu_seqlens, n_k: int, **hints) -> object:
+    preparer = _PREPARERS.get(fn)
+    return None if preparer is None else preparer(q_index, q_window, cu_seqlens, n_k, **hints)
 
 
 def prepare_attention(
@@ -133,10 +145,12 @@ def prepare_attention(
     n_k: int,
     backend: str = "auto",
     need_lse: bool = False,
+    sink_tokens: int = 0,
     **hints: int | None,
 ) -> PreparedAttention | None:
     """What ``backend`` can compute once per forward pass for these queries and keys (the
-    Triton kernels: the query sort and tile plan), or ``None`` when it has nothing to prepare.
+    Triton kernels: the query sort and tile plan; with sink tokens, the sink partial's queries),
+    or ``None`` when it has nothing to prepare.
 
     Pass the result to every ``orthros_attention`` call of that forward (all layers, and their
     backward through autograd). The layout must already be validated (the phase builders do it
@@ -144,11 +158,48 @@ def prepare_attention(
     sync. ``hints`` are host-known counts (``n_band``: queries with a window of at most ``n_k``
     keys; ``max_range``: the longest key range, for decode steps) that save further syncs.
     """
+    if sink_tokens:
+        fn = resolve_backend(backend, q_index.device, need_lse=need_lse)
+        if fn in _NATIVE_SINKS:
+            payload = _prepare(fn, q_index, q_window, cu_seqlens, n_k, sink_tokens=sink_tokens, **hints)
+            return PreparedAttention(fn, payload, sink_tokens)
+        fn = resolve_backend(backend, q_index.device, need_lse=True)
+        sinks = sink_queries(q_index, q_window, cu_seqlens, sink_tokens)
+        rows, s_index, s_window = sinks
+        main = _prepare(fn, q_index, q_window, cu_seqlens, n_k, **hints)
+        # the sink partial's queries each see at most ``sink_tokens`` keys
+        extra = _prepare(fn, s_index, s_window, cu_seqlens, n_k, n_band=rows.numel()) if rows.numel() else None
+        return PreparedAttention(fn, (sinks, (main, extra)), sink_tokens)
     fn = resolve_backend(backend, q_index.device, need_lse=need_lse)
-    preparer = _PREPARERS.get(fn)
-    if preparer is None:
-        return None
-    return PreparedAttention(fn, preparer(q_index, q_window, cu_seqlens, n_k, **hints))
+    payload = _prepare(fn, q_index, q_window, cu_seqlens, n_k, **hints)
+    return None if payload is None else PreparedAttention(fn, payload)
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    backend: str = "auto",
+    prepared: PreparedAttention | None = None,
+    sink_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the op on ``backend`` (the backend's LSE-returning variant), sink tokens
+    included; for callers that merge partial attentions (context parallelism)."""
+    fn = resolve_backend(backend, q.device, need_lse=True)
+    if sink_tokens:
+        if prepared is not None and prepared.fn is fn and prepared.sink_tokens == sink_tokens:
+            sinks, payloads = prepared.payload
+            return attention_with_sinks(
+                fn, q, k, v, q_index, q_window, cu_seqlens, sink_tokens, scale=scale, sinks=sinks, prepared=payloads
+            )
+        return attention_with_sinks(fn, q, k, v, q_index, q_window, cu_seqlens, sink_tokens, scale=scale)
+    if prepared is not None and prepared.fn is fn and not prepared.sink_tokens:
+        return fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=prepared.payload)
+    return fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale)
 
 
 def orthros_attention(
@@ -161,21 +212,30 @@ def orthros_attention(
     scale: float | None = None,
     backend: str = "auto",
     prepared: PreparedAttention | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
-    """Attention of both streams over the base keys (see ``ops/reference.py`` for the contract).
+    """Attention of both streams over the base keys (see ``ops/reference.py`` for the contract,
+    sink tokens included).
 
     ``prepared``: this forward's ``prepare_attention`` result (used when it belongs to the
     backend that runs).
     """
     fn = resolve_backend(backend, q.device, need_lse=False)
-    if prepared is not None and prepared.fn is fn:
-        out, _ = fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=prepared.payload)
+    if sink_tokens and fn not in _NATIVE_SINKS:
+        out, _ = attention_with_lse(
+            q, k, v, q_index, q_window, cu_seqlens, scale=scale, backend=backend, prepared=prepared,
+            sink_tokens=sink_tokens,
+        )
+        return out
+    kw = {"sink_tokens": sink_tokens} if sink_tokens else {}
+    if prepared is not None and prepared.fn is fn and prepared.sink_tokens == sink_tokens:
+        out, _ = fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=prepared.payload, **kw)
     else:
-        out, _ = fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale)
+        out, _ = fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale, **kw)
     return out
 
 
 __all__ = [
-    "UNBOUNDED", "PreparedAttention", "orthros_attention", "prepare_attention", "register_backend",
-    "available_backends",
+    "UNBOUNDED", "PreparedAttention", "attention_with_lse", "orthros_attention", "prepare_attention",
+    "register_backend", "available_backends",
 ]

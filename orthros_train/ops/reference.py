@@ -14,6 +14,15 @@ dimension with no padding (flash-attn "varlen" style):
 Query ``i`` attends key ``j`` iff ``doc(j) == doc(q_index[i])``, ``j <= q_index[i]`` and
 ``q_index[i] - j < q_window[i]``. Because documents are contiguous, that is one contiguous key
 range per query, ``[key_start, key_end]`` — the form the kernels use as well.
+
+Sink tokens (``sink_tokens = S > 0``, an extension of the paper's layer for converted models): a
+query also attends the first ``S`` keys of its document, ``doc_start <= j < doc_start + S`` with
+``j <= q_index[i]``, each key once where they overlap its window. The keys a query sees are then
+the window range plus a *sink range* ``[doc_start, min(doc_start + S, key_start))`` that is empty
+when the window already reaches them (always for unbounded queries). Backends compute the window
+range as before and the sink range as a second partial attention over at most ``S`` keys,
+merged exactly through the log-sum-exp (``attention_with_sinks``); ``S = 0`` never takes that
+path, so it is bitwise the plain op.
 """
 
 from __future__ import annotations
@@ -38,6 +47,79 @@ def key_ranges(
     doc_start = cu[doc]
     start = torch.maximum(doc_start, q_index - q_window.long() + 1)
     return start, q_index
+
+
+def sink_queries(
+    q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor, sink_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sink partial's queries: ``(rows, index, window)``.
+
+    ``rows`` are the queries whose sink range ``[doc_start, min(doc_start + S, key_start))`` is not
+    empty; each is re-expressed in the op's own contract as a query at key index ``index`` (the
+    last sink key it lacks) with window ``window`` (the sink keys it lacks), so any backend can
+    run the partial. One host sync (the number of rows); callers of a hot path compute it once
+    per forward (``prepare_attention``).
+    """
+    check_sink_tokens(sink_tokens)
+    q_index = q_index.long()
+    cu = cu_seqlens.long()
+    doc = torch.searchsorted(cu, q_index, right=True) - 1
+    doc_start = cu[doc]
+    start = torch.maximum(doc_start, q_index - q_window.long() + 1)
+    sink_end = torch.minimum(doc_start + sink_tokens, start)  # exclusive
+    rows = torch.nonzero(sink_end > doc_start).flatten()
+    return rows, sink_end[rows] - 1, sink_end[rows] - doc_start[rows]
+
+
+def check_sink_tokens(sink_tokens: int) -> None:
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
+
+
+def merge_partial_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention over the union of two disjoint key sets from the two partials.
+
+    ``out [n, H, D]`` is each partial's normalised output and ``lse [H, n]`` its log-sum-exp;
+    both must cover at least one key (no ``-inf`` rows). Returns ``(out, lse)`` of the union.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).t()[..., None]
+    w_b = torch.exp(lse_b - lse).t()[..., None]
+    return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype), lse
+
+
+def attention_with_sinks(
+    fn,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    q_window: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    sink_tokens: int,
+    scale: float | None = None,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    prepared: tuple[object, object] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fn`` (any backend returning ``(out, lse)``) with sink tokens: the window partial and the
+    sink partial (``sink_queries``), merged by their log-sum-exp. Differentiable wherever ``fn``
+    is, including through its LSE.
+
+    ``sinks``: ``sink_queries``' result when the caller has it; ``prepared``: ``fn``'s prepared
+    payloads for the window call and the sink call (``prepare_attention``).
+    """
+    rows, s_index, s_window = sink_queries(q_index, q_window, cu_seqlens, sink_tokens) if sinks is None else sinks
+    main_payload, sink_payload = prepared if prepared is not None else (None, None)
+    kw = {} if main_payload is None else {"prepared": main_payload}
+    out, lse = fn(q, k, v, q_index, q_window, cu_seqlens, scale=scale, **kw)
+    if rows.numel() == 0:
+        return out, lse
+    kw = {} if sink_payload is None else {"prepared": sink_payload}
+    o_s, lse_s = fn(q[rows], k, v, s_index, s_window, cu_seqlens, scale=scale, **kw)
+    merged, lse_m = merge_partial_attention(out[rows], lse[:, rows], o_s, lse_s)
+    return out.index_copy(0, rows, merged), lse.index_copy(1, rows, lse_m)
 
 
 def check_attention_inputs(
@@ -89,6 +171,7 @@ def attention_reference(
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
     chunk_size: int = REFERENCE_CHUNK,
+    sink_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact masked softmax attention; returns ``(out [Nq,Hq,D], lse [Hq,Nq] fp32)``.
 
@@ -98,6 +181,11 @@ def attention_reference(
     their document. Differentiable through plain autograd. Math runs in fp32.
     """
     check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
+    if sink_tokens:
+        def plain(*args, **kw):
+            return attention_reference(*args, chunk_size=chunk_size, **kw)
+
+        return attention_with_sinks(plain, q, k, v, q_index, q_window, cu_seqlens, sink_tokens, scale=scale)
     n_q, h_q, d = q.shape
     h_kv = k.shape[1]
     group = h_q // h_kv
@@ -148,13 +236,16 @@ def attention_naive(
     q_window: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
+    sink_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``[Nq, Nk]`` mask built from document ids and positions, for tests only.
 
-    Written from the definition (same document, causal, inside the window) rather than from key
-    ranges, so it checks ``attention_reference`` independently. O(Nq * Nk) memory.
+    Written from the definition (same document, causal, inside the window or among the
+    document's first ``sink_tokens`` keys) rather than from key ranges or partial merges, so it
+    checks ``attention_reference`` and every backend independently. O(Nq * Nk) memory.
     """
     check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
+    check_sink_tokens(sink_tokens)
     n_k = k.shape[0]
     d = q.shape[2]
     group = q.shape[1] // k.shape[1]
@@ -164,7 +255,10 @@ def attention_naive(
     )
     j = torch.arange(n_k)
     qi = q_index.long()[:, None]
-    mask = (doc_of_key[None, :] == doc_of_key[qi]) & (j[None, :] <= qi) & (qi - j[None, :] < q_window.long()[:, None])
+    key_doc_start = cu_seqlens.long()[doc_of_key]
+    in_window = qi - j[None, :] < q_window.long()[:, None]
+    is_sink = (j - key_doc_start)[None, :] < sink_tokens
+    mask = (doc_of_key[None, :] == doc_of_key[qi]) & (j[None, :] <= qi) & (in_window | is_sink)
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale

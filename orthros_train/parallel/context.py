@@ -37,7 +37,7 @@ import torch
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import AttentionPlan
 from orthros_train.ops.attention import UNBOUNDED, prepare_attention, resolve_backend
-from orthros_train.ops.reference import key_ranges
+from orthros_train.ops.reference import key_ranges, merge_partial_attention
 from orthros_train.parallel import collectives
 from orthros_train.phase.layout import OrthrosLayout
 
@@ -53,20 +53,6 @@ def clip_cu_seqlens(cu: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Document boundaries of the key range ``[lo, hi)``, shifted to start at 0."""
     inner = cu[(cu > lo) & (cu < hi)]
     return torch.cat([cu.new_tensor([lo]), inner, cu.new_tensor([hi])]) - lo
-
-
-def merge_partial_attention(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Exact softmax attention over the union of two disjoint key sets from the two partials.
-
-    ``out [n, H, D]`` is each partial's normalised output and ``lse [H, n]`` its log-sum-exp;
-    both must cover at least one key (no ``-inf`` rows).
-    """
-    lse = torch.logaddexp(lse_a, lse_b)
-    w_a = torch.exp(lse_a - lse).t()[..., None]
-    w_b = torch.exp(lse_b - lse).t()[..., None]
-    return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)
 
 
 @dataclass(kw_only=True)
@@ -222,7 +208,7 @@ class ContextPlan(AttentionPlan):
             ("past", slot), q[rows], *past.split(h_kv, dim=1), torch.full_like(idx, s - 1),
             torch.where(sees_past, unbounded, torch.ones_like(unbounded)), self._clip(0, s, q.device), None,
         )
-        merged = merge_partial_attention(o, lse, o_p, lse_p)
+        merged, _ = merge_partial_attention(o, lse, o_p, lse_p)
         return torch.where(sees_past[:, None, None], merged, o)
 
     def _gather_full(self, kv: torch.Tensor, gather: GatherFn) -> torch.Tensor:
