@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 from fixtures import REPO, cli_env
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -149,3 +150,32 @@ def test_dry_run_exercises_every_section_and_reports_after_each(tmp_path, monkey
     assert sections["serving"]["skipped"] == ["vllm not installed"] and sections["serving"]["seconds"] < 5
     assert all(t["met"] is None for t in report["targets"])
     assert "dry run: nothing was measured" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_bf16_model_keeps_fp32_rope_phases_at_position_131071():
+    """``model.to(torch.bfloat16)`` (infer/loading.py, gpu_check) leaves RoPE's ``inv_freq`` fp32:
+    the bf16 model's cos/sin at position 131071 are the fp32 model's, computed in fp32 then cast."""
+    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+    from orthros_train.model.layers import apply_rope
+
+    cfg = OrthrosConfig(**{**gpu_check.shape_1p3b(), "hidden_size": 64, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 64,
+                           "num_hidden_layers": 1, "rope_theta": 500000.0})  # fmt: skip
+    fp32 = OrthrosForCausalLM(cfg)
+    bf16 = OrthrosForCausalLM(cfg).to(torch.bfloat16)
+    assert bf16.layers[0].self_attn.rotary.inv_freq.dtype == torch.float32
+    ref = fp32.layers[0].self_attn.rotary
+    got = bf16.layers[0].self_attn.rotary
+    assert got.inv_freq.dtype == torch.float32 and torch.equal(got.inv_freq, ref.inv_freq)
+    pos = torch.tensor([131071])
+    (c32, s32), (c16, s16) = ref.cos_sin(pos), got.cos_sin(pos)
+    assert torch.equal(c16, c32) and torch.equal(s16, s32)
+    x = torch.randn(1, 4, 16)
+    want = apply_rope(x.to(torch.bfloat16), c32, s32)  # the angles in fp32, cast with the activations
+    assert torch.equal(apply_rope(x.to(torch.bfloat16), c16, s16), want)
+    # the cast back and a device move keep it fp32 too; the parameters did go to bf16
+    assert bf16.float().layers[0].self_attn.rotary.inv_freq.dtype == torch.float32
+    assert next(bf16.parameters()).dtype == torch.float32
+    # what a bf16 inv_freq would have done: a phase error far above bf16's rounding of cos/sin
+    bad = (pos.float() * ref.inv_freq.to(torch.bfloat16).float()) - pos.float() * ref.inv_freq
+    assert bad.abs().max() > 0.1

@@ -157,6 +157,21 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = rope_parameters(head_dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - nn.Module's signature
+        """``inv_freq`` follows the module's device but stays fp32 under any dtype cast.
+
+        ``model.to(torch.bfloat16)`` casts every floating buffer: a bf16 ``inv_freq`` has 8
+        mantissa bits, so at position 131071 the phase of a frequency is off by up to ~2**-9 of
+        131071 radians. The frequencies are taken out of the cast and only moved.
+        """
+        inv_freq = self._buffers.pop("inv_freq")
+        try:
+            out = super()._apply(fn, *args, **kwargs)
+        finally:
+            moved = fn(inv_freq)
+            self._buffers["inv_freq"] = inv_freq.to(moved.device) if moved.dtype != inv_freq.dtype else moved
+        return out
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [N, 1, head_dim] in fp32 for integer positions [N]."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
