@@ -15,6 +15,7 @@ import torch
 
 from orthros_train.data.blend import BlendedSplits
 from orthros_train.data.sampler import ResumableSampler
+from orthros_train.data.validation import rank_micro_batches
 from orthros_train.phase.builders import pretrain_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
@@ -85,15 +86,8 @@ class IndexedPretrainData:
         """The first ``n`` validation micro batches of this rank (the same ones every call)."""
         if self.valid is None:
             return []
-        gb = self.micro_batch_size * self.dp_size
-        out = []
-        for b in range(n):
-            idx = [b * gb + j * self.dp_size + self.dp_rank for j in range(self.micro_batch_size)]
-            idx = [i for i in idx if i < len(self.valid)]
-            if not idx:
-                break
-            out.append(samples_to_layout([self.valid[i] for i in idx], self.eod_token_id))
-        return out
+        batches = rank_micro_batches(len(self.valid), n, self.micro_batch_size, self.dp_rank, self.dp_size)
+        return [samples_to_layout([self.valid[i] for i in idx], self.eod_token_id) for idx in batches]
 
     def state_dict(self) -> dict:
         return {**self.sampler.state_dict(), "num_samples": self.sampler.num_samples}

@@ -29,6 +29,7 @@ from orthros_train.data.indexed import (
     read_index_header,
 )
 from orthros_train.data.sampler import ResumableSampler
+from orthros_train.data.validation import rank_micro_batches
 from orthros_train.options import LossAverage, Overlong
 from orthros_train.phase.builders import sft_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
@@ -242,15 +243,8 @@ class SFTData:
     def valid_batches(self, n: int) -> list[OrthrosLayout]:
         if self.valid is None or len(self.valid) == 0:
             return []
-        gb = self.micro_batch_size * self.dp_size
-        out = []
-        for b in range(n):
-            idx = [b * gb + j * self.dp_size + self.dp_rank for j in range(self.micro_batch_size)]
-            idx = [i for i in idx if i < len(self.valid)]
-            if not idx:
-                break
-            out.append(rows_to_layout([self.valid.row(i) for i in idx]))
-        return out
+        batches = rank_micro_batches(len(self.valid), n, self.micro_batch_size, self.dp_rank, self.dp_size)
+        return [rows_to_layout([self.valid.row(i) for i in idx]) for idx in batches]
 
     def state_dict(self) -> dict:
         return {**self.sampler.state_dict(), "num_samples": self.sampler.num_samples}
