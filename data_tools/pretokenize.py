@@ -55,6 +55,7 @@ from orthros_train.data.indexed import (
     summary_path,
 )
 from orthros_train.data.tokenize import encode_texts, eod_token_id, tokenizer_from_path, tokenizer_info
+from orthros_train.errors import UserError
 
 log = logging.getLogger("orthros_data")
 KINDS = ("pretrain", "sft", "rl")
@@ -87,11 +88,11 @@ class TokenizeOptions:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}")
+            raise UserError(f"kind must be one of {KINDS}")
         if self.train_turns not in TRAIN_TURNS:
-            raise ValueError(f"train_turns must be one of {TRAIN_TURNS}")
+            raise UserError(f"train_turns must be one of {TRAIN_TURNS}")
         if self.docs_per_shard < 1 or self.batch_size < 1 or self.workers < 1:
-            raise ValueError("docs_per_shard, batch_size and workers must be >= 1")
+            raise UserError("docs_per_shard, batch_size and workers must be >= 1")
 
     def template_text(self) -> str | None:
         """The --chat-template file's text, checked to be a readable, parsable Jinja template
@@ -477,7 +478,7 @@ def _read_summary(path: str, overwrite: bool) -> dict | None:
         with open(path) as f:
             old = json.load(f)
         if not isinstance(old, dict):
-            raise ValueError("not a JSON object")
+            raise UserError("not a JSON object")
         return old
     except (OSError, ValueError) as e:
         if overwrite:

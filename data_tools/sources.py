@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orthros_train.data.indexed import DataError
+from orthros_train.errors import UserError
 
 log = logging.getLogger("orthros_data")
 
@@ -59,7 +60,7 @@ class BadInputPolicy:
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+            raise UserError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
 
     def bad(self, kind: str, where: str, message: str) -> None:
         if self.on_error == "raise":

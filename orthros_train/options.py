@@ -15,6 +15,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, TypeVar
 
+from orthros_train.errors import UserError
+
 OptionT = TypeVar("OptionT", bound="Option")
 
 
@@ -38,7 +40,7 @@ class Option(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"{key} must be one of {cls.choices()}, got {value!r}") from None
+            raise UserError(f"{key} must be one of {cls.choices()}, got {value!r}") from None
 
 
 class AttentionType(Option):
@@ -122,12 +124,21 @@ class RLTask(Option):
     rollouts = "rollouts"  # an external engine's rollouts (JSONL)
 
 
+class DistillAlign(Option):
+    """How distillation's first stage aligns the student's base stream with the dense teacher's."""
+
+    none = "none"  # no alignment stage
+    mse = "mse"  # mean squared difference of the hidden states
+    cosine = "cosine"  # 1 - cosine similarity of the hidden states
+
+
 __all__ = [
     "AttentionType",
     "CommBackend",
     "DataKind",
     "DataSource",
     "Device",
+    "DistillAlign",
     "LRSchedule",
     "LossAverage",
     "MoERouting",

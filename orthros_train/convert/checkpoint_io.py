@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
+
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -49,7 +51,7 @@ _DTYPES = {
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError):
     """A checkpoint or config that cannot be converted; the message names the file and the fix."""
 
 

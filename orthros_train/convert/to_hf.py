@@ -36,6 +36,7 @@ from orthros_train.convert.checkpoint_io import (
 )
 from orthros_train.convert.from_hf import ConversionReport, expected_state
 from orthros_train.convert.remote_code import REMOTE_CODE_DIR, REMOTE_CODE_FILES
+from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import rope_type
 
@@ -195,7 +196,7 @@ def export_llama_twin(export: str | Path, dst: str | Path) -> Path:
     export, dst = Path(export), Path(dst)
     hf = json.loads((export / "config.json").read_text())
     if hf.get("num_experts"):
-        raise ValueError(f"{export} has sparse (mixture-of-experts) layers: it has no dense Llama twin")
+        raise UserError(f"{export} has sparse (mixture-of-experts) layers: it has no dense Llama twin")
     dst.mkdir(parents=True, exist_ok=True)
     llama = {k: v for k, v in hf.items() if k not in ("auto_map", "qk_norm", "base_window", "attention_bias")}
     llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,

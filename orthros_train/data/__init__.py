@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 from orthros_train.data.embedded import CHAT_CORPORA, EOD_TOKEN, corpus_documents, corpus_files, train_tokenizer
+from orthros_train.errors import UserError
 from orthros_train.options import DataKind, DataSource, LossAverage, Overlong
 
 
@@ -48,9 +49,9 @@ class DataConfig:
         self.overlong = Overlong.parse(self.overlong, "data.overlong")
         self.loss_average = LossAverage.parse(self.loss_average, "data.loss_average")
         if self.source == "indexed" and not self.paths:
-            raise ValueError("data.source=indexed needs data.paths (orthros-data outputs or .bin/.idx prefixes)")
+            raise UserError("data.source=indexed needs data.paths (orthros-data outputs or .bin/.idx prefixes)")
         if self.weights is not None and len(self.weights) != len(self.paths):
-            raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
+            raise UserError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
 
 
 def build_data(
@@ -106,7 +107,7 @@ def _embedded(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
     summary = load_summary(output)
     n_docs = summary["documents"]
     if n_docs <= cfg.valid_documents:
-        raise ValueError(f"corpus {cfg.corpus!r} has {n_docs} documents, too few for {cfg.valid_documents} held out")
+        raise UserError(f"corpus {cfg.corpus!r} has {n_docs} documents, too few for {cfg.valid_documents} held out")
     eod = tokenizer.convert_tokens_to_ids(EOD_TOKEN)
     prefixes = resolve_prefixes(output)
     weights = None

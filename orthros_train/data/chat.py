@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orthros_train.data.indexed import MODE_ANSWER, MODE_PROMPT, MODE_REFERENCE, DataError
+from orthros_train.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_TURNS = ("all", "last")
@@ -98,7 +99,7 @@ def render_conversation(
 ) -> tuple[list[np.ndarray], list[int]]:
     """(segments, modes): token segments of the rendered conversation, MODE_ANSWER on trained turns."""
     if train_turns not in TRAIN_TURNS:
-        raise ValueError(f"train_turns must be one of {TRAIN_TURNS}")
+        raise UserError(f"train_turns must be one of {TRAIN_TURNS}")
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not answers:
         raise BadRecord("no_answer", "no assistant message to train on")

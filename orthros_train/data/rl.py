@@ -16,6 +16,7 @@ import torch
 from orthros_train.data.indexed import MODE_PROMPT, MODE_REFERENCE
 from orthros_train.data.sampler import ResumableSampler
 from orthros_train.data.sft import ConversationStore
+from orthros_train.errors import UserError
 from orthros_train.phase.builders import rl_layout
 from orthros_train.phase.layout import OrthrosLayout
 
@@ -65,12 +66,12 @@ def rl_batch(
     ``weights[b]`` is one number (a sequence-level advantage) or one per response token.
     """
     if not (len(prompts) == len(responses) == len(weights)):
-        raise ValueError("prompts, responses and weights must have one entry per row")
+        raise UserError("prompts, responses and weights must have one entry per row")
     rows, spans, token_weights = [], [], []
     for p, r, w in zip(prompts, responses, weights):
         p, r = torch.as_tensor(p).long(), torch.as_tensor(r).long()
         if p.numel() == 0 or r.numel() == 0:
-            raise ValueError("each row needs a non-empty prompt and response")
+            raise UserError("each row needs a non-empty prompt and response")
         row = torch.cat([p, r])
         tw = torch.zeros(row.numel(), dtype=torch.float32)
         tw[p.numel() :] = torch.as_tensor(w, dtype=torch.float32).expand(r.numel())

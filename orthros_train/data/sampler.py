@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from orthros_train.errors import UserError
+
 
 class ResumableSampler:
     def __init__(self, num_samples: int, micro_batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
         if num_samples < 1:
-            raise ValueError("the dataset has no samples")
+            raise UserError("the dataset has no samples")
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"bad sampler shape: micro_batch_size={micro_batch_size}, rank {dp_rank} of {dp_size}")
+            raise UserError(f"bad sampler shape: micro_batch_size={micro_batch_size}, rank {dp_rank} of {dp_size}")
         self.num_samples = int(num_samples)
         self.micro_batch_size = int(micro_batch_size)
         self.seed = int(seed)
@@ -63,5 +65,5 @@ class ResumableSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if "seed" in state and int(state["seed"]) != self.seed:
-            raise ValueError(f"data state was saved with seed {state['seed']}, this run uses {self.seed}")
+            raise UserError(f"data state was saved with seed {state['seed']}, this run uses {self.seed}")
         self.consumed_samples = int(state["consumed_samples"])

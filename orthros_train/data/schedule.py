@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from orthros_train.errors import UserError
+
 
 def check_seq_len_schedule(
     schedule: Sequence[Sequence[int]], seq_len: int, micro_batch_size: int, max_steps: int | None = None
@@ -28,23 +30,23 @@ def check_seq_len_schedule(
     stages: list[tuple[int, int]] = []
     for entry in schedule:
         if len(entry) != 2:
-            raise ValueError(f"trainer.seq_len_schedule entries are [start_step, seq_len], got {list(entry)!r}")
+            raise UserError(f"trainer.seq_len_schedule entries are [start_step, seq_len], got {list(entry)!r}")
         stages.append((int(entry[0]), int(entry[1])))
     if not stages or stages[0][0] != 0:
-        raise ValueError("trainer.seq_len_schedule must start with a stage at step 0, e.g. [[0, 32768], ...]")
+        raise UserError("trainer.seq_len_schedule must start with a stage at step 0, e.g. [[0, 32768], ...]")
     for (s0, l0), (s1, l1) in zip(stages, stages[1:]):
         if s1 <= s0:
-            raise ValueError(f"trainer.seq_len_schedule start steps must increase, got {s0} then {s1}")
+            raise UserError(f"trainer.seq_len_schedule start steps must increase, got {s0} then {s1}")
         if l1 <= l0:
-            raise ValueError(f"trainer.seq_len_schedule lengths must increase, got {l0} then {l1}")
+            raise UserError(f"trainer.seq_len_schedule lengths must increase, got {l0} then {l1}")
     if max_steps is not None and stages[-1][0] >= max_steps:
-        raise ValueError(
+        raise UserError(
             f"trainer.seq_len_schedule stage at step {stages[-1][0]} never runs (trainer.max_steps={max_steps})"
         )
     tokens = seq_len * micro_batch_size
     for _, length in stages:
         if length < 1 or tokens % length:
-            raise ValueError(
+            raise UserError(
                 f"trainer.seq_len_schedule length {length} does not divide the tokens of a micro batch "
                 f"(trainer.seq_len x trainer.micro_batch_size = {tokens}); pick lengths that divide it"
             )
@@ -138,13 +140,13 @@ class SeqLenScheduledData:
 
     def load_state_dict(self, state: dict) -> None:
         if "stages" not in state:
-            raise ValueError(
+            raise UserError(
                 "the checkpoint's data state has no seq_len_schedule stages: it was written without "
                 "trainer.seq_len_schedule; resume with the schedule it was written with"
             )
         saved = [tuple(s) for s in state.get("seq_len_schedule", [])]
         if saved and saved != [tuple(s) for s in self.stages]:
-            raise ValueError(
+            raise UserError(
                 f"the checkpoint was written with trainer.seq_len_schedule={[list(s) for s in saved]}, "
                 f"this run has {[list(s) for s in self.stages]}; resume with the same schedule"
             )

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from orthros_train.errors import UserError
+
 log = logging.getLogger(__name__)
 
 @dataclass
@@ -54,17 +56,17 @@ class RecallMix:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction < 1.0:
-            raise ValueError(f"data.recall_mix.fraction must be in (0, 1), got {self.fraction}")
+            raise UserError(f"data.recall_mix.fraction must be in (0, 1), got {self.fraction}")
         if self.pairs < 1 or self.keys < self.pairs:
-            raise ValueError(f"data.recall_mix needs 1 <= pairs <= keys, got pairs={self.pairs} keys={self.keys}")
+            raise UserError(f"data.recall_mix needs 1 <= pairs <= keys, got pairs={self.pairs} keys={self.keys}")
         if self.values_per_key is not None and self.values_per_key < 2:
-            raise ValueError(f"data.recall_mix.values_per_key must be >= 2 (or null), got {self.values_per_key}")
+            raise UserError(f"data.recall_mix.values_per_key must be >= 2 (or null), got {self.values_per_key}")
         if self.min_pairs is not None and not 1 <= self.min_pairs <= self.pairs:
-            raise ValueError(f"data.recall_mix needs 1 <= min_pairs <= pairs, got min_pairs={self.min_pairs}")
+            raise UserError(f"data.recall_mix needs 1 <= min_pairs <= pairs, got min_pairs={self.min_pairs}")
         if self.documents < 1:
-            raise ValueError(f"data.recall_mix.documents must be >= 1, got {self.documents}")
+            raise UserError(f"data.recall_mix.documents must be >= 1, got {self.documents}")
         if self.length is not None and self.length < 4:
-            raise ValueError(f"data.recall_mix.length must be >= 4 tokens (or null: seq_len), got {self.length}")
+            raise UserError(f"data.recall_mix.length must be >= 4 tokens (or null: seq_len), got {self.length}")
 
     def pairs_of_document(self, rng: random.Random) -> int:
         """Distinct keys of the next document (few keys: short distances, an easy start for learning)."""
@@ -83,7 +85,7 @@ class RecallMix:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in data.recall_mix; valid keys: {sorted(known)}")
+            raise UserError(f"unknown key(s) {unknown} in data.recall_mix; valid keys: {sorted(known)}")
         return cls(**values)
 
 
@@ -127,7 +129,7 @@ def token_ranges(
     """
     num_values = num_keys * (values_per_key or 1)
     if vocab_size < num_keys + num_values + 2:
-        raise ValueError(f"vocab {vocab_size} too small for {num_keys} keys and {num_values} values plus filler")
+        raise UserError(f"vocab {vocab_size} too small for {num_keys} keys and {num_values} values plus filler")
     values = range(vocab_size - num_values, vocab_size)
     keys = range(values.start - num_keys, values.start)
     filler = [i for i in range(keys.start) if i not in reserved]
@@ -140,7 +142,7 @@ def make_recall_document(rng: random.Random, length: int, num_pairs: int, ranges
     An odd ``length`` ends on a lone key (no value follows it, so it is no query).
     """
     if length < 4:
-        raise ValueError(f"length {length} is too short for a pair and its query")
+        raise UserError(f"length {length} is too short for a pair and its query")
     keys = rng.sample(ranges.keys, num_pairs)
     value_of = {k: rng.choice(ranges.candidates(k)) for k in keys}
     ids: list[int] = []
@@ -170,10 +172,10 @@ def make_passkey_document(
     position is the query key at the end, which must predict ``v``.
     """
     if not 2 <= distance <= len(haystack):
-        raise ValueError(f"needle distance {distance} must be in [2, {len(haystack)}] (the haystack's length)")
+        raise UserError(f"needle distance {distance} must be in [2, {len(haystack)}] (the haystack's length)")
     absent = sorted(set(ranges.keys) - set(haystack))
     if not absent:
-        raise ValueError("the haystack contains every key id; use text outside the key range")
+        raise UserError("the haystack contains every key id; use text outside the key range")
     k = rng.choice(absent)
     v = rng.choice(ranges.candidates(k))
     cut = len(haystack) - distance + 2  # the needle's value lands ``distance`` before the query's

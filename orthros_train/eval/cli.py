@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from orthros_train.errors import UserError
 from orthros_train.eval.common import (
     nonnegative_int,
     nonnegative_size,
@@ -136,10 +137,10 @@ def check_device(name: str | None) -> None:
         try:
             torch.device(name)
         except RuntimeError:
-            raise ValueError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+            raise UserError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
     if name and name.startswith("cuda") and not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
-        raise ValueError(
+        raise UserError(
             f"--device {name}: no CUDA device is visible ({build}; CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device cpu, or run where a GPU is visible"
         )
@@ -155,9 +156,9 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["attention_backend"] = args.attention_backend
     backend = overrides.get("attention_backend")
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"--attention-backend {backend}: choose one of {', '.join(BACKENDS)}")
+        raise UserError(f"--attention-backend {backend}: choose one of {', '.join(BACKENDS)}")
     if backend == "triton" and _runs_on_cpu(args.device) and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
+        raise UserError(
             "--attention-backend triton needs a CUDA device, and this run is on the CPU; use "
             "--attention-backend reference (or auto), or run with --device cuda where a GPU is visible"
         )
@@ -177,7 +178,7 @@ def _load(args: argparse.Namespace, tokenizer_required: bool = True):
     from orthros_train.infer.loading import is_checkpoint, load_model, load_tokenizer
 
     if not is_checkpoint(args.checkpoint):
-        raise ValueError(f"{args.checkpoint} is not an Orthros checkpoint directory (no config.json)")
+        raise UserError(f"{args.checkpoint} is not an Orthros checkpoint directory (no config.json)")
     overrides = model_overrides(args)
     check_safetensors_files(args.checkpoint)
     model = load_model(args.checkpoint, device=args.device, dtype=args.dtype, **overrides)
@@ -255,7 +256,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
-        raise ValueError(f"--tasks {args.tasks!r} names no task; e.g. --tasks pg_lambada,pg_passkey")
+        raise UserError(f"--tasks {args.tasks!r} names no task; e.g. --tasks pg_lambada,pg_passkey")
     common = dict(limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
                   max_length=args.max_length, include_paths=args.include_path, tasks_dir=args.tasks_dir,
                   seed=args.seed)  # fmt: skip
@@ -266,7 +267,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
             model, tokenizer = _load(args)
             result = run_lm_eval(model, tokenizer, tasks, **common)
     except ConnectionError as exc:  # datasets: "Couldn't reach 'X' on the Hub (OfflineModeIsEnabled)"
-        raise ValueError(
+        raise UserError(
             f"task(s) {', '.join(tasks)}: {exc}. The task reads its dataset from the Hugging Face Hub, which is "
             "unreachable or switched off (offline mode: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE). Run it once with "
             "network access (the dataset is cached afterwards), or use a task whose YAML reads local files "
@@ -288,12 +289,12 @@ def _lm_eval_vllm(args: argparse.Namespace, tasks: list[str], common: dict[str, 
     export = Path(args.checkpoint)
     config = export / "config.json"
     if not config.is_file() or "auto_map" not in json.loads(config.read_text()):
-        raise ValueError(
+        raise UserError(
             f"--backend vllm serves an exported checkpoint (a folder whose config.json has auto_map), and "
             f"{export} is not one: export it with `orthros-convert to-hf {export} EXPORT_DIR` and pass EXPORT_DIR"
         )
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError("--backend vllm needs vLLM in this environment: run it from .venv-serve (make serve-env), "
+        raise UserError("--backend vllm needs vLLM in this environment: run it from .venv-serve (make serve-env), "
                          "or use the in-process route (--backend orthros, the default)")
     from orthros_train.eval.lm_eval_cli import run_vllm_lm_eval
 
@@ -339,9 +340,9 @@ def _check_writable(flag: str, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         why = err.strerror or err
-        raise ValueError(f"{flag} {folder}: cannot create it ({why}); choose a writable folder") from err
+        raise UserError(f"{flag} {folder}: cannot create it ({why}); choose a writable folder") from err
     if not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {folder}: not writable; choose a writable folder")
+        raise UserError(f"{flag} {folder}: not writable; choose a writable folder")
 
 
 def _f(x: float | None) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
 
@@ -20,7 +22,7 @@ def parse_token_count(text: str) -> int:
     """``"4k"`` -> 4096, ``"1m"`` -> 1048576, ``"300"`` -> 300."""
     m = _SIZE.match(str(text))
     if not m:
-        raise ValueError(f"not a token count: {text!r} (use e.g. 512, 4k, 1m)")
+        raise UserError(f"not a token count: {text!r} (use e.g. 512, 4k, 1m)")
     value, unit = float(m.group(1)), m.group(2).lower()
     return int(value * {"": 1, "k": 1024, "m": 1024 * 1024}[unit])
 
@@ -46,7 +48,7 @@ def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"not an integer: {text!r}") from None
+        raise UserError(f"not an integer: {text!r}") from None
 
 
 positive_int = _bounded(_int, 1, "a positive integer (>= 1)")
@@ -77,7 +79,7 @@ def parse_lengths(text: str | list | tuple) -> list[int]:
         lo_s, hi_s = text.split("..", 1)
         lo, hi = parse_token_count(lo_s), parse_token_count(hi_s)
         if lo < 1 or hi < lo:
-            raise ValueError(f"bad length range {text!r}: need 1 <= low <= high")
+            raise UserError(f"bad length range {text!r}: need 1 <= low <= high")
         out, n = [], lo
         while n <= hi:
             out.append(n)
@@ -85,7 +87,7 @@ def parse_lengths(text: str | list | tuple) -> list[int]:
         return out
     lengths = sorted({parse_token_count(p) for p in text.split(",") if p.strip()})
     if not lengths or lengths[0] < 1:
-        raise ValueError(f"bad lengths {text!r}: need one or more token counts >= 1 (e.g. 1k,4k or 1k..16k)")
+        raise UserError(f"bad lengths {text!r}: need one or more token counts >= 1 (e.g. 1k,4k or 1k..16k)")
     return lengths
 
 
@@ -100,19 +102,19 @@ def parse_depths(text: str | list | tuple) -> list[float]:
             lo_s, hi_s = span.split("..", 1)
             lo, hi, n = float(lo_s), float(hi_s), int(count or 11)
             if n < 1:
-                raise ValueError(f"bad depths {text!r}: the count after ':' must be >= 1; {fix}")
+                raise UserError(f"bad depths {text!r}: the count after ':' must be >= 1; {fix}")
             depths = [lo] if n < 2 else [round(lo + (hi - lo) * i / (n - 1), 4) for i in range(n)]
         else:
             depths = [float(p) for p in str(text).split(",") if p.strip()]
     except ValueError as err:
         if str(err).startswith("bad depths"):
             raise
-        raise ValueError(f"bad depths {text!r} ({err}); {fix}") from None
+        raise UserError(f"bad depths {text!r} ({err}); {fix}") from None
     if not depths:
-        raise ValueError(f"bad depths {text!r}: no depth given; {fix}")
+        raise UserError(f"bad depths {text!r}: no depth given; {fix}")
     for d in depths:
         if not 0 <= d <= 100:  # also catches NaN
-            raise ValueError(f"depth {d} outside 0..100 (percent); {fix}")
+            raise UserError(f"depth {d} outside 0..100 (percent); {fix}")
     return depths
 
 
@@ -126,17 +128,17 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value")
+            raise UserError(f"override {item!r} must look like key=value")
         key, value = item.split("=", 1)
         key = key.strip()
         if key not in hints:
-            raise ValueError(f"--override {item}: {key!r} is not an OrthrosConfig field; fields: {sorted(hints)}")
+            raise UserError(f"--override {item}: {key!r} is not an OrthrosConfig field; fields: {sorted(hints)}")
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             parsed = value
         if not _matches(parsed, hints[key]):
-            raise ValueError(
+            raise UserError(
                 f"--override {item}: {key} takes {_type_name(hints[key])}, got {type(parsed).__name__} {parsed!r}"
             )
         out[key] = parsed

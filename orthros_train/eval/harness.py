@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.eval.common import environment
 
 
@@ -83,7 +84,7 @@ def evaluate_summary(
     manager = task_manager(tasks, include_paths, tasks_dir)
     missing = [t for t in tasks if t not in manager.all_tasks]
     if missing:
-        raise ValueError(f"unknown lm-eval task(s) {missing}; offline, a task needs a YAML that reads local files")
+        raise UserError(f"unknown lm-eval task(s) {missing}; offline, a task needs a YAML that reads local files")
     if limit is not None and float(limit) >= 1:
         limit = int(limit)
     out = lm_eval.simple_evaluate(

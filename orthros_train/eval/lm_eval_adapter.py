@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from orthros_train.errors import UserError
+
 try:
     from lm_eval import utils as lm_utils
     from lm_eval.api.model import TemplateLM
@@ -60,11 +62,11 @@ class OrthrosLM(TemplateLM):
         super().__init__()
         if model is None:
             if pretrained is None:
-                raise ValueError("OrthrosLM needs pretrained=CHECKPOINT_DIR (or model= and tokenizer=)")
+                raise UserError("OrthrosLM needs pretrained=CHECKPOINT_DIR (or model= and tokenizer=)")
             model = load_model(pretrained, device=device, dtype=dtype, **overrides)
             tokenizer = tokenizer or load_tokenizer(pretrained)
         if tokenizer is None:
-            raise ValueError("OrthrosLM needs a tokenizer (none given and none found in the checkpoint)")
+            raise UserError("OrthrosLM needs a tokenizer (none given and none found in the checkpoint)")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto" -> 8
@@ -111,7 +113,7 @@ class OrthrosLM(TemplateLM):
         rows, spans = [], []
         for ctx, cont in pairs:
             if not cont:
-                raise ValueError("an empty continuation has no likelihood to score")
+                raise UserError("an empty continuation has no likelihood to score")
             full = (list(ctx) + list(cont))[-(self.max_length + 1) :]
             n_cont = min(len(cont), len(full) - 1)
             rows.append(full)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.eval.common import environment, write_json
 from orthros_train.infer.generate import cut_at_stop, generate
 
@@ -73,7 +74,7 @@ def haystack_tokens(tokenizer, n_tokens: int, corpus: str = "paul_graham") -> li
         _HAYSTACK_CACHE.clear()
         _HAYSTACK_CACHE[key] = cached
     if not cached:
-        raise ValueError(f"the {corpus} haystack tokenized to nothing")
+        raise UserError(f"the {corpus} haystack tokenized to nothing")
     reps = -(-n_tokens // len(cached))
     return (cached * reps)[:n_tokens]
 
@@ -105,7 +106,7 @@ def place_needle(
     needle does not split a sentence; if none is that close the exact index is kept.
     """
     if not 0 <= depth_percent <= 100:
-        raise ValueError(f"depth must lie in [0, 100] percent, got {depth_percent}")
+        raise UserError(f"depth must lie in [0, 100] percent, got {depth_percent}")
     n = len(haystack)
     at = round(depth_percent / 100 * n)
     if sentence_ends and 0 < at < n:
@@ -133,7 +134,7 @@ def build_prompt(
     suffix = encode(tokenizer, f"\n\nQuestion: {needle.question}\nAnswer:") + encode(tokenizer, needle.answer_prefix)
     budget = length - len(bos) - len(needle_ids) - len(suffix)
     if budget < 1:
-        raise ValueError(
+        raise UserError(
             f"length {length} leaves no room for a haystack (needle {len(needle_ids)} + question {len(suffix)} tokens)"
         )
     hay = haystack_tokens(tokenizer, budget, corpus)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from orthros_train.errors import UserError
 from orthros_train.eval.common import environment, write_json
 from orthros_train.eval.recall import distance_buckets
 from orthros_train.phase.builders import pretrain_layout
@@ -71,7 +72,7 @@ def text_documents(paths: Iterable[str]) -> Iterator[str]:
                             try:
                                 yield json.loads(line)["text"]
                             except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                                raise ValueError(f"{f}:{lineno}: expected a JSON object with a 'text' field") from exc
+                                raise UserError(f"{f}:{lineno}: expected a JSON object with a 'text' field") from exc
             else:
                 text = f.read_text(encoding="utf-8", errors="replace")
                 if text.strip():
@@ -97,7 +98,7 @@ def token_documents(data: list[str], tokenizer=None, append_eos: bool = True) ->
             yield from indexed_documents(spec)
             continue
         if tokenizer is None:
-            raise ValueError(f"{spec}: text data needs a tokenizer (the checkpoint has none)")
+            raise UserError(f"{spec}: text data needs a tokenizer (the checkpoint has none)")
         bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
         eos = [tokenizer.eos_token_id] if append_eos and tokenizer.eos_token_id is not None else []
         for text in text_documents([spec]):
@@ -177,7 +178,7 @@ def run_ppl(
     if batch:
         flush()
     if n_tokens == 0:
-        raise ValueError("no tokens to evaluate (empty data, or documents of a single token)")
+        raise UserError("no tokens to evaluate (empty data, or documents of a single token)")
     loss = total / n_tokens
     return {
         "loss": loss,

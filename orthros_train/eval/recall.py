@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.eval.common import environment, write_json
 
 WORDS = (
@@ -111,7 +112,7 @@ def make_text_sample(
     used = len(bos) + 2 * sum(len(p) + len(v) + len(s) for p, v, s in pairs)
     n_filler = length - used
     if n_filler < 1:
-        raise ValueError(f"length {length} is too short for {num_pairs} pairs and their queries ({used} tokens)")
+        raise UserError(f"length {length} is too short for {num_pairs} pairs and their queries ({used} tokens)")
     start = rng.randint(0, 50_000)
     filler = haystack_tokens(tokenizer, start + n_filler, corpus)[start:]
     return _assemble(filler, pairs, _offsets(rng, n_filler, num_pairs, min_distance), bos)
@@ -122,12 +123,12 @@ def make_token_sample(
 ) -> RecallSample:
     third = vocab_size // 3
     if third < num_pairs:
-        raise ValueError(f"vocab {vocab_size} too small for {num_pairs} distinct keys")
+        raise UserError(f"vocab {vocab_size} too small for {num_pairs} distinct keys")
     keys = rng.sample(range(0, third), num_pairs)
     pairs = [([k], [rng.randrange(third, 2 * third)], []) for k in keys]
     n_filler = length - 4 * num_pairs
     if n_filler < 1:
-        raise ValueError(f"length {length} is too short for {num_pairs} pairs and their queries")
+        raise UserError(f"length {length} is too short for {num_pairs} pairs and their queries")
     filler = [rng.randrange(2 * third, vocab_size) for _ in range(n_filler)]
     return _assemble(filler, pairs, _offsets(rng, n_filler, num_pairs, min_distance), [])
 
@@ -186,9 +187,9 @@ def run_recall(
     if fmt == "auto":
         fmt = "text" if tokenizer is not None else "tokens"
     if fmt == "text" and tokenizer is None:
-        raise ValueError("the text format needs a tokenizer (the checkpoint has none): use --format tokens")
+        raise UserError("the text format needs a tokenizer (the checkpoint has none): use --format tokens")
     if fmt not in ("text", "tokens"):
-        raise ValueError(f"format must be text, tokens or auto, got {fmt!r}")
+        raise UserError(f"format must be text, tokens or auto, got {fmt!r}")
     window = model.config.sliding_window
     rng = random.Random(seed)
     correct: list[bool] = []

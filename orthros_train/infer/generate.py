@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.infer.sampling import SamplingParams, sample_next
 from orthros_train.model.cache import KVCache
 from orthros_train.phase.builders import decode_layout, prefill_layout
@@ -70,7 +71,7 @@ def as_rows(prompts: Prompts, attention_mask: torch.Tensor | None = None) -> lis
     if isinstance(prompts, torch.Tensor):
         ids = prompts[None] if prompts.dim() == 1 else prompts
         if ids.dim() != 2:
-            raise ValueError(f"prompts must be [T] or [B, T], got shape {tuple(prompts.shape)}")
+            raise UserError(f"prompts must be [T] or [B, T], got shape {tuple(prompts.shape)}")
         ids = ids.detach().cpu().long()
         if attention_mask is None:
             rows = list(ids.unbind(0))
@@ -78,19 +79,19 @@ def as_rows(prompts: Prompts, attention_mask: torch.Tensor | None = None) -> lis
             mask = torch.as_tensor(attention_mask).detach().cpu().bool()
             mask = mask[None] if mask.dim() == 1 else mask
             if mask.shape != ids.shape:
-                raise ValueError(f"attention_mask {tuple(mask.shape)} must match the prompts {tuple(ids.shape)}")
+                raise UserError(f"attention_mask {tuple(mask.shape)} must match the prompts {tuple(ids.shape)}")
             rows = [r[m] for r, m in zip(ids.unbind(0), mask.unbind(0))]
     else:
         if attention_mask is not None:
-            raise ValueError("attention_mask goes with a padded [B, T] tensor, not with ragged prompts")
+            raise UserError("attention_mask goes with a padded [B, T] tensor, not with ragged prompts")
         rows = [
             torch.as_tensor(list(r) if not isinstance(r, torch.Tensor) else r).reshape(-1).long().cpu() for r in prompts
         ]
     if not rows:
-        raise ValueError("no prompts given")
+        raise UserError("no prompts given")
     for i, r in enumerate(rows):
         if r.numel() == 0:
-            raise ValueError(f"prompt {i} is empty; give every row at least one token (e.g. a BOS token)")
+            raise UserError(f"prompt {i} is empty; give every row at least one token (e.g. a BOS token)")
     return rows
 
 
@@ -118,12 +119,12 @@ def prefill(
     b = len(rows)
     lengths = [r.numel() for r in rows]
     if min(lengths) < 1:
-        raise ValueError("every prompt needs at least one token")
+        raise UserError("every prompt needs at least one token")
     device = model_device(model)
     if cache is None:
         cache = KVCache(model.config.num_hidden_layers, b)
     if cache.num_rows != b:
-        raise ValueError(f"cache has {cache.num_rows} rows, {b} prompts given")
+        raise UserError(f"cache has {cache.num_rows} rows, {b} prompts given")
     cache.reserve(int((cache.lengths + torch.tensor(lengths)).max()))
     chunk_size = resolve_chunk_size(model, chunk_size)
     step = max(lengths) if chunk_size is None else int(chunk_size)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import yaml
 
+from orthros_train.errors import UserError
 from orthros_train.locations import RECIPES_DIR
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import OrthrosForCausalLM
@@ -80,7 +81,7 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+        raise UserError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
@@ -107,7 +108,7 @@ def _config_fields(path: Path) -> dict[str, Any]:
     fields = {k: v for k, v in raw.items() if k in known}
     for key, value in fields.items():
         if isinstance(value, str) and "${" in value:
-            raise ValueError(f"{path}: {key} is an interpolation ({value}); give it a value with --override {key}=...")
+            raise UserError(f"{path}: {key} is an interpolation ({value}); give it a value with --override {key}=...")
     return fields
 
 
@@ -121,7 +122,7 @@ def config_from_spec(spec: str, **overrides: Any) -> OrthrosConfig:
     elif spec in PRESETS:
         fields = dict(PRESETS[spec])
     else:
-        raise ValueError(
+        raise UserError(
             f"{spec!r} is neither a checkpoint directory, a config file, nor a preset ({', '.join(PRESETS)})"
         )
     return OrthrosConfig.from_dict({**fields, **overrides})

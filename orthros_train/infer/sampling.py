@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from orthros_train.errors import UserError
+
 
 @dataclass
 class SamplingParams:
@@ -34,16 +36,16 @@ class SamplingParams:
 
     def validate(self) -> None:
         if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         chunk = self.prefill_chunk_size
         if chunk is not None and chunk != "auto" and (not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"prefill_chunk_size must be an int >= 1, 'auto' or None, got {chunk!r}")
+            raise UserError(f"prefill_chunk_size must be an int >= 1, 'auto' or None, got {chunk!r}")
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
+from orthros_train.errors import UserError
 from orthros_train.parallel import collectives
 from orthros_train.parallel.setup import ParallelConfig, expert_precision_problem
 
@@ -171,7 +172,7 @@ def build_engine(
     experts = register_expert_groups(model)
     problem = expert_precision_problem(pcfg, experts, bf16)  # a recipe's config refuses it first
     if problem:
-        raise ValueError(problem)
+        raise UserError(problem)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.options import CommBackend, Recompute
 from orthros_train.parallel.cpu_shims import apply_cpu_shims
@@ -41,13 +42,13 @@ class ParallelConfig:
         for name in ("tensor_parallel", "context_parallel", "expert_parallel", "data_parallel", "world_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
+                raise UserError(f"parallel.{name} must be >= 1, got {value}")
         self.recompute = Recompute.parse(self.recompute, "parallel.recompute")
         self.backend = CommBackend.parse(self.backend, "parallel.backend")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+            raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.offload_optimizer and self.zero_stage == 0:
-            raise ValueError("parallel.offload_optimizer needs parallel.zero_stage >= 1")
+            raise UserError("parallel.offload_optimizer needs parallel.zero_stage >= 1")
 
 
 def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None = None) -> None:
@@ -79,7 +80,7 @@ def check_parallel_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size
                 "so that it follows the world size"
             )
     if problems:
-        raise ValueError("impossible parallel layout: " + "; ".join(problems))
+        raise UserError("impossible parallel layout: " + "; ".join(problems))
 
 
 def _expert_layout_problems(pcfg: ParallelConfig, model: OrthrosConfig, world_size: int | None) -> list[str]:
@@ -148,7 +149,7 @@ def check_expert_layout(pcfg: ParallelConfig, model: OrthrosConfig, world_size: 
     decides, before any process group exists)."""
     problems = _expert_layout_problems(pcfg, model, world_size)
     if problems:
-        raise ValueError("impossible parallel layout: " + "; ".join(problems))
+        raise UserError("impossible parallel layout: " + "; ".join(problems))
 
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default rendezvous port

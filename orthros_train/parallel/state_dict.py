@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
+from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import OrthrosForCausalLM
 from orthros_train.parallel import collectives
@@ -127,7 +128,7 @@ def reference_shapes(cfg: OrthrosConfig) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-class CorruptWeightsError(ValueError):
+class CorruptWeightsError(UserError):
     """A weights file that safetensors cannot read (truncated or not safetensors at all)."""
 
 
@@ -186,20 +187,20 @@ def load_reference_shards(model: torch.nn.Module, full: Mapping[str, torch.Tenso
     own = set(model.state_dict()) | set(reference_shapes(cfg))
     unexpected = sorted(k for k in full if k not in own)
     if unexpected:
-        raise ValueError(
+        raise UserError(
             f"the weights hold {len(unexpected)} tensors this model does not have, e.g. {unexpected[:5]} "
             "(they were made for another model config)"
         )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in full:
-                raise ValueError(
+                raise UserError(
                     f"the weights lack {name!r}"
                     + (" (is tie_word_embeddings set right for this checkpoint?)" if name == "lm_head.weight" else "")
                 )
             value = shard_tensor(name, full, cfg, tp, rank)
             if value is None or value.shape != param.shape:
-                raise ValueError(
+                raise UserError(
                     f"{name} has shape {tuple(full[name].shape)}, the model expects "
                     f"{tuple(reference_shapes(cfg)[name])} (the checkpoint was made for another config)"
                 )

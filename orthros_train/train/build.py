@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from orthros_train.data.schedule import build_scheduled_data
+from orthros_train.errors import UserError
 from orthros_train.logging_setup import RANK_ZERO
 from orthros_train.model import OrthrosForCausalLM
 from orthros_train.options import CommBackend, DataSource, Device
@@ -43,7 +44,7 @@ def start_processes(cfg: RunConfig, env: DistributedEnv) -> torch.device:
     """torch.distributed and megatron's parallel groups; returns this rank's device."""
     t, p = cfg.trainer, cfg.parallel
     if t.device == Device.cuda and not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+        raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
     if t.device == Device.cpu and p.backend == CommBackend.auto:
         p.backend = CommBackend.gloo
     device = init_parallel(p, cfg.model, env)
@@ -61,7 +62,7 @@ def check_memory_fit(cfg: RunConfig, device: torch.device) -> None:
     if problem is None:
         return
     if not cfg.trainer.allow_memory_overflow:
-        raise ValueError(f"{problem}; trainer.allow_memory_overflow=true starts anyway")
+        raise UserError(f"{problem}; trainer.allow_memory_overflow=true starts anyway")
     log.warning("WARNING: %s (starting anyway: trainer.allow_memory_overflow=true)", problem, extra=RANK_ZERO)
 
 
@@ -78,7 +79,7 @@ def lock_run_dir(run_dir: Path, job_id: str | None) -> RunLock | None:
             lock, problem = None, str(exc)
     problem = collectives.broadcast_object(problem, src=0)
     if problem:
-        raise ValueError(problem)
+        raise UserError(problem)
     return lock
 
 
@@ -99,7 +100,7 @@ def build_data(cfg: RunConfig, policy: Policy | None) -> Any:
             dp_rank=dp_rank, dp_size=dp_size,
         )  # fmt: skip
     if data.vocab_size > cfg.model.vocab_size:
-        raise ValueError(
+        raise UserError(
             f"the data's tokenizer has {data.vocab_size} tokens ({_data_vocab_key(cfg)}) but "
             f"model.vocab_size is {cfg.model.vocab_size}: its ids would index past the embedding; set "
             f"model.vocab_size={data.vocab_size} or more, or use the recipe the data was made for"
@@ -127,14 +128,14 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
         weights = LazyCheckpoint(cfg.init.init_from)  # opened first: a bad path fails before any build
     except FileNotFoundError as exc:
         where = "it does not exist" if not Path(cfg.init.init_from).exists() else str(exc)
-        raise ValueError(
+        raise UserError(
             f"model.init_from={cfg.init.init_from} holds no *.safetensors weights ({where}):"
             " run the job that writes it first (a recipe's comment names it; e.g. sft_tiny_cpu starts"
             " from `orthros-train --config-name tiny_cpu`), point it at a checkpoint's model/ or"
             " final/ directory, or set model.init_from=null to start from random weights"
         ) from exc
     except ValueError as exc:  # a truncated or corrupt weights file, named with its size
-        raise ValueError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
+        raise UserError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
     model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
     load_reference_shards(model, weights, cfg.model)
     return model.to(device)

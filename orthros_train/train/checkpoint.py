@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from orthros_train.errors import UserError
 from orthros_train.logging_setup import RANK_ZERO
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.parallel import collectives
@@ -85,7 +86,7 @@ OPTIMIZER_FORMAT = 2  # 1: fp32 masters of bf16 runs as ``<param>.master`` here;
 HOST_BUFFER_BYTES = 4 << 30  # per rank; files of half of it (~2 GiB: an 8B model's moments are ~30 files)
 
 
-class IncompatibleCheckpointError(CheckpointError, ValueError):
+class IncompatibleCheckpointError(CheckpointError, UserError):
     """The checkpoint was written for another model config."""
 
 

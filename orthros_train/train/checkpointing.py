@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from orthros_train.errors import UserError
 from orthros_train.logging_setup import RANK_ZERO
 from orthros_train.parallel import collectives
 from orthros_train.train.checkpoint import (
@@ -64,7 +65,7 @@ class Checkpointing:
             path = Path(mode)
             problem = verify_checkpoint(path) if path.is_dir() else "no such directory"
             if problem:
-                raise ValueError(f"trainer.resume={mode}: {problem}")
+                raise UserError(f"trainer.resume={mode}: {problem}")
         for line in check_resume(path, self.recipe, self.cfg.resume_changes):  # the same run only
             log.warning("%s", line, extra=RANK_ZERO)
         counters = self.manager.load(self.state(), path).counters

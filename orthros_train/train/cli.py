@@ -12,11 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from orthros_train.errors import UserError, exit_on_ctrl_c, first_line, report_bug
 
-from orthros_train.locations import RECIPES_DIR as LOCATED_RECIPES
-from orthros_train.train.config import record_geometry, run_config_from_dict
+# Seconds of imports (hydra, torch through the config): Ctrl-C there is one line and exit 130.
+with exit_on_ctrl_c("orthros-train"):
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+
+    from orthros_train.locations import RECIPES_DIR as LOCATED_RECIPES
+    from orthros_train.train.config import record_geometry, run_config_from_dict
 
 if TYPE_CHECKING:
     from orthros_train.parallel.setup import DistributedEnv
@@ -32,11 +36,16 @@ def hydra_output_dir(run_dir: str) -> str:
     reports an unwritable ``trainer.run_dir`` itself, naming the key and the fix."""
     import tempfile
 
+    from orthros_train.train.run_lock import held_by_another
+
     path = Path(run_dir)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return run_dir
+        # A run another live process owns: this launch will be refused, and Hydra's .hydra/ and
+        # log must not replace the live run's (they go to a temporary directory instead).
+        if held_by_another(path, os.environ.get("SLURM_JOB_ID")) is None:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return run_dir
     except OSError:
         pass
     return tempfile.mkdtemp(prefix="orthros-hydra-")
@@ -288,13 +297,18 @@ def hydra_main(cfg: DictConfig) -> None:
     configure_logging(rank)  # rank 0 speaks; warnings and errors still come from every rank
     try:
         result = run(cfg)  # a preempted run (SIGTERM/SIGUSR1) saved and returns normally: exit 0, requeue
-    except (ValueError, CheckpointError, NonFiniteTrainingError) as exc:
-        # configuration errors and run-stopping faults: one clear line, not a traceback
-        report_error(f"orthros-train: {exc}", rank)
+    except (UserError, CheckpointError, NonFiniteTrainingError) as exc:
+        # what the user asked for is wrong, or a run-stopping fault: one clear line, not a traceback
+        report_error(f"orthros-train: {first_line(exc)}", rank)
         raise SystemExit(1) from exc
     except KeyboardInterrupt:  # Ctrl-C before training started (the loop itself saves and returns)
         print("orthros-train: interrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+    except Exception as exc:
+        # Anything else (a ValueError from inside torch included) is a bug: keep its traceback,
+        # which a one-line message would hide, and say where to report it.
+        report_bug("orthros-train", exc)
+        raise SystemExit(1) from exc
     if isinstance(result, dict) and result.get("signal") == signal.SIGINT:
         raise SystemExit(INTERRUPTED_EXIT_CODE)  # Ctrl-C: saved, but the run did not finish
 
@@ -314,7 +328,74 @@ def main() -> None:
             f"orthros-train: the overrides {overrides[:3]} need a recipe to apply to: add --config-name RECIPE "
             f"(e.g. --config-name tiny_cpu)\n\n{usage()}"
         )
-    hydra_main()
+    with exit_on_ctrl_c("orthros-train", "before training started; nothing was saved"):
+        problem = override_typo(_config_name(args), overrides)
+        if problem:
+            raise SystemExit(f"orthros-train: {problem}")
+        hydra_main()
+
+
+def _config_name(args: list[str]) -> str | None:
+    """The recipe named by ``--config-name X``, ``--config-name=X``, ``-cn X`` or ``-cn=X``."""
+    for i, arg in enumerate(args):
+        for flag in ("--config-name", "-cn"):
+            if arg == flag and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _keys(tree: object, prefix: str = "") -> list[str]:
+    """Every dotted key of a recipe (``trainer.max_steps``, ``trainer.wandb.mode``)."""
+    if not isinstance(tree, dict):
+        return []
+    out = []
+    for key, value in tree.items():
+        full = f"{prefix}{key}"
+        out += [full, *_keys(value, full + ".")]
+    return out
+
+
+def override_typo(config_name: str | None, overrides: list[str]) -> str | None:
+    """A plain ``key=value`` override whose key the recipe does not have (``trainer.max_step``):
+    the problem with the nearest keys, instead of Hydra's advice to append it with ``+key``, which
+    would set a key nothing reads (and then fails on the typed config anyway)."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if not config_name or not overrides:
+        return None
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return None  # Hydra reports a malformed override itself
+    plain = [o for o in parsed if not (o.is_add() or o.is_force_add() or o.is_delete() or o.is_sweep_override())]
+    try:
+        with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
+            # the recipe with its group choices (data=indexed_blend) but none of the value overrides
+            groups = [o.input_line for o in parsed if "." not in o.key_or_group and not o.is_sweep_override()]
+            recipe = OmegaConf.to_container(compose(config_name, overrides=groups), resolve=False)
+    except Exception:  # noqa: BLE001 - a bad recipe name or group: Hydra's own message says it
+        return None
+    known = set(_keys(recipe))
+    for o in plain:
+        key = o.key_or_group
+        if "." not in key or key in known or key.startswith("hydra."):
+            continue
+        section = key.rsplit(".", 1)[0]
+        near = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.75)
+        hint = f"did you mean {' or '.join(near)}? " if near else ""
+        siblings = sorted(k.rsplit(".", 1)[1] for k in known if k.rsplit(".", 1)[0] == section and "." in k)
+        where = f"keys of {section}: {siblings}" if siblings else f"the recipe has no section {section}"
+        return (
+            f"{key}={o.value()} is not a key of recipe {config_name}: {hint}({where}). "
+            f"A key nothing reads is refused; to add a new one on purpose use +{key}=..."
+        )
+    return None
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from orthros_train.data import DataConfig
+from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.options import Device, LRSchedule, Precision, ResumeChanges, RLTask, WandbMode
+from orthros_train.options import DistillAlign, Device, LRSchedule, Precision, ResumeChanges, RLTask, WandbMode
 from orthros_train.parallel.setup import ParallelConfig, check_expert_layout, expert_precision_problem
 
 log = logging.getLogger(__name__)
@@ -33,16 +34,31 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 100
     schedule: LRSchedule = LRSchedule.cosine  # after linear warmup
-    grad_clip: float = 1.0  # <= 0 disables clipping
+    grad_clip: float = 1.0  # 0 disables clipping
     # The first frozen_steps optimizer steps update only the output-stream query affine
     # (gamma, beta); every other weight is held (learning rate 0). 0: nothing is frozen.
     frozen_steps: int = 0
+    # A learning rate above 1 is almost always a typo (3e3 for 3e-3): refused unless this is true.
+    allow_large_lr: bool = False
 
     def __post_init__(self) -> None:
         if self.frozen_steps < 0:
-            raise ValueError(f"optim.frozen_steps must be >= 0, got {self.frozen_steps}")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"optim: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+            raise UserError(f"optim.frozen_steps must be >= 0, got {self.frozen_steps}")
+        if not 0 < self.lr <= 1 and not (self.allow_large_lr and self.lr > 0):
+            raise UserError(
+                f"optim.lr={self.lr} must lie in (0, 1] (a typo such as 3e3 for 3e-3?); "
+                "set optim.allow_large_lr=true if a rate above 1 is meant"
+            )
+        if not 0 <= self.min_lr <= self.lr:
+            raise UserError(f"optim.min_lr={self.min_lr} must lie in [0, optim.lr={self.lr}]")
+        for key in ("weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise UserError(f"optim.{key}={getattr(self, key)} must be >= 0 (0 turns it off)")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise UserError(f"optim.{key}={getattr(self, key)} must lie in [0, 1) (e.g. 0.9, 0.95)")
+        if self.eps <= 0:
+            raise UserError(f"optim.eps={self.eps} must be > 0 (e.g. 1e-8)")
         self.schedule = LRSchedule.parse(self.schedule, "optim.schedule")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -127,6 +143,11 @@ class TrainerConfig:
         self.resume_changes = ResumeChanges.parse(self.resume_changes, "trainer.resume_changes")
         if self.save_every < 0 or self.keep_last_k < 0 or self.max_nonfinite_steps < 1:
             raise ValueError("trainer.save_every and trainer.keep_last_k must be >= 0, max_nonfinite_steps >= 1")
+        if self.loss_spike_factor < 0:
+            raise UserError(f"trainer.loss_spike_factor={self.loss_spike_factor} must be >= 0 (0 turns it off)")
+        for key in ("peak_tflops", "gpu_memory_gib"):
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
+                raise UserError(f"trainer.{key}={getattr(self, key)} must be > 0 (or null)")
         if self.seq_len_schedule is not None:
             from orthros_train.data.schedule import check_seq_len_schedule
 
@@ -174,6 +195,8 @@ class RLConfig:
             raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
         if self.temperature <= 0:
             raise ValueError("rl.temperature must be > 0 (RL samples; greedy rollouts carry no exploration)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"rl.top_p={self.top_p} must lie in (0, 1] (1: no nucleus cut)")
 
 
 @dataclass
@@ -200,6 +223,66 @@ class TaskConfig:
             raise ValueError("task.name=rollouts needs task.rollouts (a JSONL file of rollouts)")
 
 
+# The distill keys' values when distillation is on and the recipe leaves them unset (None).
+DISTILL_DEFAULTS: dict[str, Any] = {
+    "alpha": 0.5, "temperature": 1.0, "beyond_window_only": False, "align": DistillAlign.none,
+    "align_weight": 1.0, "align_steps": 0,
+}
+
+
+@dataclass
+class DistillConfig:
+    """Distillation from the dense twin (the ``distill`` section; orthros_train/train/distill.py,
+    docs/convert.md "Distillation"). At every output token the loss is
+    ``(1 - alpha) * CE + alpha * temperature^2 * KL(teacher || student)`` at ``temperature``,
+    weighted like the cross entropy. Every key but ``enabled`` is None when the recipe leaves it
+    unset: with distillation off, a key that is set is refused (it would do nothing), and with it
+    on the unset ones take ``DISTILL_DEFAULTS``."""
+
+    enabled: bool = False
+    teacher: str | None = None  # the teacher's checkpoint directory; None: model.init_from
+    alpha: float | None = None  # weight of the KD term, in [0, 1] (0: plain cross entropy)
+    temperature: float | None = None  # > 0; both distributions are softened by it
+    beyond_window_only: bool | None = None  # KD term only at output positions >= sliding_window in their document
+    # A first stage of align_steps steps adds align_weight x the per-layer distance (mse | cosine)
+    # between the student's base-stream hidden states and the teacher's, at positions >= sliding_window.
+    align: DistillAlign | None = None
+    align_weight: float | None = None
+    align_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if f.name != "enabled" and getattr(self, f.name) is not None]
+        if not self.enabled:
+            if given:
+                keys = ", ".join(f"distill.{k}={getattr(self, k)}" for k in given)
+                raise ValueError(
+                    f"{keys} set but distill.enabled=false: the key would do nothing; set distill.enabled=true "
+                    "to distill from a teacher, or drop the key"
+                )
+            return
+        for key, default in DISTILL_DEFAULTS.items():
+            if getattr(self, key) is None:
+                setattr(self, key, default)
+        self.align = DistillAlign.parse(self.align, "distill.align")
+        if not (math.isfinite(self.alpha) and 0 <= self.alpha <= 1):
+            raise ValueError(f"distill.alpha={self.alpha} must lie in [0, 1] (0: plain cross entropy, 1: KD only)")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"distill.temperature={self.temperature} must be a finite number > 0 (1: the plain softmax)")
+        if not (math.isfinite(self.align_weight) and self.align_weight >= 0):
+            raise ValueError(f"distill.align_weight={self.align_weight} must be a finite number >= 0")
+        if self.align_steps < 0:
+            raise ValueError(f"distill.align_steps={self.align_steps} must be >= 0")
+        if self.align == DistillAlign.none and ("align_steps" in given or "align_weight" in given):
+            raise ValueError(
+                "distill.align_steps / distill.align_weight set but distill.align=none: set distill.align=mse or "
+                "cosine for an alignment stage, or drop them"
+            )
+        if self.align != DistillAlign.none and self.align_steps == 0:
+            raise ValueError(
+                f"distill.align={self.align} needs distill.align_steps >= 1 (the steps of the alignment stage)"
+            )
+
+
 @dataclass
 class RunConfig:
     model: OrthrosConfig
@@ -211,11 +294,14 @@ class RunConfig:
     # An RL run (GRPO through the same trainer): both sections set, or neither.
     rl: RLConfig | None = None
     task: TaskConfig | None = None
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
+        check_distill(self.distill, self.init, self.rl is not None)
         # Every RunConfig carries a resolved geometry; idempotent for one already resolved.
         resolve_batch_geometry(self.trainer, self.parallel, self.parallel.world_size, self.rl)
         check_expert_layout(self.parallel, self.model)  # a config error, before any process starts
+        check_frozen_steps(self.optim, self.trainer, self.model)
         problem = expert_precision_problem(
             self.parallel, bool(self.model.num_experts), self.trainer.precision == Precision.bf16
         )
@@ -242,6 +328,23 @@ class RunConfig:
         return self.global_batch_size * self.trainer.seq_len
 
 
+def check_frozen_steps(optim: OptimConfig, trainer: TrainerConfig, model: OrthrosConfig) -> None:
+    """optim.frozen_steps holds every weight but the output-stream affine (gamma, beta): past
+    trainer.max_steps, or on a model without that affine, the whole run would train little or nothing."""
+    frozen = optim.frozen_steps
+    if frozen > trainer.max_steps:
+        raise UserError(
+            f"optim.frozen_steps={frozen} exceeds trainer.max_steps={trainer.max_steps}: only gamma/beta would "
+            f"train for the whole run; use optim.frozen_steps <= {trainer.max_steps} (0: nothing frozen)"
+        )
+    if frozen and model.attention_type != "orthros":
+        raise UserError(
+            f"optim.frozen_steps={frozen} holds every weight but the output-stream affine, which a "
+            f"model.attention_type={model.attention_type} model does not have: nothing would train; "
+            "set optim.frozen_steps=0"
+        )
+
+
 @dataclass
 class BatchGeometry:
     """How one optimizer step's global batch is laid out over the processes."""
@@ -251,6 +354,22 @@ class BatchGeometry:
     micro_batch_size: int
     grad_accum_steps: int
     global_batch_size: int
+
+
+def check_distill(distill: DistillConfig, init: ModelInit, rl: bool) -> None:
+    """The teacher of a distillation run: ``distill.teacher``, else ``model.init_from``."""
+    if not distill.enabled:
+        return
+    if rl:
+        raise ValueError("distill.enabled=true in an RL recipe: distillation trains on cross entropy data, not on "
+                         "rollouts; drop the distill section or the rl/task sections")
+    if distill.teacher is None:
+        distill.teacher = init.init_from
+    if not distill.teacher:
+        raise ValueError(
+            "distill.enabled=true but there is no teacher: set distill.teacher=PATH (an Orthros checkpoint "
+            "directory, e.g. the output of orthros-convert from-hf) or model.init_from=PATH (the teacher by default)"
+        )
 
 
 def _neighbours(value: int, candidates: list[int]) -> list[int]:
@@ -387,7 +506,45 @@ def _refuse_non_booleans(cls: type, values: dict[str, Any], name: str) -> None:
         elif bool in (hint, *typing.get_args(hint)) and not isinstance(value, bool):
             if value is None and hint is not bool:  # Optional[bool] takes null
                 continue
-            raise ValueError(f"{name}.{key}={value!r}: expected a boolean, true or false")
+            raise UserError(f"{name}.{key}={value!r}: expected a boolean, true or false")
+
+
+# Field metadata of a float that may be NaN or infinite: ``field(default=..., metadata=NONFINITE_OK)``.
+NONFINITE_OK = {"nonfinite_ok": True}
+
+
+def _non_finite(value: Any, key: str) -> tuple[str, float] | None:
+    """The first NaN/inf number inside ``value`` (a number, list or dict): its full key and value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key, value
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for sub, item in items:
+        found = _non_finite(item, f"{key}{sub}" if str(sub).startswith("[") else f"{key}.{sub}")
+        if found:
+            return found
+    return None
+
+
+def refuse_non_finite(cls: type, values: dict[str, Any], name: str) -> None:
+    """Every number of a recipe section is finite unless its field says otherwise (NONFINITE_OK):
+    NaN slips through every range check (``nan > 0`` is false) and inf trains a NaN model. Nested
+    sections (``trainer.wandb``) and lists/dicts of numbers are walked too."""
+    meta = {f.name: f.metadata for f in fields(cls)} if is_dataclass(cls) else {}
+    hints = typing.get_type_hints(cls) if is_dataclass(cls) else {}
+    for key, value in values.items():
+        if meta.get(key, {}).get("nonfinite_ok"):
+            continue
+        if is_dataclass(hints.get(key)) and isinstance(value, dict):
+            refuse_non_finite(hints[key], value, f"{name}.{key}")
+            continue
+        found = _non_finite(value, f"{name}.{key}")
+        if found:
+            raise UserError(f"{found[0]}={found[1]}: must be a finite number (not NaN or inf)")
 
 
 def typed_section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
@@ -403,16 +560,23 @@ def typed_section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
         checked = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(cls), values))
     except ConfigKeyError as exc:
         known = sorted(f.name for f in fields(cls))
-        raise ValueError(f"unknown key {name}.{exc.full_key} in the recipe; valid keys of {name}: {known}") from exc
+        raise UserError(f"unknown key {name}.{exc.full_key} in the recipe; valid keys of {name}: {known}") from exc
     except OmegaConfBaseException as exc:
         key = exc.full_key
-        raise ValueError(
+        raise UserError(
             f"{name}.{key}={_lookup(values, key)!r}: expected {_expected(cls, key)} ({exc.msg.splitlines()[0]})"
         ) from exc
+    refuse_non_finite(cls, checked, name)
     try:
         return cls(**checked)
     except TypeError as exc:  # e.g. a required field missing
-        raise ValueError(f"recipe section '{name}': {exc}") from exc
+        raise UserError(f"recipe section '{name}': {exc}") from exc
+    except UserError:
+        raise
+    except ValueError as exc:
+        # A section's own checks (__post_init__, also of sections defined outside train/) are
+        # refusals of the recipe: one line naming the key, not a traceback.
+        raise UserError(str(exc)) from exc
 
 
 def run_config_from_dict(cfg: dict[str, Any], world_size: int | None = None) -> RunConfig:
@@ -427,17 +591,22 @@ def run_config_from_dict(cfg: dict[str, Any], world_size: int | None = None) -> 
     sections = [name for name in hints if name != "init" and name not in optional]
     unknown = sorted(set(cfg) - set(sections) - set(optional) - {"hydra"})
     if unknown:
-        raise ValueError(f"unknown top-level recipe section(s) {unknown}; expected {', '.join(sections)}")
+        raise UserError(f"unknown top-level recipe section(s) {unknown}; expected {', '.join(sections)}")
     if ("rl" in cfg) != ("task" in cfg):
-        raise ValueError("an RL recipe needs both an 'rl' section (GRPO settings) and a 'task' section (rollouts)")
+        raise UserError("an RL recipe needs both an 'rl' section (GRPO settings) and a 'task' section (rollouts)")
     model = dict(cfg.get("model") or {})
     init = ModelInit(init_from=model.pop("init_from", None))
     given = {**cfg, "model": model}
     typed = {name: typed_section(hints[name], given.get(name), name) for name in sections}
     extra = {name: typed_section(cls, cfg[name], name) for name, cls in optional.items() if name in cfg}
-    check_expert_layout(typed["parallel"], typed["model"], world_size)  # the experts' layout first: it sets the world
-    resolve_batch_geometry(typed["trainer"], typed["parallel"], world_size, extra.get("rl"))
-    return RunConfig(**typed, init=init, **extra)
+    try:
+        check_expert_layout(typed["parallel"], typed["model"], world_size)  # first: the experts' layout sets the world
+        resolve_batch_geometry(typed["trainer"], typed["parallel"], world_size, extra.get("rl"))
+        return RunConfig(**typed, init=init, **extra)
+    except UserError:
+        raise
+    except ValueError as exc:  # the checks across sections refuse the recipe: one line, not a traceback
+        raise UserError(str(exc)) from exc
 
 
 def record_geometry(resolved: dict[str, Any], cfg: RunConfig) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.ops.reference import REFERENCE_CHUNK
 from orthros_train.parallel.setup import ParallelConfig
@@ -188,11 +189,11 @@ def estimate_memory(
     ``reference`` (the chunked plain-torch op: per-chunk fp32 scores and probabilities).
     """
     if precision not in DTYPE_BYTES:
-        raise ValueError(f"precision must be one of {sorted(DTYPE_BYTES)}, got {precision!r}")
+        raise UserError(f"precision must be one of {sorted(DTYPE_BYTES)}, got {precision!r}")
     if attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        raise UserError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
     if seq_len % parallel.context_parallel:
-        raise ValueError(f"seq_len={seq_len} is not divisible by parallel.context_parallel={parallel.context_parallel}")
+        raise UserError(f"seq_len={seq_len} is not divisible by parallel.context_parallel={parallel.context_parallel}")
     a = DTYPE_BYTES[precision]
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
     # A layout not yet resolved against a world size (data_parallel None) plans for one DP rank.

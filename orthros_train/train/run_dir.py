@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from orthros_train.errors import UserError
 from orthros_train.options import ResumeChanges
 
 # What a run *is*: a checkpoint of another model or data belongs to another run.
@@ -93,14 +94,14 @@ def check_resume(checkpoint: Path, current: dict[str, Any], resume_changes: Resu
         return []
     kinds = recipe_changes(saved, current)
     if kinds["identity"]:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {checkpoint} was written for another model config or data ("
             + "; ".join(kinds["identity"])
             + "): that is another run. Give it its own trainer.run_dir (or trainer.resume=none), and "
             f"model.init_from={Path(checkpoint) / 'model'} to start from these weights"
         )
     if kinds["training"] and resume_changes != ResumeChanges.allow:
-        raise ValueError(
+        raise UserError(
             f"resuming {checkpoint} with a changed recipe ("
             + "; ".join(kinds["training"])
             + "): pass trainer.resume_changes=allow if the change is intended, or use another trainer.run_dir"
@@ -163,7 +164,7 @@ def check_fresh_start(run_dir: str | Path, resume: str, overwrite: bool) -> list
             if resume == "none"
             else f"trainer.resume={resume} starts from another run's checkpoint"
         )
-        raise ValueError(
+        raise UserError(
             f"trainer.run_dir={run_dir} already holds a run ({', '.join(found)}) and {start}, which would "
             "overwrite it: pick another trainer.run_dir, resume it (trainer.resume=auto), or pass "
             "trainer.overwrite=true to delete that run first"

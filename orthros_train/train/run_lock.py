@@ -35,12 +35,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from orthros_train.errors import UserError
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "run.lock"
 
 
-class RunLockedError(ValueError):
+class RunLockedError(UserError):
     """Another live process owns the run directory."""
 
 
@@ -95,7 +97,7 @@ class RunLock:
         stale_after_s: float = 600.0,
     ) -> None:
         if stale_after_s <= heartbeat_s:
-            raise ValueError(f"stale_after_s={stale_after_s} must exceed heartbeat_s={heartbeat_s}")
+            raise UserError(f"stale_after_s={stale_after_s} must exceed heartbeat_s={heartbeat_s}")
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
         self.job_id = job_id or None
@@ -172,7 +174,7 @@ class RunLock:
             probe.write_text("")
             probe.unlink()
         except OSError as exc:
-            raise ValueError(
+            raise UserError(
                 f"trainer.run_dir={self.run_dir} cannot be written ({exc.strerror or exc}): pick a directory "
                 "you can write (trainer.run_dir=...), or fix its permissions"
             ) from exc
@@ -191,7 +193,7 @@ class RunLock:
                 # NFS: the link may have been made though the reply was lost; the link count says.
                 return os.stat(private).st_nlink == 2
         except OSError as exc:
-            raise ValueError(
+            raise UserError(
                 f"trainer.run_dir={self.run_dir}: cannot create the run lock {self.path} ({exc.strerror or exc})"
             ) from exc
         finally:
@@ -226,7 +228,7 @@ class RunLock:
         except FileNotFoundError:
             return  # someone else moved or released it: try again
         except OSError as exc:
-            raise ValueError(f"cannot take over the stale lock {self.path} ({exc.strerror or exc})") from exc
+            raise UserError(f"cannot take over the stale lock {self.path} ({exc.strerror or exc})") from exc
         moved = _read_owner(aside)
         if holder is not None and (moved is None or moved.token != holder.token):
             with contextlib.suppress(OSError):
@@ -262,3 +264,15 @@ class RunLock:
                 return
             with contextlib.suppress(OSError):
                 os.utime(self.path)
+
+
+def held_by_another(run_dir: str | Path, job_id: str | None = None) -> LockOwner | None:
+    """The live owner of ``run_dir``'s lock other than this process (or this Slurm job), if any.
+
+    Read only: lets the entry point keep a launch that is about to be refused out of a live run's
+    directory (Hydra writes its ``.hydra/`` and log there before the trainer asks for the lock)."""
+    probe = RunLock(run_dir, job_id=job_id)
+    holder = _read_owner(probe.path)
+    if holder is None:
+        return None
+    return None if probe._stale_reason(holder) else holder

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.options import WandbMode
 from orthros_train.train.config import TrainerConfig, WandbConfig
 from orthros_train.train.metrics import TERA, MetricsLog
@@ -89,7 +90,7 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, recipe: dict, run_id: str | Non
     try:  # optional: a machine without wandb (the GPU image) trains with trainer.wandb.enabled=false
         import wandb
     except ImportError as err:
-        raise ValueError(
+        raise UserError(
             f"trainer.wandb.enabled=true but wandb cannot be imported ({err}): install it "
             "(pip install 'orthros-train[wandb]') or pass trainer.wandb.enabled=false"
         ) from None

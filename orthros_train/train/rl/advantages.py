@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.train.rl.rollout import Rollout
 
 
@@ -40,7 +41,7 @@ def compute_advantages(rollouts: Sequence[Rollout], scale: bool = True, eps: flo
     for key, members in groups.items():
         kinds = {"token" if rollouts[i].token_rewards is not None else "sequence" for i in members}
         if len(kinds) > 1:
-            raise ValueError(f"group {key[-1]!r} mixes sequence and per-token rewards")
+            raise UserError(f"group {key[-1]!r} mixes sequence and per-token rewards")
         if kinds == {"sequence"}:
             rewards = torch.tensor([float(rollouts[i].reward) for i in members], dtype=torch.float64)
             centered = rewards - rewards.mean()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from orthros_train.data import DataConfig
+from orthros_train.errors import UserError
 from orthros_train.options import RLTask
 from orthros_train.phase.layout import OrthrosLayout
 from orthros_train.train.config import RLConfig, TaskConfig
@@ -48,7 +49,7 @@ class RolloutData:
     ) -> None:
         rows = cfg.prompts_per_step * cfg.group_size
         if rows != micro_batch_size * grad_accum_steps * dp_size:
-            raise ValueError(
+            raise UserError(
                 f"rl.prompts_per_step x rl.group_size = {rows} rollouts per step, but trainer.micro_batch_size x "
                 f"trainer.grad_accum_steps x parallel.data_parallel = {micro_batch_size} x {grad_accum_steps} x "
                 f"{dp_size}; set trainer.micro_batch_size={rows // (grad_accum_steps * dp_size)}"
@@ -58,7 +59,7 @@ class RolloutData:
             )
         self.updates_per_batch = cfg.minibatches * cfg.ppo_epochs
         if self.updates_per_batch > 1 and policy is None:
-            raise ValueError("several updates per rollout batch need the policy's log-probs (policy=...)")
+            raise UserError("several updates per rollout batch need the policy's log-probs (policy=...)")
         self.source = source
         self.cfg = cfg
         self.micro_batch_size = micro_batch_size
@@ -123,7 +124,7 @@ class RolloutData:
         self._pending = []
         self._batch = state.get("batch")
         if self._batch is not None and list(state["dp"]) != [self.dp_rank, self.dp_size]:
-            raise ValueError(
+            raise UserError(
                 f"this checkpoint is in the middle of a rollout batch sampled on data-parallel rank {state['dp']}; "
                 f"resume it with parallel.data_parallel={state['dp'][1]} (or from a checkpoint at a multiple of "
                 f"rl.minibatches x rl.ppo_epochs = {self.updates_per_batch} steps)"
@@ -193,10 +194,10 @@ def _prompt_set_source(rl: RLConfig, task: TaskConfig, data: DataConfig, seed: i
     from orthros_train.options import DataSource
 
     if data.source != DataSource.indexed:
-        raise ValueError("task.name=prompts reads an `orthros-data rl` set: data.source=indexed, data.paths")
+        raise UserError("task.name=prompts reads an `orthros-data rl` set: data.source=indexed, data.paths")
     prefixes = [p for path in data.paths for p in resolve_prefixes(path)]
     if rl.prompts_per_step % dp_size:
-        raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} must be a multiple of parallel.data_parallel")
+        raise UserError(f"rl.prompts_per_step={rl.prompts_per_step} must be a multiple of parallel.data_parallel")
     prompt_set = PromptSet(prefixes, rl.prompts_per_step // dp_size, seed, dp_rank, dp_size)
     stops = task.stop_token_ids if task.stop_token_ids is not None else ([eos] if eos is not None else [])
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.train.config import RLConfig
 from orthros_train.train.rl.rollout import RewardFn, Rollout
 
@@ -61,6 +62,6 @@ class RolloutGenerator:
                 try:
                     rollouts.append(Rollout(list(prompt), list(response), group=int(slot), **kw))
                 except ValueError as e:  # e.g. a NaN reward: name the function, not a non-finite loss later
-                    raise ValueError(f"the reward function {getattr(self.reward_fn, '__name__', self.reward_fn)!r} "
+                    raise UserError(f"the reward function {getattr(self.reward_fn, '__name__', self.reward_fn)!r} "
                                      f"returned {reward!r}: {e}") from e
         return rollouts

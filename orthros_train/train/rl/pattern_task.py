@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from orthros_train.errors import UserError
+
 
 @dataclass
 class PatternTask:
@@ -30,7 +32,7 @@ class PatternTask:
 
     def __post_init__(self) -> None:
         if not 0 <= self.low < self.vocab_size - 1:
-            raise ValueError("PatternTask needs 0 <= low < vocab_size - 1")
+            raise UserError("PatternTask needs 0 <= low < vocab_size - 1")
 
     def next_token(self, t: int) -> int:
         span = self.vocab_size - self.low

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 
+from orthros_train.errors import UserError
 from orthros_train.train.rl.rollout import RewardFn
 
 
@@ -15,7 +16,7 @@ def reference_match_reward(
     verifiable reward for prompt sets with reference answers, e.g. ``orthros-data rl --reference-field``).
     Tokens past the reference earn 0, so stopping on time pays."""
     if reference_ids is None:
-        raise ValueError("reference_match_reward needs prompts with a reference answer")
+        raise UserError("reference_match_reward needs prompts with a reference answer")
     return [1.0 if i < len(reference_ids) and t == reference_ids[i] else 0.0 for i, t in enumerate(response_ids)]
 
 
@@ -23,8 +24,8 @@ def load_reward(spec: str) -> RewardFn:
     """``module:function`` -> the function."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"task.reward must look like 'package.module:function', got {spec!r}")
+        raise UserError(f"task.reward must look like 'package.module:function', got {spec!r}")
     fn = getattr(importlib.import_module(module), attr, None)
     if not callable(fn):
-        raise ValueError(f"task.reward {spec!r}: {module} has no function {attr!r}")
+        raise UserError(f"task.reward {spec!r}: {module} has no function {attr!r}")
     return fn

@@ -19,13 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from orthros_train.errors import UserError
+
 # reward_fn(prompt_ids, response_ids, reference_ids or None) -> one reward or one per response token
 RewardFn = Callable[[list[int], list[int], "list[int] | None"], "float | Sequence[float]"]
 
 
 def _token_ids(name: str, ids: Any) -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | np.ndarray | torch.Tensor):
-        raise ValueError(f"{name} must be a list of integer token ids, got {ids!r:.80}")
+        raise UserError(f"{name} must be a list of integer token ids, got {ids!r:.80}")
     out = []
     for t in ids:
         try:
@@ -33,9 +35,9 @@ def _token_ids(name: str, ids: Any) -> list[int]:
                 raise TypeError
             value = operator.index(t)
         except TypeError:
-            raise ValueError(f"{name} holds {t!r}, not an integer token id") from None
+            raise UserError(f"{name} holds {t!r}, not an integer token id") from None
         if value < 0:
-            raise ValueError(f"{name} holds {value}: token ids are >= 0")
+            raise UserError(f"{name} holds {value}: token ids are >= 0")
         out.append(value)
     return out
 
@@ -43,14 +45,14 @@ def _token_ids(name: str, ids: Any) -> list[int]:
 def _finite_number(name: str, value: Any) -> None:
     # bool is an int to Python, but `true` as a reward is a bug in whatever wrote the file
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r:.80}")
+        raise UserError(f"{name} must be a number, got {value!r:.80}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} is {value}: rewards and advantages must be finite")
+        raise UserError(f"{name} is {value}: rewards and advantages must be finite")
 
 
 def _finite_numbers(name: str, values: Any) -> None:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise ValueError(f"{name} must be a list of numbers, got {values!r:.80}")
+        raise UserError(f"{name} must be a list of numbers, got {values!r:.80}")
     for v in values:
         _finite_number(name, v)
 
@@ -90,12 +92,12 @@ class Rollout:
     def validate(self, vocab_size: int | None = None) -> None:
         """Types, lengths and values of every field; ``vocab_size``: ids must lie in ``[0, vocab_size)``."""
         if not self.prompt_ids or not self.response_ids:
-            raise ValueError("a rollout needs a non-empty prompt_ids and response_ids")
+            raise UserError("a rollout needs a non-empty prompt_ids and response_ids")
         if vocab_size is not None:
             for name in ("prompt_ids", "response_ids"):
                 bad = [t for t in getattr(self, name) if t >= vocab_size]
                 if bad:
-                    raise ValueError(
+                    raise UserError(
                         f"{name} holds token id {bad[0]}, outside the model's vocabulary of {vocab_size} "
                         "(model.vocab_size): the rollouts were tokenized for another model"
                     )
@@ -103,7 +105,7 @@ class Rollout:
         given = [k for k in ("reward", "token_rewards", "advantages") if getattr(self, k) is not None]
         if len(given) != 1:
             # two of them would leave one silently unused (advantages win over rewards)
-            raise ValueError(
+            raise UserError(
                 "a rollout needs exactly one of reward, token_rewards or advantages"
                 + (f", got {' and '.join(given)}" if given else "")
             )
@@ -120,15 +122,15 @@ class Rollout:
         for name in ("token_rewards", "logprobs", "ref_logprobs"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
-                raise ValueError(f"{name} has {len(value)} entries for {n} response tokens")
+                raise UserError(f"{name} has {len(value)} entries for {n} response tokens")
         if isinstance(self.advantages, (list, tuple)) and len(self.advantages) != n:
-            raise ValueError(f"advantages has {len(self.advantages)} entries for {n} response tokens")
+            raise UserError(f"advantages has {len(self.advantages)} entries for {n} response tokens")
         for name in ("logprobs", "ref_logprobs"):
             value = getattr(self, name)
             if value is not None and any(v > 1e-4 for v in value):
-                raise ValueError(f"{name} must be log-probabilities (<= 0)")
+                raise UserError(f"{name} must be log-probabilities (<= 0)")
         if self.group is not None and (isinstance(self.group, bool) or not isinstance(self.group, (int, str))):
-            raise ValueError(f"group must be an integer or a string, got {self.group!r}")
+            raise UserError(f"group must be an integer or a string, got {self.group!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -141,7 +143,7 @@ def load_rollouts(path: str | Path, vocab_size: int | None = None) -> list[Rollo
     known = set(Rollout.__dataclass_fields__)
     path = Path(path)
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"task.rollouts={path}: {'is a directory' if path.is_dir() else 'no such file'}; "
             "point it at a JSONL file of rollouts (one JSON object per line, docs/sft_rl.md)"
         )
@@ -154,29 +156,29 @@ def load_rollouts(path: str | Path, vocab_size: int | None = None) -> list[Rollo
                     # NaN/Infinity are not JSON, but Python's json reads them: refuse them here by name
                     record = json.loads(line, parse_constant=_reject_constant)
                     if not isinstance(record, dict):
-                        raise ValueError("expected a JSON object")
+                        raise UserError("expected a JSON object")
                     unknown = sorted(set(record) - known)
                     if unknown:
-                        raise ValueError(f"unknown field(s) {unknown}; valid: {sorted(known)}")
+                        raise UserError(f"unknown field(s) {unknown}; valid: {sorted(known)}")
                     missing = sorted({"prompt_ids", "response_ids"} - set(record))
                     if missing:
-                        raise ValueError(f"missing field(s) {missing}")
+                        raise UserError(f"missing field(s) {missing}")
                     rollout = Rollout(**record)
                     rollout.validate(vocab_size)
                     out.append(rollout)
                 except (ValueError, TypeError) as e:
-                    raise ValueError(f"{path}:{lineno}: bad rollout: {e}") from e
+                    raise UserError(f"{path}:{lineno}: bad rollout: {e}") from e
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e}); task.rollouts takes a JSONL file") from e
+        raise UserError(f"{path}: not UTF-8 text ({e}); task.rollouts takes a JSONL file") from e
     except OSError as e:
-        raise ValueError(f"task.rollouts={path}: cannot read it ({e.strerror or e})") from e
+        raise UserError(f"task.rollouts={path}: cannot read it ({e.strerror or e})") from e
     if not out:
-        raise ValueError(f"{path}: no rollouts (the file is empty)")
+        raise UserError(f"{path}: no rollouts (the file is empty)")
     return out
 
 
 def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number: rewards, advantages and log-probs must be finite")
+    raise UserError(f"{name} is not a number: rewards, advantages and log-probs must be finite")
 
 
 def save_rollouts(path: str | Path, rollouts: Iterable[Rollout]) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.train.config import RLConfig
 from orthros_train.train.rl.advantages import compute_advantages
 from orthros_train.train.rl.generation import RolloutGenerator
@@ -51,7 +52,7 @@ class GeneratedRollouts:
         load_state: Callable[[dict], None] | None = None,
     ) -> None:
         if cfg.prompts_per_step % dp_size:
-            raise ValueError(
+            raise UserError(
                 f"rl.prompts_per_step={cfg.prompts_per_step} does not split over {dp_size} data-parallel ranks: "
                 "pick a multiple of parallel.data_parallel (each rank samples whole groups)"
             )
@@ -96,7 +97,7 @@ class FileRollouts:
                 kinds.setdefault(r.group, {}).setdefault(kind, i)
         for group, seen in kinds.items():
             if len(seen) > 1:  # compute_advantages would stop on it at that group's step, naming no file
-                raise ValueError(
+                raise UserError(
                     f"{path}: group {group!r} mixes reward (rollout {seen['reward']}) and token_rewards (rollout "
                     f"{seen['token_rewards']}); a group's baseline needs one kind of reward"
                 )
@@ -106,7 +107,7 @@ class FileRollouts:
         steps = len(self.rollouts) // self.rows
         if steps < draws:
             updates = steps // cfg.minibatches * cfg.minibatches * cfg.ppo_epochs
-            raise ValueError(
+            raise UserError(
                 f"{path} holds {len(self.rollouts)} rollouts: {steps} steps of rl.prompts_per_step x rl.group_size = "
                 f"{self.rows}, fewer than the run needs ({draws}); set trainer.max_steps={updates}"
             )

@@ -1,0 +1,55 @@
+"""User errors vs bugs: the one exception type for "the user asked for something wrong".
+
+A command line prints a ``UserError`` as one line naming the problem and the fix, and exits
+with its usage status. Every other exception - a ValueError raised inside torch or numpy, an
+assertion, a bug of ours - keeps its traceback and says where to report it: a one-line message
+would hide where it came from.
+
+Imports nothing of the project, so every layer may raise it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+from collections.abc import Iterator
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+# Where a traceback that is not the user's fault should be reported.
+REPORT_TO = "the orthros-train issue tracker (attach the command, this traceback and `pip freeze`)"
+
+
+class UserError(ValueError):
+    """A bad recipe key, flag, file or folder: the message names it and the fix.
+
+    Subclasses ValueError because callers and tests written before it exist catch ValueError."""
+
+
+def report_bug(prog: str, exc: BaseException) -> None:
+    """Print ``exc`` with its traceback and where to report it (an unexpected error, not the user's)."""
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    print(
+        f"{prog}: internal error ({type(exc).__name__}): this is a bug, not a problem with your input; "
+        f"please report it to {REPORT_TO}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def first_line(exc: BaseException) -> str:
+    """The message of a user error as one line (a multi-line message keeps its first line's meaning)."""
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+@contextlib.contextmanager
+def exit_on_ctrl_c(prog: str, what: str = "while starting up; nothing was done") -> Iterator[None]:
+    """Ctrl-C inside the block (a command's seconds of imports) exits 130 with one line instead
+    of a KeyboardInterrupt traceback through the import machinery."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (Ctrl-C) {what}", file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
