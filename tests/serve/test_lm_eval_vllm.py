@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 pytest.importorskip("vllm")
 pytest.importorskip("lm_eval")
@@ -16,28 +17,17 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from orthros_train.eval.harness import run_lm_eval  # noqa: E402
 from orthros_train.eval.lm_eval_cli import run_vllm_lm_eval  # noqa: E402
+from orthros_train.eval.tasks import example_task_yaml  # noqa: E402
 from orthros_train.model.orthros import OrthrosForCausalLM  # noqa: E402
 
-TASK = """\
-task: tiny_last_word
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: loglikelihood
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{' ' + target}}}}"
-metric_list:
-  - metric: perplexity
-    aggregation: perplexity
-    higher_is_better: false
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
+
+def last_word_task(tasks) -> None:
+    """The example ``pg_lambada`` task's YAML (the one in ``orthros_train.eval.tasks``) under the name
+    ``tiny_last_word`` (an example task's own name would make lm-eval build the essays' data), reading
+    ``tasks/pg_lambada.jsonl``."""
+    spec = yaml.safe_load(example_task_yaml("pg_lambada", tasks))
+    del spec["tag"]
+    (tasks / "tiny_last_word.yaml").write_text(yaml.safe_dump({**spec, "task": "tiny_last_word"}))
 
 
 def test_vllm_route_scores_like_the_in_process_adapter(tmp_path, monkeypatch):
@@ -46,8 +36,8 @@ def test_vllm_route_scores_like_the_in_process_adapter(tmp_path, monkeypatch):
     docs = [{"context": " ".join(words[i : i + 30 + 7 * i]), "target": words[i + 30 + 7 * i]} for i in range(6)]
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "tiny_last_word.yaml").write_text(TASK.format(data=tasks / "data.jsonl"))
+    (tasks / "pg_lambada.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    last_word_task(tasks)
 
     served = run_vllm_lm_eval(str(export), ["tiny_last_word"], include_paths=[str(tasks)], dtype="float32",
                               batch_size=4, max_length=512, enforce_eager=True, kv_cache_memory_bytes=32 << 20)

@@ -173,8 +173,13 @@ def write_example_tasks(directory: str | Path, seed: int = 1234) -> Path:
         tmp = directory / f"{name}.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(directory / f"{name}.jsonl")
-        (directory / f"{name}.yaml").write_text(_YAML[name].format(tag=TAG, data=json.dumps(str(directory))[1:-1]))
+        (directory / f"{name}.yaml").write_text(example_task_yaml(name, directory))
     return directory
+
+
+def example_task_yaml(name: str, directory: str | Path) -> str:
+    """The YAML of example task ``name`` reading its data from ``directory/<name>.jsonl``."""
+    return _YAML[name].format(tag=TAG, data=json.dumps(str(directory))[1:-1])
 
 
 def default_tasks_dir() -> Path:
