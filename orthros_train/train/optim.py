@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
 
+from orthros_train.errors import UserError
 from orthros_train.train.config import OptimConfig
 
 
@@ -36,9 +38,27 @@ class AdamW(torch.optim.AdamW):
                 group["updates"] = group.get("updates", 0) + 1
 
 
+def freeze_untrainable(model: nn.Module, pattern: str | None) -> None:
+    """``optim.trainable``: every parameter whose name ``pattern`` does not match stops requiring
+    a gradient, so autograd skips its weight gradient and the optimizer holds no state for it."""
+    if pattern is None:
+        return
+    rule = re.compile(pattern)
+    named = list(model.named_parameters())
+    if not any(rule.search(name) for name, _ in named):
+        raise UserError(
+            f"optim.trainable={pattern!r} matches no parameter of the model (names look like "
+            f"{named[0][0]!r}); fix the pattern or leave it unset"
+        )
+    for name, p in named:
+        if not rule.search(name):
+            p.requires_grad_(False)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     # Norm weights, biases and the output-stream query affine (gamma/beta) are scales and shifts:
     # decaying them towards 0 would fight their initialisation (1/0), as for norms in Llama.
+    freeze_untrainable(model, cfg.trainable)
     decay, no_decay, affine = [], [], []
     seen: set[int] = set()
     for name, p in model.named_parameters():
