@@ -17,6 +17,7 @@ import os
 import sys
 
 from orthros_train.data.indexed import DataError
+from orthros_train.errors import UserError, first_line, report_bug
 
 
 def _positive_int(text: str) -> int:
@@ -152,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             + (f"; skipped {skipped}" if skipped else "")
         )
         return 0
-    except DataError as e:
-        print(f"orthros-data: error: {e}", file=sys.stderr)
+    except (DataError, UserError) as e:
+        print(f"orthros-data: error: {first_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("orthros-data: interrupted; finished shards are kept, run the same command again to resume",
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         print(f"orthros-data: error: {e.strerror or e}{where}; finished shards are kept, fix it and run the "
               "same command again to resume", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug (a ValueError from inside a library included): its traceback, where to report
+        report_bug(f"orthros-data {args.command}", e)
         return 1
 
 

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -164,6 +165,17 @@ def _utf8_error(path: str) -> str | None:
 
 
 def _json_records(path: str) -> Iterator[Record]:
+    """The records of a JSON/JSON-lines file; a truncated or corrupt .gz is named, not a traceback."""
+    try:
+        yield from _json_file_records(path)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib.error: a damaged deflate stream
+        raise DataError(
+            f"{path}: the compressed file is truncated or corrupt ({e}); re-download or re-compress it "
+            "(finished shards are kept: run the same command again once it is fixed)"
+        ) from e
+
+
+def _json_file_records(path: str) -> Iterator[Record]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         head = f.read(64).lstrip()

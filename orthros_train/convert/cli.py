@@ -20,6 +20,7 @@ from pathlib import Path
 from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, check_safetensors_files, read_json
 from orthros_train.convert.from_hf import DEFAULT_WINDOW, convert_from_hf
 from orthros_train.convert.to_hf import convert_to_hf
+from orthros_train.errors import UserError, first_line, report_bug
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,7 +77,11 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
             raise ConversionError(f"{directory / 'config.json'} not found: verify takes two checkpoint directories")
     check_safetensors_files(orthros_dir)
     check_safetensors_files(hf_dir)
-    orthros = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
+    check_same_model(hf_dir, orthros_dir)
+    try:
+        orthros = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
+    except (ValueError, TypeError) as err:  # fields or weights of another kind of model
+        raise ConversionError(f"ORTHROS_DIR {orthros_dir} does not load as an Orthros checkpoint ({err})") from err
     window = orthros.config.sliding_window
     hf_type = read_json(hf_dir / "config.json", "verify takes an HF directory").get("model_type")
     if not hf_type:
@@ -117,6 +122,38 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
         "max_abs_logit": float(a.abs().max()),
         "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
     }
+
+
+# Fields that fix the shapes of the weights: two folders that differ in any are different models.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "num_experts", "moe_intermediate_size")
+
+
+def check_same_model(hf_dir: Path, orthros_dir: Path) -> None:
+    """verify compares one model in two formats: an HF folder passed as ORTHROS_DIR, or two folders
+    of different models (another vocabulary, depth or source architecture), are refused naming the
+    difference instead of ending in an IndexError or a bare logit mismatch."""
+    hf = read_json(hf_dir / "config.json", "HF_DIR must be a Hugging Face model directory")
+    ours = read_json(orthros_dir / "config.json", "ORTHROS_DIR must be an Orthros checkpoint directory")
+    if "model_type" in ours or "architectures" in ours:
+        raise ConversionError(
+            f"ORTHROS_DIR {orthros_dir} is a Hugging Face model directory (model_type {ours.get('model_type')!r}), "
+            "not an Orthros checkpoint: pass the Orthros checkpoint second (from-hf's output, or to-hf's source)"
+        )
+    hf_type = hf.get("model_type")
+    source = ((ours.get("extra") or {}).get("hf") or {}).get("model_type")
+    if hf_type not in (None, "orthros") and source and source != hf_type:
+        raise ConversionError(
+            f"different models: HF_DIR {hf_dir} is a {hf_type} model, ORTHROS_DIR {orthros_dir} was converted from "
+            f"a {source} model; verify the Orthros checkpoint against the folder it was converted from"
+        )
+    differ = [f"{k} {hf[k]} vs {ours[k]}" for k in SHAPE_FIELDS
+              if k in hf and k in ours and hf[k] is not None and ours[k] is not None and hf[k] != ours[k]]
+    if differ:
+        raise ConversionError(
+            f"different models: HF_DIR {hf_dir} and ORTHROS_DIR {orthros_dir} differ in {'; '.join(differ)} "
+            "(HF vs Orthros); verify a checkpoint against the folder it was converted from or exported to"
+        )
 
 
 def _identity_output_affine(model) -> bool:
@@ -164,6 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # an unreadable source or unwritable destination: named, no traceback
         print(f"orthros-convert: error: {err}", file=sys.stderr)
         return 2
+    except UserError as err:  # a refusal raised below the converters (a bad --dtype, a config value)
+        print(f"orthros-convert: error: {first_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("orthros-convert: interrupted (Ctrl-C); a destination being written is left incomplete",
+              file=sys.stderr)
+        return 130
+    except Exception as err:  # a bug (a ValueError from inside torch included): its traceback, where to report
+        report_bug("orthros-convert", err)
+        return 1
     return 0
 
 

@@ -37,6 +37,13 @@ def gguf_to_hf(gguf: str | Path, dst: str | Path) -> Path:
     path = packaged_smollm2() if str(gguf) == "smollm2" else Path(gguf)
     if not path.is_file():
         raise ConversionError(f"{path} not found: pass a .gguf file (or 'smollm2' for the packaged SmolLM2)")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":  # every GGUF file starts with these bytes; anything else fails deep in transformers
+        raise ConversionError(
+            f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a .gguf model file "
+            "(or 'smollm2' for the packaged SmolLM2)"
+        )
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:  # optional extras: transformers reads GGUF through gguf and accelerate
         raise ConversionError(

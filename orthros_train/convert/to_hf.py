@@ -120,6 +120,9 @@ def convert_to_hf(
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise ConversionError(f"source {src} is not a directory: {SRC_FIX}")
+    if not (src / CONFIG_NAME).is_file() and (src / "model" / CONFIG_NAME).is_file():
+        # a trainer's checkpoint step keeps the model in its model/ folder
+        raise ConversionError(f"{src} is a trainer checkpoint step: its model is {src / 'model'}; pass that folder")
     raw = read_json(src / CONFIG_NAME, SRC_FIX)
     try:
         config = OrthrosConfig.from_dict(raw)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orthros_train.errors import UserError
+from orthros_train.errors import UserError, first_line, report_bug
 from orthros_train.eval.common import (
     nonnegative_int,
     nonnegative_size,
@@ -175,10 +175,10 @@ def _runs_on_cpu(device: str | None) -> bool:
 
 def _load(args: argparse.Namespace, tokenizer_required: bool = True):
     from orthros_train.convert.checkpoint_io import check_safetensors_files
-    from orthros_train.infer.loading import is_checkpoint, load_model, load_tokenizer
+    from orthros_train.infer.loading import is_checkpoint, load_model, load_tokenizer, not_a_checkpoint_hint
 
     if not is_checkpoint(args.checkpoint):
-        raise UserError(f"{args.checkpoint} is not an Orthros checkpoint directory (no config.json)")
+        raise UserError(not_a_checkpoint_hint(args.checkpoint))
     overrides = model_overrides(args)
     check_safetensors_files(args.checkpoint)
     model = load_model(args.checkpoint, device=args.device, dtype=args.dtype, **overrides)
@@ -191,6 +191,7 @@ def cmd_niah(args: argparse.Namespace) -> dict[str, Any]:
 
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)  # before the model loads
     model, tokenizer = _load(args)
+    warn_beyond_positions(model, "--lengths", lengths)
     needle = Needle()
     for field in ("needle", "question", "answer", "answer_prefix"):
         if getattr(args, field) is not None:
@@ -206,10 +207,26 @@ def cmd_niah(args: argparse.Namespace) -> dict[str, Any]:
     return paths
 
 
+def warn_beyond_positions(model: Any, flag: str, lengths: list[int]) -> None:
+    """Lengths past the checkpoint's max_position_embeddings run (RoPE extrapolates; measuring that
+    may be the point), but the result is not what the model was made for: say so, naming both."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    beyond = [n for n in lengths if limit and n > limit]
+    if beyond:
+        print(
+            f"orthros-eval: warning: {flag} {','.join(map(str, beyond))} exceed(s) the checkpoint's "
+            f"max_position_embeddings={limit}: those positions were never trained (results measure extrapolation); "
+            f"use lengths <= {limit}, or --override max_position_embeddings=N if the model supports more",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def cmd_recall(args: argparse.Namespace) -> dict[str, Any]:
     from orthros_train.eval.recall import run_recall, save_recall
 
     model, tokenizer = _load(args, tokenizer_required=args.format == "text")
+    warn_beyond_positions(model, "--length", [args.length])
     result = run_recall(
         model, tokenizer, length=args.length, num_pairs=args.num_pairs, num_samples=args.num_samples,
         fmt=args.format, min_distance=args.min_distance, seed=args.seed,
@@ -229,6 +246,7 @@ def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
 
     needs_tok = any(not _looks_indexed(d) for d in args.data)
     model, tokenizer = _load(args, tokenizer_required=needs_tok)
+    warn_beyond_positions(model, "--seq-len", [args.seq_len])
     result = run_ppl(
         model, token_documents(args.data, tokenizer), seq_len=args.seq_len, batch_tokens=args.batch_tokens,
         max_tokens=args.max_tokens, bucket_window=args.bucket_window,
@@ -365,9 +383,15 @@ def main(argv: list[str] | None = None) -> int:
             if folder is not None:
                 _check_writable(flag, Path(folder))  # before a long run, not when its results are written
         COMMANDS[args.command](args)
-    except (ValueError, OSError, ImportError) as exc:  # OSError: a missing input, an unwritable --output-dir
-        print(f"orthros-eval {args.command}: {exc}", file=sys.stderr)
+    except (UserError, OSError, ImportError) as exc:  # OSError: a missing input, an unwritable --output-dir
+        print(f"orthros-eval {args.command}: {first_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"orthros-eval {args.command}: interrupted (Ctrl-C); nothing was written", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug (a ValueError from inside torch included): its traceback, and where to report
+        report_bug(f"orthros-eval {args.command}", exc)
+        return 1
     return 0
 
 

@@ -65,18 +65,29 @@ def text_documents(paths: Iterable[str]) -> Iterator[str]:
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such file or directory")
         for f in _text_files(path):
+            text = _utf8_text(f)
             if f.suffix == ".jsonl":
-                with f.open(encoding="utf-8") as fh:
-                    for lineno, line in enumerate(fh, 1):
-                        if line.strip():
-                            try:
-                                yield json.loads(line)["text"]
-                            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                                raise UserError(f"{f}:{lineno}: expected a JSON object with a 'text' field") from exc
-            else:
-                text = f.read_text(encoding="utf-8", errors="replace")
-                if text.strip():
-                    yield text
+                for lineno, line in enumerate(text.splitlines(), 1):
+                    if line.strip():
+                        try:
+                            yield json.loads(line)["text"]
+                        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                            raise UserError(f"{f}:{lineno}: expected a JSON object with a 'text' field") from exc
+            elif text.strip():
+                yield text
+
+
+def _utf8_text(path: Path) -> str:
+    """A text input decoded strictly: replacing bad bytes would silently change the tokens scored."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}, line {line}); "
+            "convert it first, e.g. iconv -f latin1 -t utf-8"
+        ) from err
 
 
 def indexed_documents(path: str) -> Iterator[list[int]]:

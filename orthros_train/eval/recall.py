@@ -103,7 +103,13 @@ def make_text_sample(
 ) -> RecallSample:
     from orthros_train.eval.niah import encode, haystack_tokens
 
-    keys = rng.sample([f"{w}-{n}" for w in WORDS for n in range(10, 100)], num_pairs)
+    names = [f"{w}-{n}" for w in WORDS for n in range(10, 100)]
+    if not 1 <= num_pairs <= len(names):
+        raise UserError(
+            f"--num-pairs {num_pairs}: the text format has {len(names)} distinct keys; use --num-pairs between 1 "
+            f"and {len(names)}, or --format tokens"
+        )
+    keys = rng.sample(names, num_pairs)
     pairs = []
     for key in keys:
         value = f" {rng.randint(1000, 9999)}"

@@ -95,6 +95,57 @@ def is_checkpoint(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
+def not_a_checkpoint_hint(path: str | Path) -> str:
+    """Why a folder without config.json is not a checkpoint, and where the model is when it is a
+    trainer's step folder (``checkpoints/step_000000003`` keeps the weights in ``model/``)."""
+    path = Path(path)
+    if (path / "model" / "config.json").is_file():
+        return f"{path} is a trainer checkpoint step: its model is {path / 'model'}; pass that folder"
+    return f"{path} is not an Orthros checkpoint directory (no config.json)"
+
+
+def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json as a dict; an unreadable or malformed one is named."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(not_a_checkpoint_hint(directory))
+    try:
+        fields = json.loads(path.read_text())
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path} is not UTF-8 JSON ({err}); restore or re-export the checkpoint") from err
+    except ValueError as err:
+        raise UserError(f"{path} is not valid JSON ({err}); restore or re-export the checkpoint") from err
+    if not isinstance(fields, dict):
+        raise UserError(f"{path} holds {type(fields).__name__}, not a JSON object of config fields")
+    return fields
+
+
+def orthros_config(fields: dict[str, Any], where: str | Path) -> OrthrosConfig:
+    """``OrthrosConfig.from_dict`` with its refusals (unknown fields, bad values) naming ``where``."""
+    try:
+        return OrthrosConfig.from_dict(fields)
+    except UserError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise UserError(f"{where}: not an Orthros model config ({err})") from err
+
+
+def load_checkpoint(directory: str | Path, **overrides: Any) -> OrthrosForCausalLM:
+    """An Orthros checkpoint directory's model; a malformed config.json, a folder of another kind
+    (an HF model: its fields are not OrthrosConfig's) or weights of another shape are user errors
+    naming the folder, not tracebacks."""
+    directory = Path(directory)
+    config = orthros_config({**read_checkpoint_config(directory), **overrides}, directory / "config.json")
+    model = OrthrosForCausalLM(config)
+    try:
+        model.load_pretrained_weights(directory)
+    except FileNotFoundError as err:
+        raise UserError(str(err)) from err
+    except ValueError as err:  # a tensor of another shape or name: weights of another model
+        raise UserError(f"{directory}: the weights do not fit its config.json ({err})") from err
+    return model
+
+
 def _config_fields(path: Path) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml"):
         from omegaconf import OmegaConf
@@ -116,7 +167,7 @@ def config_from_spec(spec: str, **overrides: Any) -> OrthrosConfig:
     """An ``OrthrosConfig`` from a checkpoint directory, a JSON/YAML file, or a preset name."""
     path = Path(spec)
     if is_checkpoint(path):
-        fields = json.loads((path / "config.json").read_text())
+        fields = read_checkpoint_config(path)
     elif path.is_file():
         fields = _config_fields(path)
     elif spec in PRESETS:
@@ -125,7 +176,7 @@ def config_from_spec(spec: str, **overrides: Any) -> OrthrosConfig:
         raise UserError(
             f"{spec!r} is neither a checkpoint directory, a config file, nor a preset ({', '.join(PRESETS)})"
         )
-    return OrthrosConfig.from_dict({**fields, **overrides})
+    return orthros_config({**fields, **overrides}, spec)
 
 
 def load_model(
@@ -138,7 +189,7 @@ def load_model(
     """Checkpoint weights when ``spec`` is a checkpoint directory, else random weights (seeded)."""
     device = resolve_device(device) if not isinstance(device, torch.device) else device
     if is_checkpoint(spec):
-        model = OrthrosForCausalLM.from_pretrained(spec, **overrides)
+        model = load_checkpoint(spec, **overrides)
     else:
         torch.manual_seed(seed)
         model = OrthrosForCausalLM(config_from_spec(str(spec), **overrides))
