@@ -199,7 +199,7 @@ QUICK = ["trainer.max_steps=30", "data.recall_mix.documents=200"]
 
 
 def study(out: Path, seeds: list[int], lr: float, steps: int | None, quick: bool, recall_docs: int,
-          passkey_docs: int, log) -> dict[str, Any]:
+          passkey_docs: int, log, overwrite: bool = False) -> dict[str, Any]:
     from orthros_train.infer.loading import load_model
     from orthros_train.study.pipeline import (
         StudyOptions,
@@ -224,8 +224,8 @@ def study(out: Path, seeds: list[int], lr: float, steps: int | None, quick: bool
         runs = []
         for seed in seeds:
             run_dir = out / arm / run_name(lr, seed)
-            if not (run_dir / "checkpoints" / "final" / "config.json").is_file():
-                train_run("orthros", run_dir, overrides + extra + run_overrides(lr, seed), log)
+            # A finished run of the same command is reused, a partial one resumed (study/runs.py).
+            train_run("orthros", run_dir, overrides + extra + run_overrides(lr, seed), log, overwrite=overwrite)
             torch.set_num_threads(1)
             try:
                 result = evaluate_run(run_dir, opts, log)
@@ -275,40 +275,77 @@ def print_study(results: dict[str, Any]) -> None:
               f"{_pm(passkey, 100, '.1f')}% | {'-' if reads is None else f'{reads:.2f}'} | {balance} |")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1 (a bad one is refused before anything runs)."""
+    from orthros_train.eval.common import positive_int
+
+    values = [positive_int(x.strip()) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one positive integer")
+    return values
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integer seeds") from None
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one seed, each once")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from orthros_train.eval.common import positive_float, positive_int
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("reads", help="experts read per step, per policy, on a converted model")
-    r.add_argument("--prompt", type=int, default=64, help="prompt tokens (window 16)")
-    r.add_argument("--new-tokens", type=int, default=16)
-    r.add_argument("--batches", default="1,8")
+    r.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens (window 16)")
+    r.add_argument("--new-tokens", type=positive_int, default=16)
+    r.add_argument("--batches", type=_positive_ints, default=[1, 8], help="batch sizes (comma-separated)")
     r.add_argument("--json", type=Path, default=None)
     s = sub.add_parser("study", help="train and evaluate every policy on the study's data")
     s.add_argument("--out", type=Path, default=Path("runs/moe_study"))
-    s.add_argument("--seeds", default="1234,1235,1236")
-    s.add_argument("--lr", type=float, default=3e-3)
-    s.add_argument("--steps", type=int, default=None)
+    s.add_argument("--seeds", type=_seeds, default=[1234, 1235, 1236])
+    s.add_argument("--lr", type=positive_float, default=3e-3)
+    s.add_argument("--steps", type=positive_int, default=None)
     s.add_argument("--quick", action="store_true")
-    s.add_argument("--recall-documents", type=int, default=32)
-    s.add_argument("--passkey-documents", type=int, default=32)
+    s.add_argument("--recall-documents", type=positive_int, default=32)
+    s.add_argument("--passkey-documents", type=positive_int, default=32)
     s.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
+    s.add_argument("--overwrite", action="store_true",
+                   help="delete the runs in --out and train them again (default: reuse finished runs, resume "
+                   "partial ones, refuse a run of another configuration)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     print(f"machine: {sys.platform}, torch threads 1, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     if args.command == "reads":
-        batches = [int(x) for x in args.batches.split(",") if x]
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = converted_model(Path(tmp))
             cfg = OrthrosConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
-            rows = reads_table(ckpt, args.prompt, args.new_tokens, batches)
+            rows = reads_table(ckpt, args.prompt, args.new_tokens, args.batches)
         print_reads(rows, f"Converted Qwen3-MoE-style model: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, "
                           f"{len(cfg.sparse_layers)} sparse layers, W={cfg.sliding_window}, prompt {args.prompt} "
                           f"tokens, {args.new_tokens} decode steps (gamma = 1, beta = 0, random weights)")
         result: Any = {"model": cfg.to_dict(), "rows": rows}
     else:
-        seeds = [int(x) for x in args.seeds.split(",") if x]
-        result = study(args.out, seeds, args.lr, args.steps, args.quick, args.recall_documents,
-                       args.passkey_documents, lambda msg: print(msg, flush=True))
+        from orthros_train.study.cli import run_owned
+
+        found: dict[str, Any] = {}
+
+        def work() -> None:
+            found["result"] = study(args.out, args.seeds, args.lr, args.steps, args.quick, args.recall_documents,
+                                    args.passkey_documents, lambda msg: print(msg, flush=True), args.overwrite)
+
+        code = run_owned("moe_routing study", args.out, "MoE routing study", work)
+        if code:
+            return code
+        result = found["result"]
         print_study(result)
         print_reads([{"policy": arm, **run["reads"]} for arm, e in result["arms"].items() if arm != "dense_mlp"
                      for run in e["runs"][:1]], "Trained models (first seed), held-out essay prompts")

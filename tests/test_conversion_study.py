@@ -78,7 +78,7 @@ def test_curve_points_fall_on_saved_steps() -> None:
     assert checkpoint_at(run, 20, 200) == run / "checkpoints" / "step_000000020" / "model"
     assert checkpoint_at(run, 200, 200) == run / "checkpoints" / "final"
     with pytest.raises(ValueError, match="distinct steps"):
-        ConversionOptions(steps=5, fractions=(0.1, 0.2))
+        ConversionOptions(steps=5, fractions=(0.1, 0.2), warmups=(0.0,), frozen=0.0)
 
 
 def test_merge_overrides_keeps_the_last_value_per_key() -> None:
@@ -121,7 +121,7 @@ def fake_study(tmp_path, monkeypatch):
     command the study would run, and results made of checkpoints' names."""
     calls: list[dict[str, Any]] = []
 
-    def fake_train(arch, run_dir, overrides, log=None, threads=None, recipe=None, stop_after_s=None):
+    def fake_train(arch, run_dir, overrides, log=None, threads=None, recipe=None, stop_after_s=None, overwrite=False):
         kv = dict(o.lstrip("+").split("=", 1) for o in overrides)
         calls.append({"arch": arch, "run_dir": Path(run_dir), **kv})
         steps = int(kv.get("trainer.max_steps", 12))

@@ -163,7 +163,7 @@ def test_the_report_goes_under_out_unless_report_is_given(tmp_path, monkeypatch)
     assert seen.pop("opts").report == tmp_path / "s" / "study.md"
     assert cli.main(["--quick", "--out", str(tmp_path / "s"), "--report", str(tmp_path / "r.md")]) == 0
     assert seen.pop("opts").report == tmp_path / "r.md"
-    assert cli.main(["--quick", "--no-report"]) == 0
+    assert cli.main(["--quick", "--no-report", "--out", str(tmp_path / "s")]) == 0
     assert seen.pop("opts").report is None
     from orthros_train.study import StudyOptions
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from orthros_train.eval.common import nonnegative_int, parse_lengths, positive_int
 from orthros_train.logging_setup import configure_logging
@@ -54,7 +56,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-lengths", default="1k,4k,16k", help="prompt lengths ('' skips the benchmark)")
     p.add_argument("--prefill-repeats", type=positive_int, default=1)
     p.add_argument("--notes", type=Path, default=None, help="hand-written analysis to include in the report")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete every run in --out and train it again (default: finished runs are reused, "
+                   "partial ones resumed, a run of another configuration refused)")
     return p
+
+
+def run_owned(prog: str, out: Path, what: str, work: Callable[[], Any]) -> int:
+    """``work()`` holding ``out`` (one study per folder), with SIGINT/SIGTERM stopping its training
+    processes; every refusal or failure is one line on stderr."""
+    from orthros_train.study.runs import RunFailed, StudyInterrupted, interrupted_exit, owned_study
+
+    try:
+        with owned_study(out, what):
+            work()
+    except StudyInterrupted as exc:
+        return interrupted_exit(prog, exc, out)
+    except RunFailed as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _numbers(text: str, kind: type, flag: str) -> tuple:
@@ -112,11 +136,14 @@ def build_conversion_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey-documents", type=positive_int, default=None, help="passkey probes per range (32)")
     p.add_argument("--valid-tokens", type=positive_int, default=None, help="cap on held-out essay tokens")
     p.add_argument("--notes", type=Path, default=None, help="hand-written analysis to include in the report")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete every run and the report in --out and start over (default: finished runs are "
+                   "reused, partial ones resumed, a run of another configuration refused)")
     return p
 
 
 def conversion_main(argv: list[str]) -> int:
-    from orthros_train.study.conversion import ConversionOptions, rerender, run_conversion_study
+    from orthros_train.study.conversion import ConversionOptions, check_options, rerender, run_conversion_study
 
     args = build_conversion_parser().parse_args(argv)
     given: dict = {
@@ -134,6 +161,7 @@ def conversion_main(argv: list[str]) -> int:
         "jobs": args.jobs,
         "notes": args.notes,
         "command": " ".join(["orthros-study", "conversion", *map(shlex.quote, argv)]),
+        "overwrite": args.overwrite,
     }
     for name, value in (("steps", args.steps), ("longctx_steps", args.longctx_steps),
                         ("affine_noise", args.affine_noise), ("frozen", args.frozen),
@@ -147,24 +175,27 @@ def conversion_main(argv: list[str]) -> int:
     if args.notes is not None and not args.notes.is_file():
         raise SystemExit(f"orthros-study conversion: --notes {args.notes}: no such file")
     configure_logging()
+    prog = "orthros-study conversion"
     try:
         opts = ConversionOptions.quick_defaults(**given) if args.quick else ConversionOptions(**given)
-        if args.report_only:
+        if args.report_only:  # measures nothing: no need to own --out
             rerender(opts)
-        elif args.smollm2_only:
+            return 0
+        if not args.smollm2_only:
+            check_options(opts)  # before --out is created: a refused study writes nothing
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+
+    def work() -> None:
+        if not args.smollm2_only:
+            run_conversion_study(opts)
+        if opts.smollm2 or args.smollm2_only:
             from orthros_train.study.smollm2 import run_smollm2_section
 
             run_smollm2_section(opts)
-        else:
-            run_conversion_study(opts)
-            if opts.smollm2:
-                from orthros_train.study.smollm2 import run_smollm2_section
 
-                run_smollm2_section(opts)
-    except ValueError as exc:
-        print(f"orthros-study conversion: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_owned(prog, args.out, "conversion study", work)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,39 +211,43 @@ def main(argv: list[str] | None = None) -> int:
         prefill_lengths = parse_lengths(args.prefill_lengths) if args.prefill_lengths else []
     except ValueError as exc:
         raise SystemExit(f"orthros-study: --prefill-lengths: {exc}") from exc
-    opts = StudyOptions(
-        out=args.out,
-        report=None if args.no_report else (args.report or args.out / "study.md"),
-        archs=archs,
-        steps=args.steps,
-        quick=args.quick,
-        seeds=_numbers(args.seeds, int, "--seeds"),
-        lrs=_numbers(args.lrs, float, "--lrs"),
-        skip_train=args.skip_train,
-        train_archs=tuple(a for a in args.train_archs.split(",") if a) if args.train_archs else None,
-        overrides=args.override,
-        train_threads=args.train_threads or None,
-        jobs=args.jobs,
-        recall_documents=args.recall_documents,
-        passkey_documents=args.passkey_documents,
-        valid_tokens=args.valid_tokens,
-        prefill_lengths=prefill_lengths,
-        prefill_repeats=args.prefill_repeats,
-        notes=args.notes,
-        command=" ".join(["orthros-study", *map(shlex.quote, argv)]),
-    )
     if args.notes is not None and not args.notes.is_file():
         raise SystemExit(f"orthros-study: --notes {args.notes}: no such file")
-    configure_logging()  # the study's progress lines
     try:
-        if args.report_only:
-            rerender_report(opts)
-        else:
-            run_study(opts)
+        opts = StudyOptions(
+            out=args.out,
+            report=None if args.no_report else (args.report or args.out / "study.md"),
+            archs=archs,
+            steps=args.steps,
+            quick=args.quick,
+            seeds=_numbers(args.seeds, int, "--seeds"),
+            lrs=_numbers(args.lrs, float, "--lrs"),
+            skip_train=args.skip_train,
+            train_archs=tuple(a for a in args.train_archs.split(",") if a) if args.train_archs else None,
+            overrides=args.override,
+            train_threads=args.train_threads or None,
+            jobs=args.jobs,
+            recall_documents=args.recall_documents,
+            passkey_documents=args.passkey_documents,
+            valid_tokens=args.valid_tokens,
+            prefill_lengths=prefill_lengths,
+            prefill_repeats=args.prefill_repeats,
+            notes=args.notes,
+            command=" ".join(["orthros-study", *map(shlex.quote, argv)]),
+            overwrite=args.overwrite,
+        )
     except ValueError as exc:
         print(f"orthros-study: {exc}", file=sys.stderr)
         return 2
-    return 0
+    configure_logging()  # the study's progress lines
+    if args.report_only:  # measures nothing and trains nothing: no need to own --out
+        try:
+            rerender_report(opts)
+        except ValueError as exc:
+            print(f"orthros-study: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    return run_owned("orthros-study", args.out, "study", lambda: run_study(opts))
 
 
 if __name__ == "__main__":

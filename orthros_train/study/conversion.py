@@ -27,7 +27,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 from orthros_train.study.pipeline import (
     QUICK_OVERRIDES,
     _log,
+    check_seeds_and_rates,
     evaluate_checkpoint,
     load_average,
     loss_between,
@@ -47,6 +47,7 @@ from orthros_train.study.pipeline import (
     spread,
     train_run,
 )
+from orthros_train.study.runs import remove_stale, run_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +105,12 @@ class ConversionOptions:
     valid_tokens: int | None = None
     notes: Path | None = None
     command: str | None = None
+    overwrite: bool = False  # delete and retrain every run (default: reuse finished runs, resume partial ones)
 
     def __post_init__(self) -> None:
-        if not self.seeds or not self.lrs or not self.warmups:
-            raise ValueError("the conversion study needs at least one seed, learning rate and warm-up")
+        check_seeds_and_rates(self.seeds, self.lrs)
+        if not self.warmups:
+            raise ValueError("--warmups needs at least one warm-up fraction")
         for name in ("steps", "jobs", "eval_threads", "recall_documents", "passkey_documents", "longctx_factor",
                      "longctx_steps"):
             if getattr(self, name) < 1:
@@ -116,16 +119,27 @@ class ConversionOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
-        if any(not 0 <= w < 1 for w in self.warmups) or not 0 <= self.frozen < 1:
-            raise ValueError("warm-up and frozen fractions must lie in [0, 1)")
-        if self.affine_noise < 0 or self.smollm2_minutes <= 0:
-            raise ValueError("affine_noise must be >= 0 and smollm2_minutes > 0")
+        for flag, value in [*(("--warmups", w) for w in self.warmups), ("--frozen", self.frozen)]:
+            check_fraction(flag, value, self.steps)
+        if not (math.isfinite(self.affine_noise) and self.affine_noise >= 0):
+            raise ValueError(f"--affine-noise must be a finite number >= 0, got {self.affine_noise}")
+        if not (math.isfinite(self.smollm2_minutes) and self.smollm2_minutes > 0):
+            raise ValueError(f"--smollm2-minutes must be a finite number > 0, got {self.smollm2_minutes}")
         curve_steps(self.steps, self.fractions)  # refuses fractions the steps cannot resolve
 
     @classmethod
     def quick_defaults(cls, **given: Any) -> ConversionOptions:
         """The reduced study: ``QUICK`` under whatever is ``given``."""
         return cls(**{**QUICK, **given, "quick": True})
+
+
+def check_fraction(flag: str, value: float, steps: int) -> None:
+    """A fraction of the run's steps in [0, 1) that is 0 or at least one step (0.04 of 10 steps is none)."""
+    if not (math.isfinite(value) and 0 <= value < 1):
+        raise ValueError(f"{flag} {value:g}: a fraction of the steps must lie in [0, 1)")
+    if value > 0 and round(value * steps) == 0:
+        raise ValueError(f"{flag} {value:g} of {steps} steps rounds to 0 steps; give at least {1 / steps:g} "
+                         "(or 0 to leave it out), or more --steps")
 
 
 # -- bookkeeping: overrides, steps of the curve, arm summaries -----------------------------------------
@@ -236,8 +250,13 @@ def convert_dense_checkpoint(src: Path, dst: Path, window: int, affine_noise: fl
     return dst
 
 
-def check_teacher(path: Path) -> None:
-    """A teacher given by path is a dense checkpoint directory; else one line with the fix."""
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size")
+
+
+def check_teacher(path: Path, model: dict[str, Any] | None = None) -> None:
+    """A teacher given by path is a dense checkpoint directory of the study's shape (``model``: the
+    recipe's model section, which the dense and sliding arms train with); else one line with the fix."""
     path = Path(path)
     config = path / "config.json"
     if not config.is_file() or not any(path.glob("*.safetensors")):
@@ -247,6 +266,15 @@ def check_teacher(path: Path) -> None:
     if kind != "dense":
         raise ValueError(f"--teacher {path}: attention_type is {kind!r}, the study converts a dense model; point "
                          "it at a dense run's checkpoints/final (e.g. orthros-train --config-name study/dense)")
+    have = json.loads(config.read_text())
+    # Only the sizes the recipe states (an interpolation such as the tokenizer's vocabulary is not a size yet).
+    wrong = [k for k in SHAPE_KEYS if model is not None and isinstance(model.get(k), int) and have.get(k) != model[k]]
+    if wrong:
+        differ = [f"{k} {have.get(k)} (the study's {model[k]})" for k in wrong]
+        fix = " ".join(f"model.{k}={have.get(k)}" for k in wrong)
+        raise ValueError(f"--teacher {path} has another shape: {', '.join(differ)}; the continued arms train the "
+                         f"study's shape, so match it (--override {fix}; --quick is the quick shape) or pick "
+                         "a teacher of this shape")
 
 
 def check_out(out: Path) -> None:
@@ -254,7 +282,8 @@ def check_out(out: Path) -> None:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pick a folder")
-    if not out.is_dir() or (out / MARKER).is_file() or not any(out.iterdir()):
+    # A lock left by a killed study is not content (the next study takes it over).
+    if not out.is_dir() or (out / MARKER).is_file() or not any(p for p in out.iterdir() if "run.lock" not in p.name):
         return
     found = sorted(p.name for p in out.iterdir())[:4]
     what = "the replication study (study.json)" if (out / "study.json").exists() else f"other files ({found})"
@@ -295,24 +324,42 @@ class Setting:
         return out
 
 
+def check_options(opts: ConversionOptions) -> tuple[list[str], dict[str, Any], int, int]:
+    """Everything checked before a file is written: the folder, the teacher, the window. Returns the
+    overrides of every small run, the composed dense recipe, its sequence length and the window."""
+    check_out(Path(opts.out))
+    base = merge_overrides(QUICK_OVERRIDES if opts.quick else [], opts.overrides)
+    recipe = _recipe("dense", base)
+    seq_len = recipe["trainer"]["seq_len"]
+    window = opts.window or recipe["model"]["sliding_window"]
+    check_window(window, seq_len)
+    if opts.teacher is not None:
+        check_teacher(opts.teacher, recipe["model"])
+    if opts.window is not None:
+        base = merge_overrides(base, [f"model.sliding_window={window}"])
+    return base, recipe, seq_len, window
+
+
+def stale_reports(opts: ConversionOptions) -> list[Path]:
+    """What a rerun with --overwrite removes first: the results and the report of the runs it replaces."""
+    out = Path(opts.out)
+    paths = [out / RESULTS, out / SMOLLM2_RESULTS]
+    if opts.report is not None:
+        paths += [Path(opts.report), Path(opts.report).parent / Path(opts.report).stem]
+    return paths
+
+
 def run_conversion_study(opts: ConversionOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
     """Teacher, conversion, sweep, seeds, curve, long context (and SmolLM2 if asked); writes
     ``<out>/conversion.json`` and the report."""
     from orthros_train.train.cli import git_commit
 
     out = Path(opts.out)
-    check_out(out)
-    if opts.teacher is not None:
-        check_teacher(opts.teacher)
-    base = merge_overrides(QUICK_OVERRIDES if opts.quick else [], opts.overrides)
-    recipe = _recipe("dense", base)
-    seq_len = recipe["trainer"]["seq_len"]
-    window = opts.window or recipe["model"]["sliding_window"]
-    check_window(window, seq_len)
-    if opts.window is not None:
-        base = merge_overrides(base, [f"model.sliding_window={window}"])
+    base, recipe, seq_len, window = check_options(opts)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("orthros-study conversion\n")
+    if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
+        remove_stale(stale_reports(opts), log)
     started = time.perf_counter()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -329,7 +376,8 @@ def run_conversion_study(opts: ConversionOptions, log: Callable[[str], None] = _
     }
 
     def train(arch: str, run_dir: Path, overrides: list[str]) -> float:
-        return train_run(arch, run_dir, merge_overrides(base, overrides), log, opts.train_threads)
+        return train_run(arch, run_dir, merge_overrides(base, overrides), log, opts.train_threads,
+                         overwrite=opts.overwrite)
 
     # 1. The teacher, and the model conversion makes of it.
     if opts.teacher is None:
@@ -362,9 +410,7 @@ def run_conversion_study(opts: ConversionOptions, log: Callable[[str], None] = _
 
     def in_parallel(jobs: list[tuple[str, Setting, int, Path]]) -> list[float]:
         """``opts.jobs`` training processes at a time; the first failure stops the study."""
-        with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
-            futures = [pool.submit(continue_run, *job) for job in jobs]
-            return [f.result() for f in futures]
+        return run_parallel(continue_run, jobs, opts.jobs)
 
     # 2. The sweep (first seed, Orthros): the peak rate at the first warm-up, then, one at a time at
     # the kept rate, the other warm-ups, gamma/beta started off the identity, and the early freeze.
@@ -571,7 +617,8 @@ def longctx_section(opts: ConversionOptions, source_run: Path, setting: Setting,
              f"trainer.seq_len={length}", f"trainer.micro_batch_size={micro}",
              f"trainer.max_steps={opts.longctx_steps}", f"optim.lr={setting.lr:g}",
              f"optim.min_lr={setting.lr / 10:g}", f"optim.warmup_steps={warmup}", f"trainer.seed={opts.seeds[0]}"]
-    seconds = train_run("orthros", run_dir, merge_overrides(base, extra), log, opts.train_threads)
+    seconds = train_run("orthros", run_dir, merge_overrides(base, extra), log, opts.train_threads,
+                        overwrite=opts.overwrite)
     ranges = longctx_ranges(window, length, trained)
 
     def measure(ckpt: Path, at: int, **config_overrides: Any) -> dict[str, Any]:

@@ -278,7 +278,9 @@ def write_conversion_report(results: dict[str, Any], path: Path, notes: str | No
         f"Every number above is in `{folder.name}/conversion.json`.",
         "",
     ]
-    path.write_text("\n".join(lines))
+    from orthros_train.study.runs import write_text_atomic
+
+    write_text_atomic(path, "\n".join(lines))
     return path
 
 

@@ -7,14 +7,10 @@ import logging
 import math
 import os
 import random
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,12 +68,14 @@ class StudyOptions:
     eval_threads: int = 1  # torch threads while evaluating (two measured ~30x slower under load)
     notes: Path | None = None  # hand-written analysis included in the report verbatim
     command: str | None = None  # how the study was invoked (recorded in the report)
+    overwrite: bool = False  # delete and retrain every run (default: reuse finished runs, resume partial ones)
 
     def __post_init__(self) -> None:
-        if not self.seeds:
-            raise ValueError("the study needs at least one seed")
-        if not self.lrs:
-            raise ValueError("the study needs at least one learning rate (one: no sweep)")
+        if not self.archs:
+            raise ValueError("--archs needs at least one model")
+        check_seeds_and_rates(self.seeds, self.lrs)
+        if self.overwrite and (self.skip_train or self.train_archs is not None):
+            raise ValueError("--overwrite retrains every run: it cannot go with --skip-train or --train-archs")
         if self.jobs < 1:
             raise ValueError(f"jobs must be >= 1, got {self.jobs}")
         for name in ("recall_documents", "passkey_documents", "prefill_repeats", "prefill_threads", "eval_threads"):
@@ -90,6 +88,22 @@ class StudyOptions:
 
 
 logger = logging.getLogger(__name__)
+
+
+def check_seeds_and_rates(seeds: Sequence[int], lrs: Sequence[float]) -> None:
+    """At least one of each; seeds distinct (a repeated seed is the same run twice); rates finite and > 0."""
+    if not seeds:
+        raise ValueError("--seeds needs at least one seed")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {','.join(map(str, seeds))} repeats a seed; give each seed once")
+    if not lrs:
+        raise ValueError("--lrs needs at least one learning rate (one: no sweep)")
+    bad = [lr for lr in lrs if not (math.isfinite(lr) and lr > 0)]
+    if bad:
+        raise ValueError(f"--lrs {','.join(f'{lr:g}' for lr in lrs)}: every rate must be a finite number > 0 "
+                         f"({', '.join(f'{lr:g}' for lr in bad)} is not)")
+    if len(set(lrs)) != len(lrs):
+        raise ValueError(f"--lrs {','.join(f'{lr:g}' for lr in lrs)} repeats a rate; give each rate once")
 
 
 def _log(msg: str) -> None:
@@ -121,47 +135,21 @@ def train_command(arch: str, run_dir: Path, overrides: list[str], recipe: str | 
 
 
 def train_run(arch: str, run_dir: Path, overrides: list[str], log: Callable[[str], None] = _log,
-              threads: int | None = 1, recipe: str | None = None, stop_after_s: float | None = None) -> float:
-    """Train one run from scratch into ``run_dir`` (its output in ``train.log``); returns seconds.
+              threads: int | None = 1, recipe: str | None = None, stop_after_s: float | None = None,
+              overwrite: bool = False) -> float:
+    """Train one run into ``run_dir`` (its output in ``train.log``); returns seconds.
 
-    ``threads``: OMP_NUM_THREADS of the training process. One thread measured ~3x faster than
-    two on the shared 2-core machine (OpenMP workers wait on each other when the cores are busy).
-    ``stop_after_s``: a time budget; past it the run gets SIGTERM, which the trainer answers by
-    finishing its step and saving a checkpoint (it then exits 0, without the final export).
+    A finished run of the same command is reused, a partial one resumed, a run of another command
+    refused; ``overwrite`` deletes it first (``study/runs.py``). ``threads``: OMP_NUM_THREADS of the
+    training process. One thread measured ~3x faster than two on the shared 2-core machine (OpenMP
+    workers wait on each other when the cores are busy). ``stop_after_s``: a time budget; past it
+    the run gets SIGTERM, which the trainer answers by finishing its step and saving a checkpoint
+    (it then exits 0, without the final export).
     """
-    run_dir = Path(run_dir)
-    if run_dir.exists():
-        # A leftover run would be resumed (trainer.resume=auto) and its metrics appended to. What
-        # a dry run of the recipe leaves (Hydra's .hydra/ and log) counts as a run directory too.
-        ours = {".hydra", "cli.log", "train.log", "run.lock"}  # run.lock: left by a killed run
-        if not (run_dir / "recipe.json").is_file() and not {p.name for p in run_dir.iterdir()} <= ours:
-            raise FileExistsError(f"{run_dir} exists and is not a study run directory; pick another --out")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    cmd = train_command(arch, run_dir, overrides, recipe)
-    log(f"train {arch}: {' '.join(cmd[1:])}")
-    start = time.perf_counter()
-    env = os.environ.copy()
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    with (run_dir / "train.log").open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-        try:
-            proc.wait(timeout=stop_after_s)
-        except subprocess.TimeoutExpired:
-            log(f"train {arch}: {stop_after_s / 60:.1f} min budget spent, stopping after this step (SIGTERM)")
-            proc.send_signal(signal.SIGTERM)
-            proc.wait()
-        except BaseException:
-            proc.kill()
-            raise
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        tail = (run_dir / "train.log").read_text()[-3000:]
-        raise RuntimeError(f"training {arch} failed (exit {proc.returncode}); end of {run_dir}/train.log:\n{tail}")
-    log(f"train {arch}: done in {seconds / 60:.1f} min")
-    (run_dir / "study_train.json").write_text(json.dumps({"seconds": seconds, "command": cmd[1:]}) + "\n")
-    return seconds
+    from orthros_train.study.runs import train_or_reuse
+
+    cmd = train_command(arch, Path(run_dir), overrides, recipe)
+    return train_or_reuse(cmd, Path(run_dir), log, threads, stop_after_s, overwrite)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -442,17 +430,23 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
     }
     started = time.perf_counter()
     train = _train_archs(opts)
+    if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
+        from orthros_train.study.runs import remove_stale
+
+        stale = [out / "study.json"]
+        if opts.report is not None:
+            stale += [Path(opts.report), Path(opts.report).parent / Path(opts.report).stem]
+        remove_stale(stale, log)
 
     def train_all(jobs: list[tuple[str, float, int]]) -> None:
         """(arch, lr, seed) runs, ``opts.jobs`` processes at a time; the first failure stops the study."""
-        def one(job: tuple[str, float, int]) -> float:
-            arch, lr, seed = job
-            return train_run(arch, out / arch / run_name(lr, seed), overrides + run_overrides(lr, seed), log,
-                             opts.train_threads)
+        from orthros_train.study.runs import run_parallel
 
-        with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
-            for future in [pool.submit(one, job) for job in jobs]:
-                future.result()
+        def one(arch: str, lr: float, seed: int) -> float:
+            return train_run(arch, out / arch / run_name(lr, seed), overrides + run_overrides(lr, seed), log,
+                             opts.train_threads, overwrite=opts.overwrite)
+
+        run_parallel(one, jobs, opts.jobs)
 
     # What is read but not trained must exist before anything trains (a study takes hours).
     reused = [a for a in opts.archs if a not in train]

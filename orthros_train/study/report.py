@@ -350,5 +350,7 @@ def write_report(results: dict[str, Any], path: Path, notes: str | None = None) 
         "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+    from orthros_train.study.runs import write_text_atomic
+
+    write_text_atomic(path, "\n".join(lines))
     return path
