@@ -14,7 +14,14 @@ Attention of the queries of one local chunk ``c = [s, e)``:
 * unbounded queries (the output stream; also the dense baseline's base stream) attend the
   local chunk and the past ``[0, s)`` in two calls of the attention op, merged exactly through
   their log-sum-exp. The past comes from an all-gather of every rank's chunks; queries whose
-  document starts inside the chunk skip the past call.
+  document starts inside the chunk skip the past call;
+* sink tokens (``sink_tokens = S``): a windowed query whose window no longer reaches its
+  document's first ``S`` keys also attends them, as a third partial over a compact *sink key
+  space* (the first ``S`` keys of every document longer than ``W``, ``S`` keys per such document,
+  wherever they live), merged into the window partial by LSE. When the output stream already
+  all-gathers every key, the sink keys are rows of that gather (no extra traffic); otherwise
+  (the sliding baseline, layouts without output tokens) they come from a gather of just those
+  rows, so the base stream stays linear: ``S`` keys per long document, never the sequence.
 
 The all-gathers are megatron-core's ``gather_from_sequence_parallel_region`` on the CP group:
 its backward is a reduce-scatter, so each rank gets back the gradient of its own K/V summed over
@@ -37,7 +44,7 @@ import torch
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import AttentionPlan
 from orthros_train.ops.attention import UNBOUNDED, prepare_attention, resolve_backend
-from orthros_train.ops.reference import key_ranges, merge_partial_attention
+from orthros_train.ops.reference import key_ranges, merge_partial_attention, sink_queries
 from orthros_train.parallel import collectives
 from orthros_train.phase.layout import OrthrosLayout
 
@@ -131,6 +138,12 @@ class ContextPlan(AttentionPlan):
         h_kv = k.shape[1]
         halo = self._gather_halo(kv, gather) if with_base and self.base_window < UNBOUNDED else None
         full = self._gather_full(kv, gather) if self.has_outputs or self.base_window >= UNBOUNDED else None
+        sinks = self._sink_meta(q.device) if with_base and self.base_window < UNBOUNDED and self.sink_tokens else None
+        sink_kv = None
+        if sinks is not None:
+            # Rows of the full gather when the output stream made one anyway; else a gather of the
+            # sink rows alone (every rank takes this branch or none: it depends on the layout only).
+            sink_kv = full[sinks["full_index"]] if full is not None else self._gather_sinks(kv, gather, sinks)
         out = q.new_zeros(q.shape)
         # Local queries: base tokens of slot 0 then slot 1 (chunk_len each), then the output
         # tokens of slot 0 then slot 1: every chunk's rows are ranges known on the host.
@@ -145,10 +158,12 @@ class ContextPlan(AttentionPlan):
                 rows = torch.arange(*base_rows, device=q.device)
                 keys = torch.cat([halo[chunk], local_kv]) if halo is not None else local_kv
                 lo = e - keys.shape[0]
-                o, _ = op(
+                o, lse = op(
                     ("halo", slot), q[rows], *keys.split(h_kv, dim=1), q_global[rows] - lo, q_window[rows],
                     self._clip(lo, e, q.device), rows.numel() if self.base_window <= keys.shape[0] else 0,
                 )
+                if sinks is not None and sinks["rows"][slot].numel():
+                    o = self._merge_sinks(op, slot, q, o, lse, sink_kv, sinks, h_kv)
                 out = out.index_copy(0, rows, o)
             spans = [(out_start[slot], out_start[slot] + self.slot_outputs[slot])]
             if dense_base:
@@ -159,6 +174,85 @@ class ContextPlan(AttentionPlan):
                     0, rows, self._unbounded(op, slot, q, rows, q_global, local_kv, full, s, e, h_kv)
                 )
         return out
+
+    def _sink_meta(self, device: torch.device) -> dict | None:
+        """The sink partial's bookkeeping, from host copies once per forward (``None``: no
+        document is longer than the window, so no query lacks a sink key and S > 0 is S = 0).
+
+        ``rows[slot]``: the slot's base rows (relative to the slot) whose window misses sink
+        keys; ``index``/``window``: those queries in the compact sink key space (``cu``: S keys
+        per document longer than W); ``full_index``: the sink keys' rows of the full sequence;
+        ``gather_index``: their rows in a gather of every rank's sink rows (``local_rows`` each,
+        ``width`` rows per rank).
+        """
+        if "sinks" in self._meta:
+            return self._meta["sinks"]
+        cu = self.host_cu_seqlens.long()
+        lengths = cu[1:] - cu[:-1]
+        long_docs = torch.nonzero(lengths > self.base_window).flatten()
+        if long_docs.numel() == 0:
+            self._meta["sinks"] = None
+            return None
+        s_tok, w = self.sink_tokens, self.base_window
+        starts = cu[long_docs]
+        # Sink keys in sequence order, S per long document (S < W < its length); compact offsets.
+        full_index = (starts[:, None] + torch.arange(s_tok)[None, :]).flatten()
+        offset = torch.full((cu.numel() - 1,), -1, dtype=torch.long)
+        offset[long_docs] = torch.arange(long_docs.numel()) * s_tok
+        rows, index, window = [], [], []
+        for chunk in self.chunks:
+            q_global = torch.arange(chunk * self.chunk_len, (chunk + 1) * self.chunk_len)
+            r, s_index, s_window = sink_queries(q_global, torch.full_like(q_global, w), cu, s_tok)
+            doc = torch.searchsorted(cu, s_index, right=True) - 1
+            rows.append(r.to(device))
+            index.append((offset[doc] + s_index - cu[doc]).to(device))
+            window.append(s_window.to(device))
+        # Which rank holds each sink key, at which local row: the gather of every rank's sink rows.
+        owner_rank, owner_row = [], []
+        for key in full_index.tolist():
+            chunk = key // self.chunk_len
+            r, slot = chunk_owner(chunk, self.cp)
+            owner_rank.append(r)
+            owner_row.append(slot * self.chunk_len + key % self.chunk_len)
+        owner_rank_t, owner_row_t = torch.tensor(owner_rank), torch.tensor(owner_row)
+        local_rows = [owner_row_t[owner_rank_t == r] for r in range(self.cp)]
+        width = max(x.numel() for x in local_rows)
+        rank_pos = torch.zeros_like(owner_rank_t)  # position of each key among its rank's sink rows
+        for r in range(self.cp):
+            rank_pos[owner_rank_t == r] = torch.arange(local_rows[r].numel())
+        meta = {
+            "rows": rows,
+            "index": index,
+            "window": window,
+            "cu": (torch.arange(long_docs.numel() + 1) * s_tok).to(device=device, dtype=torch.int32),
+            "full_index": full_index.to(device),
+            "local_rows": local_rows[self.rank].to(device),
+            "width": width,
+            "gather_index": (owner_rank_t * width + rank_pos).to(device),
+        }
+        self._meta["sinks"] = meta
+        return meta
+
+    def _gather_sinks(self, kv: torch.Tensor, gather: GatherFn, sinks: dict) -> torch.Tensor:
+        """The sink keys ``[S * long documents, 2 Hkv, D]`` from a gather of each rank's sink rows
+        (padded to the same count on every rank); the backward sums their gradients back."""
+        mine = kv[sinks["local_rows"]]
+        pad = sinks["width"] - mine.shape[0]
+        if pad:
+            mine = torch.cat([mine, mine.new_zeros(pad, *mine.shape[1:])])
+        return gather(mine)[sinks["gather_index"]]
+
+    def _merge_sinks(self, op, slot, q, o, lse, sink_kv, sinks, h_kv) -> torch.Tensor:
+        """The slot's window partial ``o``/``lse`` merged with the sink partial of its rows
+        that lack sink keys."""
+        rows = sinks["rows"][slot]
+        base = slot * self.chunk_len
+        o_s, lse_s = op(
+            ("sink", slot), q[rows + base], *sink_kv.split(h_kv, dim=1), sinks["index"][slot],
+            sinks["window"][slot], sinks["cu"], rows.numel(),
+        )
+        merged, _ = merge_partial_attention(o[rows], lse[:, rows], o_s, lse_s)
+        return o.index_copy(0, rows, merged)
 
     def _clip(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
         """``clip_cu_seqlens`` of the keys ``[lo, hi)``, from the host copy, once per forward."""
@@ -281,6 +375,7 @@ def context_plan(
         out_key_index=output_global if orthros else output_global[:0],
         key_cu_seqlens=cu,
         base_window=config.base_window,
+        sink_tokens=config.base_sink_tokens,
         cp=cp,
         rank=rank,
         chunk_len=chunk_len,
