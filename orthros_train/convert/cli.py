@@ -1,6 +1,6 @@
 """``orthros-convert``: Hugging Face Llama/Qwen <-> Orthros checkpoints.
 
-    orthros-convert from-hf SRC DST [--window 128] [--dtype auto] [--max-shard-size 4GB]
+    orthros-convert from-hf SRC DST [--window 128] [--sink-tokens 0] [--dtype auto] [--max-shard-size 4GB]
     orthros-convert to-hf   SRC DST [--dtype auto] [--tokenizer DIR]
     orthros-convert verify  HF_DIR ORTHROS_DIR [--tokens 128]   (--tokens > W: as the dense model)
     orthros-convert gguf-to-hf SRC.gguf|smollm2 DST
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, check_safetensors_files, read_json
-from orthros_train.convert.from_hf import DEFAULT_WINDOW, convert_from_hf
+from orthros_train.convert.from_hf import DEFAULT_WINDOW, check_sink_tokens_flag, convert_from_hf
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.errors import UserError, first_line, report_bug
 
@@ -32,6 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("src", type=Path, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("dst", type=Path, help="new Orthros checkpoint directory")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="base-stream sliding window W")
+    # A string, checked in main: a bad value gets one line naming the flag and the fix, not argparse's usage.
+    p.add_argument(
+        "--sink-tokens", default="0", dest="sink_tokens",
+        help="sink tokens S (0 <= S < W): every base query also attends its document's first S tokens "
+        "(docs/convert.md, 'Sink tokens'); 0: the paper's layer",
+    )
     p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
     p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
     p.add_argument("--overwrite", action="store_true", help="replace the weights of an existing DST")
@@ -118,6 +124,7 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
         "tokens": length,
         "batch": batch,
         "window": checked_window,
+        "sink_tokens": orthros.config.sink_tokens,
         "max_abs_diff": float((a - b).abs().max()),
         "max_abs_logit": float(a.abs().max()),
         "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
@@ -176,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "from-hf":
-            report = convert_from_hf(args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite)
+            sinks = check_sink_tokens_flag(args.sink_tokens, args.window)
+            report = convert_from_hf(
+                args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite, sink_tokens=sinks
+            )
             print(f"{args.src} -> {args.dst}: {report.summary()}")
         elif args.command == "to-hf":
             report = convert_to_hf(args.src, args.dst, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite)

@@ -6,6 +6,9 @@ The conversion swaps the attention module and nothing else: every HF tensor keep
 layer gains the output stream's query affine ``gamma = 1, beta = 0``. The converted model
 therefore reproduces the HF logits exactly on any sequence of at most ``sliding_window``
 tokens, and is the starting point of continued pretraining (``model.init_from`` in the recipes).
+``sink_tokens`` (a config field, no weights) lets every base query also attend its document's
+first tokens, where a pretrained dense model puts much of its attention; it changes nothing
+inside the window.
 
 Everything a config may say that Orthros cannot express is refused by name (sliding-window or
 hybrid attention, RoPE variants other than default/llama3, MLP or output-projection biases,
@@ -209,9 +212,10 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 
 def orthros_config_from_hf(
-    hf: dict[str, Any], sliding_window: int = DEFAULT_WINDOW, source: str = CONFIG_NAME
+    hf: dict[str, Any], sliding_window: int = DEFAULT_WINDOW, source: str = CONFIG_NAME, sink_tokens: int = 0
 ) -> OrthrosConfig:
-    """Map a Llama / Qwen2 / Qwen3 ``config.json`` (as a dict) to an :class:`OrthrosConfig`."""
+    """Map a Llama / Qwen2 / Qwen3 ``config.json`` (as a dict) to an :class:`OrthrosConfig` with
+    base window ``sliding_window`` and ``sink_tokens`` base-stream sinks."""
 
     def refuse(what: str) -> ConversionError:
         return ConversionError(f"{source}: {what}")
@@ -303,6 +307,7 @@ def orthros_config_from_hf(
             attention_bias=attention_bias,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=sliding_window,
+            sink_tokens=sink_tokens,
             attention_type="orthros",
             max_position_embeddings=hf.get("max_position_embeddings", 131072),
             initializer_range=hf.get("initializer_range", 0.02),
@@ -313,6 +318,30 @@ def orthros_config_from_hf(
         raise refuse(f"required field {err.args[0]!r} is missing") from err
     except (TypeError, ValueError) as err:  # what OrthrosConfig refuses, e.g. --window 0
         raise refuse(str(err)) from err
+
+
+def check_sink_tokens_flag(sink_tokens: object, window: int) -> int:
+    """``--sink-tokens`` as an int, or a ConversionError that names the flag and the fix."""
+    fix = (
+        f"pass an integer from 0 (no sinks: the paper's layer) to {window - 1} (below --window {window}); "
+        "4 is the usual choice for a converted model"
+    )
+    value = sink_tokens
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConversionError(f"--sink-tokens {sink_tokens!r} is not an integer: {fix}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConversionError(f"--sink-tokens {sink_tokens!r} is not an integer: {fix}")
+    if value < 0:
+        raise ConversionError(f"--sink-tokens {value} is negative: {fix}")
+    if value >= window:
+        raise ConversionError(
+            f"--sink-tokens {value} is not below --window {window} (the sinks are the document's first tokens a "
+            f"base query sees beyond its window): {fix}"
+        )
+    return value
 
 
 def expected_state(config: OrthrosConfig) -> dict[str, tuple[int, ...]]:
@@ -354,6 +383,7 @@ class ConversionReport:
             f"wrote {self.num_tensors} tensors ({self.num_bytes / 2**30:.2f} GiB) in {len(self.files)} file(s) "
             f"in {self.seconds:.1f}s: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
             f"{c.num_attention_heads}/{c.num_key_value_heads} heads, window {c.sliding_window}"
+            + (f", {c.sink_tokens} sink tokens" if c.sink_tokens else "")
             + (f"; copied {', '.join(self.side_files)}" if self.side_files else "")
         )
 
@@ -365,6 +395,7 @@ def convert_from_hf(
     dtype: str | None = None,
     max_shard_size: str | int = "4GB",
     overwrite: bool = False,
+    sink_tokens: int = 0,
 ) -> ConversionReport:
     """Convert the HF checkpoint in ``src`` into an Orthros checkpoint directory ``dst``.
 
@@ -378,7 +409,8 @@ def convert_from_hf(
     if not src.is_dir():
         raise ConversionError(f"source {src} is not a directory: {SRC_FIX}")
     hf = read_json(src / CONFIG_NAME, SRC_FIX)
-    config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME))
+    check_sink_tokens_flag(sink_tokens, sliding_window)  # before anything is read or written
+    config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME), sink_tokens=sink_tokens)
     cast = parse_dtype(dtype)
     shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
     expected = expected_state(config)

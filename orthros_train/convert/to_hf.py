@@ -79,6 +79,7 @@ def hf_config_from_orthros(config: OrthrosConfig, torch_dtype: str) -> dict[str,
         "qk_norm": config.qk_norm,
         "attention_bias": config.attention_bias,
         "base_window": config.sliding_window,
+        "sink_tokens": config.sink_tokens,  # written even when 0, so an export states which layer it is
         "max_position_embeddings": config.max_position_embeddings,
         "initializer_range": config.initializer_range,
         "tie_word_embeddings": config.tie_word_embeddings,
@@ -201,7 +202,9 @@ def export_llama_twin(export: str | Path, dst: str | Path) -> Path:
     if hf.get("num_experts"):
         raise UserError(f"{export} has sparse (mixture-of-experts) layers: it has no dense Llama twin")
     dst.mkdir(parents=True, exist_ok=True)
-    llama = {k: v for k, v in hf.items() if k not in ("auto_map", "qk_norm", "base_window", "attention_bias")}
+    llama = {
+        k: v for k, v in hf.items() if k not in ("auto_map", "qk_norm", "base_window", "sink_tokens", "attention_bias")
+    }
     llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
                  mlp_bias=False)
     (dst / "config.json").write_text(json.dumps(llama, indent=2))

@@ -26,6 +26,7 @@ from orthros_train.parallel.model import build_parallel_model
 from orthros_train.parallel.setup import DistributedEnv, init_parallel
 from orthros_train.parallel.state_dict import LazyCheckpoint, load_reference_shards
 from orthros_train.train.config import RunConfig
+from orthros_train.train.distill import Distillation, build_teacher
 from orthros_train.train.memory import GIB, memory_fit_problem, memory_summary
 from orthros_train.train.objective import CrossEntropy, Objective
 from orthros_train.train.rl import GRPOObjective, Policy, build_rollout_data
@@ -141,9 +142,16 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
     return model.to(device)
 
 
-def build_objective(cfg: RunConfig, model: torch.nn.Module, policy: Policy | None, device: torch.device) -> Objective:
-    """Cross entropy, or GRPO on ``policy``. With a KL term the frozen reference is a copy of
-    the initial policy, sharded like it (taken before DeepSpeed partitions or steps it)."""
+def build_objective(
+    cfg: RunConfig, model: torch.nn.Module, policy: Policy | None, device: torch.device, tokenizer: Any = None
+) -> Objective:
+    """Cross entropy, distillation from the dense teacher (``distill.enabled``; ``tokenizer``: the
+    data's, which the teacher's must equal), or GRPO on ``policy``. With a KL term the frozen
+    reference is a copy of the initial policy, sharded like it (taken before DeepSpeed partitions
+    or steps it)."""
+    if cfg.distill.enabled:
+        teacher = build_teacher(cfg, device, tokenizer, _data_vocab_key(cfg))
+        return Distillation(cfg, model, teacher, device)
     if cfg.rl is None:
         return CrossEntropy()
     reference = None

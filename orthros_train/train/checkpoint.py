@@ -138,6 +138,9 @@ class CheckpointState:
     counters: TrainingCounters
     recipe: dict[str, Any]
     rng: Stateful = field(default_factory=ProcessRNG)
+    # A distillation run's teacher (train/distill.py: teacher_identity): never saved, only its
+    # path and content hash, which a resume checks.
+    teacher: dict[str, Any] | None = None
 
 
 @dataclass
@@ -392,6 +395,7 @@ class CheckpointManager:
                 "wandb_run_id": state.counters.wandb_run_id,
                 "skipped_steps": state.counters.skipped_steps,
                 "recipe": state.recipe,
+                **({"teacher": state.teacher} if state.teacher else {}),
             }
             config, tokenizer = json.dumps(cfg.to_dict(), indent=2) + "\n", state.tokenizer
             sink.put(lambda: _write_text(tmp / MODEL_DIR / "config.json", config))

@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from orthros_train.data import DataConfig
 from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.options import DistillAlign, Device, LRSchedule, Precision, ResumeChanges, RLTask, WandbMode
+from orthros_train.options import Device, DistillAlign, LRSchedule, Precision, ResumeChanges, RLTask, WandbMode
 from orthros_train.parallel.setup import ParallelConfig, check_expert_layout, expert_precision_problem
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class DistillConfig:
         if not self.enabled:
             if given:
                 keys = ", ".join(f"distill.{k}={getattr(self, k)}" for k in given)
-                raise ValueError(
+                raise UserError(
                     f"{keys} set but distill.enabled=false: the key would do nothing; set distill.enabled=true "
                     "to distill from a teacher, or drop the key"
                 )
@@ -265,20 +265,20 @@ class DistillConfig:
                 setattr(self, key, default)
         self.align = DistillAlign.parse(self.align, "distill.align")
         if not (math.isfinite(self.alpha) and 0 <= self.alpha <= 1):
-            raise ValueError(f"distill.alpha={self.alpha} must lie in [0, 1] (0: plain cross entropy, 1: KD only)")
+            raise UserError(f"distill.alpha={self.alpha} must lie in [0, 1] (0: plain cross entropy, 1: KD only)")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"distill.temperature={self.temperature} must be a finite number > 0 (1: the plain softmax)")
+            raise UserError(f"distill.temperature={self.temperature} must be a finite number > 0 (1: plain softmax)")
         if not (math.isfinite(self.align_weight) and self.align_weight >= 0):
-            raise ValueError(f"distill.align_weight={self.align_weight} must be a finite number >= 0")
+            raise UserError(f"distill.align_weight={self.align_weight} must be a finite number >= 0")
         if self.align_steps < 0:
-            raise ValueError(f"distill.align_steps={self.align_steps} must be >= 0")
+            raise UserError(f"distill.align_steps={self.align_steps} must be >= 0")
         if self.align == DistillAlign.none and ("align_steps" in given or "align_weight" in given):
-            raise ValueError(
+            raise UserError(
                 "distill.align_steps / distill.align_weight set but distill.align=none: set distill.align=mse or "
                 "cosine for an alignment stage, or drop them"
             )
         if self.align != DistillAlign.none and self.align_steps == 0:
-            raise ValueError(
+            raise UserError(
                 f"distill.align={self.align} needs distill.align_steps >= 1 (the steps of the alignment stage)"
             )
 
@@ -361,12 +361,12 @@ def check_distill(distill: DistillConfig, init: ModelInit, rl: bool) -> None:
     if not distill.enabled:
         return
     if rl:
-        raise ValueError("distill.enabled=true in an RL recipe: distillation trains on cross entropy data, not on "
+        raise UserError("distill.enabled=true in an RL recipe: distillation trains on cross entropy data, not on "
                          "rollouts; drop the distill section or the rl/task sections")
     if distill.teacher is None:
         distill.teacher = init.init_from
     if not distill.teacher:
-        raise ValueError(
+        raise UserError(
             "distill.enabled=true but there is no teacher: set distill.teacher=PATH (an Orthros checkpoint "
             "directory, e.g. the output of orthros-convert from-hf) or model.init_from=PATH (the teacher by default)"
         )

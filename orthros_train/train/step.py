@@ -77,14 +77,26 @@ class TrainStep:
         self.zero_stage = zero_stage
         self.device = device
 
-    def __call__(self, batches: list[OrthrosLayout], lr: float) -> StepStats:
+    def __call__(self, batches: list[OrthrosLayout], lr: float, step: int = 0) -> StepStats:
+        """``step``: how many optimizer steps the run has taken before this one (an objective
+        with stages, distillation's alignment, reads it)."""
         engine = self.engine
         engine.train()
         dp, dp_group = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_group()
         accum = len(batches)
+        # Optional objective hooks (train/distill.py): the step's start on the host batches, a
+        # micro batch's forward of its own, diagnostics known only after the forwards.
+        begin = getattr(self.objective, "begin_step", None)
+        forward = getattr(self.objective, "forward", None)
+        finish = getattr(self.objective, "step_stats", None)
+        if begin is not None:
+            begin(step, batches)
         # Counted on the host copies: on the device each count would wait for the GPU.
         units = global_loss_units(batches, self.data_config.loss_average, dp_group)
         flops = sum(layout_flops(self.model_config, b) for b in batches)
+        extra_flops = getattr(self.objective, "extra_flops", None)  # work beside the model's (a teacher's forward)
+        if extra_flops is not None:
+            flops += sum(extra_flops(b) for b in batches)
         tokens = sum(b.num_tokens for b in batches)
         prepared = self.objective.prepare([b.to(self.device) for b in batches], units)
         normalizer = micro_batch_normalizer(units, accum, dp)
@@ -94,7 +106,7 @@ class TrainStep:
         grad_norm = math.nan
         finite = True
         for layout in prepared.layouts:
-            out = engine(layout, loss_normalizer=normalizer)
+            out = engine(layout, loss_normalizer=normalizer) if forward is None else forward(engine, layout, normalizer)
             loss = out.loss
             if out.router_loss is not None:
                 has_router = True
@@ -125,6 +137,7 @@ class TrainStep:
         else:
             loss_sum = loss_sum / (accum * dp)
         stats = collectives.reduce_floats([loss_sum, float(tokens), flops, router_sum / (accum * dp)], group=dp_group)
+        objective_stats = {**prepared.stats, **(finish() if finish is not None else {})}
         return StepStats(
             loss=float(stats[0]) if finite else math.nan,
             lr=lr,
@@ -132,7 +145,7 @@ class TrainStep:
             tokens=int(stats[1]),
             flops=float(stats[2]),
             nonfinite=not finite,
-            objective=prepared.stats,
+            objective=objective_stats,
             router_loss=float(stats[3]) if has_router else None,
         )
 

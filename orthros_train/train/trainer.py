@@ -46,6 +46,7 @@ from orthros_train.train.checkpoint import (
 )
 from orthros_train.train.checkpointing import Checkpointing
 from orthros_train.train.config import RunConfig
+from orthros_train.train.distill import check_teacher_unchanged
 from orthros_train.train.evaluation import Evaluator
 from orthros_train.train.health import LossSpikeDetector, NonFiniteGuard, NonFiniteTrainingError
 from orthros_train.train.metrics import peak_tflops
@@ -83,7 +84,9 @@ class Trainer:
         policy = Policy(self.device, zero_stage=p.zero_stage) if cfg.rl is not None else None
         self.data = build_data(cfg, policy)
         self.model = build_model(cfg, self.device)
-        objective = build_objective(cfg, self.model, policy, self.device)  # before the engine wraps the model
+        # before the engine wraps the model
+        objective = build_objective(cfg, self.model, policy, self.device, tokenizer=self.data.tokenizer)
+        self.teacher = getattr(objective, "teacher", None)  # distillation's frozen dense twin, if any
         self.engine = build_engine(
             self.model, p, build_optimizer(self.model, cfg.optim), micro_batch_size=t.micro_batch_size,
             grad_accum_steps=t.grad_accum_steps, bf16=t.precision == Precision.bf16, grad_clip=cfg.optim.grad_clip,
@@ -99,6 +102,9 @@ class Trainer:
         manager = CheckpointManager(self.run_dir, t.keep_last_k, t.checkpoint_hashes, t.async_save)
         self.checkpointing = Checkpointing(manager, t, self.recipe, self.checkpoint_state, self.is_main)
         counters = self.checkpointing.resume()
+        if counters is not None and self.teacher is not None:  # the teacher is not saved: it must be the same
+            meta = json.loads((self.checkpointing.resumed_from / "meta.json").read_text())
+            check_teacher_unchanged(meta.get("teacher"), self.teacher.identity, self.checkpointing.resumed_from)
         if counters is not None:
             self.step, self.wandb_run_id = counters.step, counters.wandb_run_id
             self.guard.skipped = counters.skipped_steps
@@ -126,6 +132,7 @@ class Trainer:
             engine=self.engine, model_config=self.cfg.model, data=self.data, tokenizer=self.data.tokenizer,
             layout=layout_signature(self.cfg.parallel, self.cfg.trainer.precision),
             counters=TrainingCounters(self.step, self.guard.skipped, self.wandb_run_id), recipe=self.recipe,
+            teacher=self.teacher.identity if self.teacher is not None else None,
         )  # fmt: skip
 
     def save_checkpoint(self, asynchronous: bool | None = None) -> Path | None:
@@ -140,7 +147,7 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro batches (``train/step.py``)."""
         t = self.cfg.trainer
         batches = [self.data.next_batch() for _ in range(t.grad_accum_steps)]
-        stats = self.step_fn(batches, lr_at(self.step, self.cfg.optim, t.max_steps))
+        stats = self.step_fn(batches, lr_at(self.step, self.cfg.optim, t.max_steps), step=self.step)
         self.step += 1
         return stats
 

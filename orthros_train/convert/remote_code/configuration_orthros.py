@@ -3,7 +3,9 @@
 Written by ``orthros-convert to-hf`` next to the weights. Field names follow Llama/Qwen; the
 Orthros-specific ones are ``base_window`` (the base stream's sliding-window size ``W``: base token
 ``i`` attends base keys ``i-W < j <= i``), ``qk_norm`` (Qwen3-style per-head RMSNorm on q and k)
-and ``attention_bias`` (biases on q/k/v only, as in Qwen2). ``rope_parameters`` is
+``attention_bias`` (biases on q/k/v only, as in Qwen2) and ``sink_tokens`` (``S``: a base token also
+attends the first ``S`` keys of its sequence, beyond its window; 0, the default and the value of an
+export that does not name it, is the paper's layer). ``rope_parameters`` is
 ``{"rope_type": "default" | "linear" | "llama3" | "yarn", "rope_theta": ..., <that type's keys>}``.
 
 Mixture-of-experts models (Qwen3-MoE / Qwen2-MoE) carry those models' fields: ``num_experts``
@@ -37,6 +39,7 @@ class OrthrosConfig(PretrainedConfig):
         qk_norm=False,
         attention_bias=False,
         base_window=128,
+        sink_tokens=0,
         max_position_embeddings=131072,
         initializer_range=0.02,
         use_cache=True,
@@ -64,6 +67,9 @@ class OrthrosConfig(PretrainedConfig):
         self.qk_norm = qk_norm
         self.attention_bias = attention_bias
         self.base_window = base_window
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or not 0 <= sink_tokens < base_window:
+            raise ValueError(f"sink_tokens must be an integer from 0 to base_window - 1, got {sink_tokens!r}")
+        self.sink_tokens = sink_tokens
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.use_cache = use_cache

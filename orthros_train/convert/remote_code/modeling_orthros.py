@@ -7,8 +7,9 @@ Every layer carries two token streams that share all weights except a per-head a
 output stream's queries:
 
 * base stream ``x``: one token per input position, sliding-window causal self-attention over
-  the ``base_window`` most recent base keys (its own included); it alone writes K/V, so the
-  KV cache is exactly the base stream's K/V;
+  the ``base_window`` most recent base keys (its own included) and, with ``sink_tokens = S``,
+  the first ``S`` keys of its sequence; it alone writes K/V, so the KV cache is exactly the base
+  stream's K/V;
 * output stream ``y``: one token per position that must predict the next token (a copy of that
   input token's embedding at layer 0); its query, ``norm_q(y W_q) * gamma + beta``, attends all
   base keys up to its position. Nothing attends to it; the LM head reads it.
@@ -135,7 +136,7 @@ def apply_rope(x, cos, sin):
     return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
 
 
-def orthros_attention(q, k, v, q_index, q_window, key_valid):
+def orthros_attention(q, k, v, q_index, q_window, key_valid, sinks=None):
     """Masked softmax attention in fp32 over the base keys.
 
     q [B, H, Lq, D]; k, v [B, Hkv, S, D]; ``q_index[i]`` is the key index of query i's own token
@@ -143,7 +144,14 @@ def orthros_attention(q, k, v, q_index, q_window, key_valid):
     marks non-padding keys (None: all). Query i attends key j iff ``j <= q_index[i]``,
     ``q_index[i] - j < q_window[i]`` and key j is valid. A query always sees its own key, which
     keeps padded rows finite (their outputs are never read).
+
+    ``sinks``: ``(key_sink [B, S], span)`` with sink tokens, else None. A query also attends the
+    keys ``key_sink`` marks (each row's first ``sink_tokens`` valid keys, all before ``span``) up
+    to its own; a chunk scores them beside its window range, so its scores stay ``chunk x
+    (window + sinks)`` wide.
     """
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, q_index, q_window, key_valid, *sinks)
     b, h, n_q, d = q.shape
     out = q.new_empty(b, h, n_q, d)
     kf, vf = k.float(), v.float()
@@ -161,6 +169,35 @@ def orthros_attention(q, k, v, q_index, q_window, key_valid):
             q[:, :, c0 : c0 + QUERY_CHUNK].float(),
             kf[:, :, lo:hi],
             vf[:, :, lo:hi],
+            attn_mask=allowed[:, None],
+            enable_gqa=gqa,
+        )
+        out[:, :, c0 : c0 + QUERY_CHUNK] = o.to(out.dtype)
+    return out
+
+
+def _attention_with_sinks(q, k, v, q_index, q_window, key_valid, key_sink, span):
+    """``orthros_attention`` with sink keys (a separate function: without sinks the plain path runs
+    unchanged)."""
+    b, h, n_q, d = q.shape
+    out = q.new_empty(b, h, n_q, d)
+    kf, vf = k.float(), v.float()
+    gqa = h != k.shape[1]
+    for c0 in range(0, n_q, QUERY_CHUNK):
+        qi, win = q_index[c0 : c0 + QUERY_CHUNK], q_window[c0 : c0 + QUERY_CHUNK]
+        lo = max(int((qi - win + 1).min()), 0)
+        hi = int(qi.max()) + 1
+        # the sink keys before the window range, then the range: each key once
+        j = torch.cat([torch.arange(min(span, lo), device=q.device), torch.arange(lo, hi, device=q.device)])
+        in_window = (j[None, :] <= qi[:, None]) & (qi[:, None] - j[None, :] < win[:, None])
+        is_sink = key_sink[:, None, j] & (j[None, :] <= qi[:, None])[None]
+        allowed = in_window[None] | is_sink
+        if key_valid is not None:
+            allowed = (allowed & key_valid[:, None, j]) | (j[None, :] == qi[:, None])[None]
+        o = F.scaled_dot_product_attention(
+            q[:, :, c0 : c0 + QUERY_CHUNK].float(),
+            kf[:, :, j],
+            vf[:, :, j],
             attn_mask=allowed[:, None],
             enable_gqa=gqa,
         )
@@ -215,7 +252,7 @@ class OrthrosAttention(nn.Module):
                 f"layer {self.layer_idx} sees {k.shape[2]} keys, expected {plan['num_keys']}: Orthros needs a "
                 "cache that keeps every base key (DynamicCache); sliding-window or static caches are not supported"
             )
-        o = orthros_attention(q, k, v, q_index, q_window, plan["key_valid"])
+        o = orthros_attention(q, k, v, q_index, q_window, plan["key_valid"], plan["sinks"])
         return self.o_proj(o.transpose(1, 2).reshape(b, o.shape[2], -1))
 
 
@@ -402,6 +439,16 @@ class OrthrosModel(OrthrosPreTrainedModel):
         base_index = past + torch.arange(t, device=device)
         out_q_index = base_index[output_index]
         window = self.config.base_window
+        sinks = None
+        n_sinks = getattr(self.config, "sink_tokens", 0)
+        if n_sinks:
+            # a row's sink keys: its first ``sink_tokens`` valid keys (after any left padding)
+            if key_valid is None:
+                key_sink = (torch.arange(num_keys, device=device) < n_sinks)[None].expand(b, num_keys)
+            else:
+                key_sink = key_valid & (key_valid.long().cumsum(-1) <= n_sinks)
+            span = int(key_sink.any(0).nonzero().max()) + 1 if bool(key_sink.any()) else 0
+            sinks = (key_sink, span)
         out_q_window = torch.full_like(out_q_index, num_keys + 1)  # unbounded: every earlier key
         plan = {
             "base_cos": base_cos,
@@ -413,6 +460,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
             "out_q_index": out_q_index,
             "out_q_window": out_q_window,
             "key_valid": key_valid,
+            "sinks": sinks,
             "num_keys": num_keys,
             "output_index": output_index,  # the base row each output token pairs with (MoE routing)
         }

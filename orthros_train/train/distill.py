@@ -1,0 +1,484 @@
+"""Distillation from the dense twin: an objective beside cross entropy, in the one trainer.
+
+A pretrained dense model converted to Orthros keeps its weights; run with
+``attention_type="dense"`` (full causal attention, no output stream, read out at the output
+positions) and ``gamma = 1, beta = 0`` those weights *are* the original model. That teacher is
+free: no second checkpoint, no second tokenizer. At every output token the student's loss is
+
+    (1 - alpha) * CE + alpha * T^2 * KL(teacher_T || student_T)
+
+with both distributions softened by the temperature ``T`` (the ``T^2`` keeps the soft term's
+gradient scale independent of ``T``, Hinton et al.), weighted like the cross entropy: the
+token's loss weight (SFT masks, sequence averaging), its label mask, and the step's normaliser
+(``train/global_loss.py``), so ``ce_loss`` and ``kd_loss`` are on one scale and
+``loss = (1 - alpha) * ce_loss + alpha * T^2 * kd_loss``. ``beyond_window_only`` restricts the
+KD term to output positions ``>= sliding_window`` in their document (where the base stream no
+longer sees the document start and the student differs from the teacher).
+
+An optional first stage (``align``, ``align_steps`` steps) adds ``align_weight`` x the distance
+(mse or cosine) between the student's base-stream hidden states after each layer but the last
+and the teacher's, at positions ``>= sliding_window``: the base stream is what the window
+changed, and every later layer reads it.
+
+How it runs, without a second loop and without touching the model:
+
+* the teacher is the same ``OrthrosForCausalLM`` built through the run's module factory (so under
+  TP/SP it is sharded like the student and under CP it runs the same ``ContextPlan``
+  specialisation), loaded from the checkpoint, frozen, in eval mode, outside DeepSpeed: no
+  gradient, no optimizer state, never saved (a checkpoint records its identity, see
+  ``teacher_identity``). Under ZeRO-3 it is replicated, not partitioned: its shard is at most
+  the student's bf16 weights, while partitioning it would all-gather every teacher weight
+  every micro batch (``docs/memory.md``);
+* per micro batch the step (``train/step.py``) calls ``Distillation.forward``: the teacher's
+  forward under ``no_grad``, then the engine's usual forward of the student with hooks that keep
+  the student's plan, its (vocab-split, CP-local) logits and, in the alignment stage, its
+  base-stream hidden states; the KD term is computed from those and added to the engine's loss
+  through the plan's ``whole_loss`` (the CP rule the cross entropy follows);
+* vocab-parallel logits: the log-softmax over the whole vocabulary is the local one shifted by
+  the TP-wide max (detached) and log-sum-exp (a differentiable sum, megatron-core's
+  ``reduce_from_tensor_model_parallel_region``), and the KL's sum over the vocabulary is the same
+  differentiable sum of the per-rank partial sums; the CE keeps the LM head's own
+  ``token_losses``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+from orthros_train.errors import UserError
+from orthros_train.logging_setup import RANK_ZERO
+from orthros_train.model.config import OrthrosConfig
+from orthros_train.model.orthros import AttentionPlan, OrthrosForCausalLM, OrthrosOutput
+from orthros_train.options import AttentionType, DistillAlign, Recompute
+from orthros_train.parallel import collectives
+from orthros_train.parallel.streams import StreamShards
+from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
+from orthros_train.train.metrics import layout_flops
+
+log = logging.getLogger(__name__)
+
+# Teachers up to this size are hashed whole; larger ones by their headers, sizes and sampled blocks.
+FULL_HASH_BYTES = 256 << 20
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 1 << 20
+
+
+# -- the teacher's identity, config and tokenizer ------------------------------------------------------
+
+
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def teacher_identity(path: str | Path) -> dict[str, Any]:
+    """What a checkpoint records of the teacher: its path and a content hash of its config and
+    weights. Small teachers are hashed whole; an 8B one (16 GB) by the safetensors headers (names,
+    dtypes, shapes, offsets), the file sizes and ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES``
+    spread over each file: seconds instead of minutes, and a retrained or swapped checkpoint
+    changes the sampled bytes."""
+    path = Path(path)
+    files = _weight_files(path)
+    total = sum(f.stat().st_size for f in files)
+    method = "full" if total <= FULL_HASH_BYTES else "sampled"
+    digest = hashlib.sha256()
+    config = path / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            if method == "full":
+                for block in iter(lambda: fh.read(SAMPLE_BYTES), b""):
+                    digest.update(block)
+                continue
+            header = int.from_bytes(fh.read(8), "little")  # safetensors: u64 header length, JSON header
+            digest.update(fh.read(header))
+            for i in range(SAMPLE_BLOCKS):
+                fh.seek(i * max(size - SAMPLE_BYTES, 0) // max(SAMPLE_BLOCKS - 1, 1))
+                digest.update(fh.read(SAMPLE_BYTES))
+    return {"path": str(path), "sha256": digest.hexdigest(), "method": method, "bytes": total}
+
+
+def check_teacher_unchanged(recorded: dict[str, Any] | None, current: dict[str, Any], checkpoint: Path) -> None:
+    """Refuse to resume a distillation run whose teacher's weights or config changed since
+    ``checkpoint`` was written (the loss would silently change mid-run)."""
+    if not recorded:
+        log.info("checkpoint %s records no distillation teacher (written without distillation): "
+                 "distilling from %s from here", checkpoint, current["path"], extra=RANK_ZERO)
+        return
+    if recorded.get("sha256") != current["sha256"]:
+        raise UserError(
+            f"distill.teacher={current['path']} has changed since checkpoint {checkpoint} was written (content "
+            f"hash {recorded.get('sha256', '?')[:12]} recorded at {recorded.get('path')}, {current['sha256'][:12]} "
+            "now): the distillation target would change mid-run; restore that teacher, or start a new run "
+            "(another trainer.run_dir, model.init_from=<the checkpoint's model/>)"
+        )
+
+
+def teacher_config(path: str | Path, student: OrthrosConfig) -> OrthrosConfig:
+    """The teacher's config: its checkpoint's ``config.json`` run as the dense model (full
+    attention, no output stream, no sinks), on the student's attention backend. Refuses a
+    missing checkpoint or another vocabulary."""
+    path = Path(path)
+    config = path / "config.json"
+    if not config.is_file():
+        where = "it does not exist" if not path.exists() else f"{config} is missing"
+        raise UserError(
+            f"distill.teacher={path} is not an Orthros checkpoint directory ({where}): point distill.teacher (or "
+            "model.init_from, its default) at the output of orthros-convert from-hf or a checkpoint's model/ or "
+            "final/ directory"
+        )
+    fields = json.loads(config.read_text())
+    cfg = OrthrosConfig.from_dict(
+        {**fields, "attention_type": AttentionType.dense, "sink_tokens": 0,
+         "attention_backend": student.attention_backend}
+    )  # fmt: skip
+    if cfg.vocab_size != student.vocab_size:
+        raise UserError(
+            f"the teacher's vocab_size is {cfg.vocab_size} (distill.teacher={path}) but the student's is "
+            f"{student.vocab_size} (model.vocab_size): KL needs one vocabulary; use a teacher with the student's "
+            "tokenizer (the converted checkpoint itself)"
+        )
+    return cfg
+
+
+def check_teacher_tokenizer(path: str | Path, tokenizer: Any, student_tokenizer_key: str) -> None:
+    """Refuse a teacher whose tokenizer (saved beside its weights) maps text to other ids than the
+    student's data: the KL would compare distributions over different tokens."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        log.warning("distill.teacher=%s carries no tokenizer: its vocabulary is assumed to be the student's",
+                    path, extra=RANK_ZERO)
+        return
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(path))
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserError(
+            f"the teacher's tokenizer (distill.teacher={path}, {len(theirs)} tokens) differs from the student's "
+            f"({student_tokenizer_key}, {len(tokenizer)} tokens): KL needs one vocabulary; tokenize the data with "
+            "the teacher's tokenizer or distil from a teacher made with the student's"
+        )
+
+
+# -- capturing what a forward computed --------------------------------------------------------------
+
+
+class Capture:
+    """Hooks on a model that keep, while active (``with capture:``), the pass's attention plan, its
+    LM-head logits and, when ``hidden`` is set, the base stream after every layer but the last.
+    Inactive (evaluation, the other phases) they cost a flag test."""
+
+    def __init__(self, model: OrthrosForCausalLM) -> None:
+        self.active, self.hidden = False, False
+        self.plan: AttentionPlan | None = None
+        self.logits: torch.Tensor | None = None
+        self.states: list[torch.Tensor] = []
+        self._handles = [
+            model.layers[0].register_forward_pre_hook(self._keep_plan),
+            model.lm_head.register_forward_hook(self._keep_logits),
+            *(layer.register_forward_hook(self._keep_state) for layer in list(model.layers)[:-1]),
+        ]
+
+    def __call__(self, hidden: bool) -> "Capture":
+        self.hidden = hidden
+        return self
+
+    def __enter__(self) -> "Capture":
+        self.active, self.plan, self.logits, self.states = True, None, None, []
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
+
+    def clear(self) -> None:
+        self.plan, self.logits, self.states = None, None, []
+
+    def _keep_plan(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.active:
+            self.plan = args[2]  # OrthrosBlock.forward(x, y, plan, ...)
+
+    def _keep_logits(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self.active:
+            self.logits = output
+
+    def _keep_state(self, module: torch.nn.Module, args: tuple, output: tuple) -> None:
+        if self.active and self.hidden:
+            self.states.append(output[0])  # (x, y): the base stream after this layer
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+# -- vocab-parallel KL ----------------------------------------------------------------------------
+
+
+def _tp_split() -> bool:
+    return parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
+def vocab_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / T)`` over the whole vocabulary in fp32, of logits that may be split
+    over the vocabulary (TP): the max is TP-wide (detached: any shift gives the same value and
+    gradient), the log-sum-exp a differentiable sum over the TP ranks."""
+    z = logits.float() / temperature
+    shift = z.detach().max(dim=-1, keepdim=True).values
+    if _tp_split():
+        shift = collectives.all_reduce(shift, "max", group=parallel_state.get_tensor_model_parallel_group())
+    sum_exp = (z - shift).exp().sum(dim=-1, keepdim=True)
+    if _tp_split():
+        sum_exp = reduce_from_tensor_model_parallel_region(sum_exp)
+    return z - shift - sum_exp.log()
+
+
+def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per output token ``KL(softmax(t / T) || softmax(s / T))`` ``[N]`` in fp32 (vocab-split
+    logits on each TP rank give the whole-vocabulary KL on every rank)."""
+    log_p = vocab_log_softmax(teacher_logits, temperature)
+    log_q = vocab_log_softmax(student_logits, temperature)
+    partial = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    return reduce_from_tensor_model_parallel_region(partial) if _tp_split() else partial
+
+
+def hidden_distance(student: torch.Tensor, teacher: torch.Tensor, kind: DistillAlign) -> torch.Tensor:
+    """Per row distance of two hidden states ``[rows]`` in fp32: mean squared difference or
+    ``1 - cosine``."""
+    s, t = student.float(), teacher.float()
+    if kind == DistillAlign.mse:
+        return (s - t).pow(2).mean(dim=-1)
+    return 1 - F.cosine_similarity(s, t, dim=-1)
+
+
+# -- the teacher ------------------------------------------------------------------------------------
+
+
+class Teacher:
+    """The frozen dense twin: this rank's shard, in eval mode, without gradients."""
+
+    def __init__(self, model: OrthrosForCausalLM, identity: dict[str, Any]) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config
+        self.identity = identity
+        self.capture = Capture(model)
+
+    @torch.no_grad()
+    def __call__(self, layout: OrthrosLayout, hidden: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(logits of this rank's output tokens, vocab-split like the student's; its base stream
+        after every layer but the last when ``hidden``)."""
+        with self.capture(hidden) as cap:
+            logits = self.model.lm_head(self.model.hidden_states(layout))
+            states = cap.states
+        cap.clear()
+        return logits, states
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Parameters to ``dtype``, buffers untouched: ``module.to(bf16)`` would cast RoPE's
+    ``inv_freq`` too (DeepSpeed's bf16 keeps buffers fp32, and so does the teacher)."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+# -- the objective ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Sums:
+    """What the step's micro batches add up on this rank (detached, on the device)."""
+
+    ce: torch.Tensor
+    kd: torch.Tensor
+    align: torch.Tensor
+    kl_beyond: torch.Tensor
+    beyond: torch.Tensor
+
+
+class Distillation:
+    """Cross entropy mixed with KL to the dense teacher (and, for ``align_steps`` steps, the
+    base-stream alignment). ``prepare`` keeps the batches as they are; ``forward`` runs one micro
+    batch; ``step_stats`` gives the step's ``ce_loss``, ``kd_loss``, ``kl_beyond_w``, ``align_loss``."""
+
+    watch_loss_spikes = True
+
+    def __init__(self, cfg: Any, student: OrthrosForCausalLM, teacher: Teacher, device: torch.device) -> None:
+        self.cfg = cfg.distill  # DistillConfig
+        self.window = cfg.model.sliding_window
+        self.loss_average = cfg.data.loss_average
+        self.teacher = teacher
+        self.device = device
+        self.capture = Capture(student)
+        factory = student.factory
+        self.stream_shards = getattr(factory, "stream_shards", 1)  # TP size under SP, else 1
+        self.tp_rank = getattr(factory, "tp_rank", 0)
+        self.step = 0
+        self.accum = 1
+        self.align_normalizer = 1.0
+        self._sums: _Sums | None = None
+
+    def extra_flops(self, layout: OrthrosLayout) -> float:
+        """The teacher's forward of ``layout`` (counted in the step's FLOPs and MFU)."""
+        return layout_flops(self.teacher.config, layout, training=False)
+
+    @property
+    def aligning(self) -> bool:
+        return self.cfg.align != DistillAlign.none and self.step < self.cfg.align_steps
+
+    def begin_step(self, step: int, batches: list[OrthrosLayout]) -> None:
+        """Before the batches move to the device: the step's index (the alignment stage) and, in
+        that stage, its normaliser: base positions ``>= W`` over the step (one collective)."""
+        self.step, self.accum = step, len(batches)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._sums = _Sums(zero.clone(), zero.clone(), zero.clone(), zero.clone(), zero.clone())
+        if self.aligning:
+            dp = parallel_state.get_data_parallel_world_size()
+            local = float(sum(int((b.positions >= self.window).sum()) for b in batches))
+            units = collectives.reduce_floats([local], group=parallel_state.get_data_parallel_group())[0]
+            self.align_normalizer = max(units, 1.0) / (self.accum * dp)
+
+    def prepare(self, batches: list[OrthrosLayout], units: int) -> Any:
+        from orthros_train.train.objective import PreparedStep
+
+        return PreparedStep(list(batches))
+
+    def forward(self, engine: Any, layout: OrthrosLayout, normalizer: float) -> OrthrosOutput:
+        """One micro batch: the teacher's forward, the student's (the engine's), and the loss."""
+        cfg, sums = self.cfg, self._sums
+        aligning = self.aligning
+        teacher_logits, teacher_states = self.teacher(layout, hidden=aligning)
+        with self.capture(aligning) as cap:
+            out = engine(layout, loss_normalizer=normalizer)
+        plan, logits, states = cap.plan, cap.logits, cap.states
+        cap.clear()
+        loss = out.loss
+        if loss is None:  # no labelled token: no CE and no KD either (the step adds a zero loss)
+            return out
+        labels, weights = plan.output_targets(layout)
+        valid = (labels != IGNORE_INDEX).to(torch.float32)
+        # the same layout with the beyond-W mask as its weights: the plan picks this rank's entries
+        shadow = copy.copy(layout)
+        shadow.loss_weights = (layout.positions[layout.output_index] >= self.window).to(torch.float32)
+        _, beyond = plan.output_targets(shadow)
+        weight = weights.float() * valid
+        kd_weight = weight * beyond if cfg.beyond_window_only else weight
+        router = out.router_loss if out.router_loss is not None else 0.0
+        sums.ce += (loss.detach() - router).double()
+        t = cfg.temperature
+        if cfg.alpha > 0:
+            kl = token_kl(teacher_logits, logits, t)
+            kd = plan.whole_loss((kl * kd_weight).sum() / normalizer)
+            loss = (1 - cfg.alpha) * loss + cfg.alpha * t * t * kd
+            kl_t = kl.detach()
+        else:  # alpha = 0: the loss stays the engine's, bit for bit; the KL is only logged
+            with torch.no_grad():
+                kl_t = token_kl(teacher_logits, logits, t)
+                kd = plan.whole_loss((kl_t * kd_weight).sum() / normalizer)
+        sums.kd += kd.detach().double()
+        with torch.no_grad():
+            kl_1 = kl_t if t == 1 else token_kl(teacher_logits, logits.detach(), 1.0)
+            sums.kl_beyond += (kl_1 * weight * beyond).sum().double()
+            sums.beyond += (weight * beyond).sum().double()
+        if aligning:
+            align = plan.whole_loss(self._align(plan, states, teacher_states))
+            loss = loss + cfg.align_weight * align
+            sums.align += align.detach().double()
+        return OrthrosOutput(logits=None, loss=loss, router_loss=out.router_loss)
+
+    def _align(self, plan: AttentionPlan, student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the alignment loss: the mean over layers of the distance summed
+        over its base rows at positions ``>= W``, over the step's normaliser. Under SP a rank holds
+        a slice of the rows, so its share is a partial sum (the gradient of the TP-wide sum)."""
+        mask = (plan.base_positions >= self.window).to(torch.float32)
+        if self.stream_shards > 1:
+            shards = StreamShards(plan, self.stream_shards)
+            mask = shards.pad(mask, shards.base_local).view(self.stream_shards, -1)[self.tp_rank]
+        total = sum((hidden_distance(s, t, self.cfg.align) * mask).sum() for s, t in zip(student, teacher))
+        return total / max(len(student), 1) / self.align_normalizer
+
+    def step_stats(self) -> dict[str, float]:
+        """The step's terms, global over the data- and context-parallel ranks."""
+        sums = self._sums
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        ranks = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        align = sums.align
+        if self.aligning and self.stream_shards > 1:  # each TP rank holds a partial sum of its rows
+            align = collectives.all_reduce(align.clone(), group=parallel_state.get_tensor_model_parallel_group())
+        ce, kd, align, kl_beyond, beyond = collectives.reduce_floats(
+            [sums.ce, sums.kd, align, sums.kl_beyond, sums.beyond], group=group
+        )
+        share = self.accum * ranks  # ce/kd/align: every micro batch of every rank holds its share of the mean
+        stats = {"ce_loss": ce / share, "kd_loss": kd / share}
+        if beyond > 0:
+            stats["kl_beyond_w"] = kl_beyond / beyond
+        if self.aligning:
+            stats["align_loss"] = align / share
+        return stats
+
+
+def build_teacher(cfg: Any, device: torch.device, tokenizer: Any, tokenizer_key: str) -> Teacher:
+    """The run's teacher: ``distill.teacher`` as the dense model, this rank's shard through the
+    run's parallel factory (recompute off: nothing is kept for a backward), frozen, in the
+    training dtype. Refuses a missing checkpoint, another vocabulary or another tokenizer."""
+    from orthros_train.options import Precision
+    from orthros_train.parallel.model import build_parallel_model
+    from orthros_train.parallel.state_dict import LazyCheckpoint, load_reference_shards
+
+    path = cfg.distill.teacher
+    tcfg = teacher_config(path, cfg.model)
+    check_teacher_tokenizer(path, tokenizer, tokenizer_key)
+    try:
+        weights = LazyCheckpoint(path)
+    except (FileNotFoundError, ValueError) as exc:  # a missing or corrupt weights file
+        raise UserError(f"distill.teacher={path}: {exc}") from exc
+    identity = teacher_identity(path)
+    model = build_parallel_model(tcfg, replace(cfg.parallel, recompute=Recompute.none), seed=None)
+    load_reference_shards(model, weights, tcfg)
+    if cfg.trainer.precision == Precision.bf16:
+        cast_parameters(model, torch.bfloat16)
+    log.info("distillation teacher: %s as the dense model (%s, sha256 %s), alpha %g, temperature %g%s",
+             path, f"{identity['bytes'] / 2**20:.0f} MiB", identity["sha256"][:12], cfg.distill.alpha,
+             cfg.distill.temperature, f", {cfg.distill.align} alignment for {cfg.distill.align_steps} steps"
+             if cfg.distill.align != DistillAlign.none else "", extra=RANK_ZERO)  # fmt: skip
+    return Teacher(model.to(device), identity)
+
+
+def distill_loss_reference(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+    alpha: float, temperature: float, normalizer: float, kd_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss of one micro batch from whole logits, written out plainly (tests compare the
+    trainer's with it): ``sum_i w_i [(1 - a) CE_i + a T^2 KL_i] / normalizer`` over labelled tokens."""
+    valid = labels != IGNORE_INDEX
+    ce = F.cross_entropy(student_logits.float(), labels.clamp(min=0), reduction="none")
+    log_p = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    kl = (log_p.exp() * (log_p - F.log_softmax(student_logits.float() / temperature, dim=-1))).sum(-1)
+    kd_w = weights * valid * (kd_mask if kd_mask is not None else 1)
+    total = ((1 - alpha) * ce * weights * valid).sum() + alpha * temperature**2 * (kl * kd_w).sum()
+    return total / normalizer
+
+
+__all__ = [
+    "Capture",
+    "Distillation",
+    "Teacher",
+    "build_teacher",
+    "cast_parameters",
+    "check_teacher_tokenizer",
+    "check_teacher_unchanged",
+    "distill_loss_reference",
+    "hidden_distance",
+    "teacher_config",
+    "teacher_identity",
+    "token_kl",
+    "vocab_log_softmax",
+]
