@@ -5,6 +5,11 @@ loss and every parameter's gradient (TP shards gathered, CP contributions averag
 DeepSpeed does over the data x context parallel group) on layouts whose documents and windows
 cross the chunk boundaries, one with a window longer than a chunk. Prints one ``RESULT <json>``
 line on rank 0 with the worst absolute differences.
+
+``cp_equivalence <tp> <recompute> sinks=S``: the base stream with ``S`` sink tokens instead; the
+variants are orthros (sink keys taken from the output stream's full gather), the sliding
+baseline (sink keys gathered alone) and a mixture-of-experts orthros model. The documents that
+cross chunk boundaries start on the other rank, so their sink keys live there.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main() -> None:
     rank, world = rank_and_world()
     tp = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     recompute = sys.argv[2] if len(sys.argv) > 2 else "none"
+    sinks = int(sys.argv[3].split("=", 1)[1]) if len(sys.argv) > 3 else 0
     cp = world // tp
     pcfg = ParallelConfig(tensor_parallel=tp, context_parallel=cp, sequence_parallel=tp > 1, recompute=recompute)
     start_parallel(pcfg, tiny_config(64, **SHAPE))
@@ -59,9 +65,17 @@ def main() -> None:
     # (attention type, window): 5 crosses chunk boundaries; 20 is longer than a chunk (12), so
     # a halo reaches back more than one chunk.
     variants = [("orthros", 5), ("orthros", 20), ("dense", 5), ("sliding", 5)]
+    if sinks:
+        variants = [("orthros", 5), ("orthros", 20), ("sliding", 5), ("moe", 5)]
     results = {}
     for attention_type, window in variants:
-        cfg = tiny_config(64, **SHAPE, attention_type=attention_type, sliding_window=window)
+        extra = {"sink_tokens": sinks} if sinks else {}
+        if attention_type == "moe":
+            # EP = 1: every CP rank holds all experts. No router loss: each CP rank balances its own
+            # chunk's routing by design, which is not the single-device sequence's balance.
+            extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, router_aux_loss_coef=0.0)
+        kind = "orthros" if attention_type == "moe" else attention_type
+        cfg = tiny_config(64, **SHAPE, attention_type=kind, sliding_window=window, **extra)
         ref = seeded_model(cfg, output_affine="resampled")
         model = build_parallel_model(cfg, pcfg)
         load_reference_shards(model, ref.state_dict(), cfg)

@@ -4,6 +4,10 @@ For each variant: logits, loss and every parameter's gradient (gathered back to 
 layout) on a pretrain layout with packed documents and on an sft layout; then a checkpoint
 round trip across TP sizes (TP=2 -> reference files -> TP=1 and TP=1 files -> TP=2).
 Prints one ``RESULT <json>`` line on rank 0 with the worst absolute differences.
+
+``tp_equivalence sinks=S``: the same variants with ``S`` base-stream sink tokens (the sliding
+baseline instead of the dense one, which has no sinks), on layouts with documents longer than W.
+Any other argument runs the first variant only.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ def main() -> None:
 
     rank, world = rank_and_world()
     variants = [(False, "orthros"), (True, "orthros"), (True, "dense")]
-    if len(sys.argv) > 1:
+    sinks = int(sys.argv[1].split("=", 1)[1]) if len(sys.argv) > 1 and sys.argv[1].startswith("sinks=") else 0
+    if sinks:
+        variants = [(False, "orthros"), (True, "orthros"), (True, "sliding")]
+    elif len(sys.argv) > 1:
         variants = variants[:1]
     start_parallel(ParallelConfig(tensor_parallel=world, data_parallel=1), tiny_config(64, **SHAPE))
     ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
@@ -41,7 +48,7 @@ def main() -> None:
     }
     results = {}
     for sp, attention_type in variants:
-        cfg = tiny_config(64, **SHAPE, attention_type=attention_type, tie_word_embeddings=not sp)
+        cfg = tiny_config(64, **SHAPE, attention_type=attention_type, tie_word_embeddings=not sp, sink_tokens=sinks)
         ref = seeded_model(cfg, output_affine="resampled")
         # TP=1 weights on disk -> TP=2 model (the reference checkpoint format reshards on load).
         ckpt = tempfile.mkdtemp() if rank == 0 else None
