@@ -17,6 +17,15 @@ written with tables (mean ± standard deviation over seeds) and PNG figures (``<
 plus a JSON of every number (``<out>/study.json``).
 """
 
-from orthros_train.study.pipeline import ARCHS, QUICK_OVERRIDES, StudyOptions, evaluate_run, run_study, train_run
+from typing import Any
 
 __all__ = ["ARCHS", "QUICK_OVERRIDES", "StudyOptions", "evaluate_run", "run_study", "train_run"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily: study/runs.py (a study's process ownership) must not import torch with the pipeline.
+    if name in __all__:
+        from orthros_train.study import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
