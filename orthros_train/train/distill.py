@@ -152,6 +152,31 @@ def teacher_config(path: str | Path, student: OrthrosConfig) -> OrthrosConfig:
     return cfg
 
 
+def check_teacher(cfg: Any) -> None:
+    """Refuse a distillation run whose teacher is missing, holds no weights or has another
+    vocabulary, before the run writes anything (the tokenizer is compared once the data is built)."""
+    if not cfg.distill.enabled:
+        return
+    path = Path(cfg.distill.teacher)
+    teacher_config(path, cfg.model)
+    if not _weight_files(path):
+        raise UserError(
+            f"distill.teacher={path} holds a config.json but no *.safetensors weights: point it at a complete "
+            "checkpoint directory (the output of orthros-convert from-hf, or a checkpoint's model/ or final/)"
+        )
+
+
+def planned_teacher_config(cfg: Any) -> tuple[OrthrosConfig, str]:
+    """The teacher a dry run plans for (no checkpoint needs to exist yet): the checkpoint's config
+    when ``distill.teacher`` holds one (another vocabulary is refused as in a run), else the dense
+    twin of the student, which is what a converted checkpoint is. Returns (config, where from)."""
+    path = Path(cfg.distill.teacher)
+    if (path / "config.json").is_file():
+        return teacher_config(path, cfg.model), f"{path / 'config.json'}"
+    twin = replace(cfg.model, attention_type=AttentionType.dense, sink_tokens=0)
+    return twin, f"the student's shape (no {path / 'config.json'} yet)"
+
+
 def check_teacher_tokenizer(path: str | Path, tokenizer: Any, student_tokenizer_key: str) -> None:
     """Refuse a teacher whose tokenizer (saved beside its weights) maps text to other ids than the
     student's data: the KL would compare distributions over different tokens."""
@@ -452,31 +477,17 @@ def build_teacher(cfg: Any, device: torch.device, tokenizer: Any, tokenizer_key:
     return Teacher(model.to(device), identity)
 
 
-def distill_loss_reference(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-    alpha: float, temperature: float, normalizer: float, kd_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The loss of one micro batch from whole logits, written out plainly (tests compare the
-    trainer's with it): ``sum_i w_i [(1 - a) CE_i + a T^2 KL_i] / normalizer`` over labelled tokens."""
-    valid = labels != IGNORE_INDEX
-    ce = F.cross_entropy(student_logits.float(), labels.clamp(min=0), reduction="none")
-    log_p = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    kl = (log_p.exp() * (log_p - F.log_softmax(student_logits.float() / temperature, dim=-1))).sum(-1)
-    kd_w = weights * valid * (kd_mask if kd_mask is not None else 1)
-    total = ((1 - alpha) * ce * weights * valid).sum() + alpha * temperature**2 * (kl * kd_w).sum()
-    return total / normalizer
-
-
 __all__ = [
     "Capture",
     "Distillation",
     "Teacher",
     "build_teacher",
     "cast_parameters",
+    "check_teacher",
     "check_teacher_tokenizer",
     "check_teacher_unchanged",
-    "distill_loss_reference",
     "hidden_distance",
+    "planned_teacher_config",
     "teacher_config",
     "teacher_identity",
     "token_kl",

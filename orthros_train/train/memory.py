@@ -17,7 +17,17 @@ has run once), in bytes:
 * **kv**: the full-sequence K/V a context-parallel rank all-gathers for its output queries;
   kept per layer without recompute, one layer at a time with it;
 * **logits**: the output stream's logits (vocab-parallel: ``V/tp`` columns), cross-entropy's
-  fp32 log-softmax and the logits' gradient.
+  fp32 log-softmax and the logits' gradient;
+* **teacher** (distillation, ``train/distill.py``): the frozen dense teacher's shard in the
+  training dtype, replicated under every ZeRO stage (it is outside DeepSpeed); its activations
+  under ``no_grad`` (one layer's working set: nothing is kept for a backward); its logits, held
+  through the student's forward, and the KL's fp32 working set (teacher log-probs and probs, the
+  student's tempered log-softmax kept for the backward); in an alignment stage also its base
+  stream after every layer but the last.
+
+Sink tokens (``model.sink_tokens``) add no KV memory (the sinks are the cache's first entries);
+the attention op keeps the sink partial's output and log-sum-exp for the base rows (and, for the
+reference op, ``S`` more scores per base query).
 
 The ZeRO group is data-parallel x context-parallel: CP ranks hold identical weights, so their
 optimizer states are partitioned like data-parallel replicas (megatron-core's distributed
@@ -62,14 +72,15 @@ class MemoryEstimate:
     logits: int
     params_per_rank: int
     activations_per_layer: int
+    teacher: int = 0  # a distillation run's frozen teacher: weights, no-grad activations, logits
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.kv + self.logits
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv + self.logits + self.teacher
 
     def as_gib(self) -> dict[str, float]:
         """Rounded GiB per category and in total (for dry-run output and docs)."""
-        keys = ("weights", "grads", "optimizer", "activations", "kv", "logits")
+        keys = ("weights", "grads", "optimizer", "activations", "kv", "logits", "teacher")
         out = {k: round(getattr(self, k) / GIB, 2) for k in keys}
         out["total"] = round(self.total / GIB, 2)
         return out
@@ -120,7 +131,9 @@ def mlp_activation_bytes(model: OrthrosConfig, parallel: ParallelConfig, layer_i
     return router + experts + shared
 
 
-def _reference_attention_elements(n_windowed: int, n_unbounded: int, window: int, doc_len: int, chunk: int) -> int:
+def _reference_attention_elements(
+    n_windowed: int, n_unbounded: int, window: int, doc_len: int, chunk: int, sinks: int = 0
+) -> int:
     """Score elements per head ops/reference.py keeps for the backward, summed over its chunks.
 
     Windowed (base) chunks score ``chunk + W - 1`` keys; unbounded (output) chunks span from the
@@ -128,7 +141,7 @@ def _reference_attention_elements(n_windowed: int, n_unbounded: int, window: int
     ``n * (n/2 + chunk)`` over one document: quadratic, which is why long context needs a
     flash-style kernel.
     """
-    base = n_windowed * min(chunk + window - 1, doc_len)
+    base = n_windowed * (min(chunk + window - 1, doc_len) + sinks)  # sinks: the sink partial's scores
     out = n_unbounded * min(doc_len // 2 + chunk, doc_len)
     return base + out
 
@@ -168,8 +181,12 @@ def layer_activation_bytes(
     mlp = mlp_activation_bytes(model, parallel, layer_idx, n, a)
     core = 0
     if attention_backend == "reference" and not drop_attention_intermediates:
-        elements = _reference_attention_elements(n_base, n_out, model.sliding_window, doc_len, REFERENCE_CHUNK)
+        elements = _reference_attention_elements(
+            n_base, n_out, model.sliding_window, doc_len, REFERENCE_CHUNK, model.base_sink_tokens
+        )
         core = elements * heads * (4 + 4 + 1)  # fp32 scores and probabilities + the boolean mask
+    if model.base_sink_tokens:
+        core += n_base * (q_width * a + heads * 4)  # the sink partial's output and LSE, merged in the backward
     return norms + qkv + roped + rope_tables + attn_out + mlp + core
 
 
@@ -181,8 +198,12 @@ def estimate_memory(
     precision: str = "bf16",
     attention_backend: str = "flash",
     output_fraction: float = 1.0,
+    teacher: OrthrosConfig | None = None,
+    teacher_align: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU bytes of one training step (see the module docstring for what each term holds).
+
+    ``teacher``: a distillation run's teacher (``teacher_align``: in its alignment stage).
 
     ``output_fraction``: output tokens per base token (1 in pretraining; the answer share in SFT).
     ``attention_backend``: ``flash`` (the Triton kernels: only the log-sum-exp is kept) or
@@ -246,6 +267,9 @@ def estimate_memory(
     # bf16/fp32 logits kept with the output, fp32 log-softmax saved by cross-entropy, and in the
     # backward the fp32 gradient of the logits plus its cast to the activation dtype.
     logits = n_out * vocab * (a + 4 + 4 + a)
+    teacher_bytes = 0 if teacher is None else teacher_memory(
+        teacher, parallel, n_base, n_out, seq_len, a, attention_backend, teacher_align
+    )
     return MemoryEstimate(
         weights=weights,
         grads=grads,
@@ -255,7 +279,31 @@ def estimate_memory(
         logits=logits,
         params_per_rank=p,
         activations_per_layer=per_layer,
+        teacher=teacher_bytes,
     )
+
+
+def teacher_memory(
+    teacher: OrthrosConfig, parallel: ParallelConfig, n_base: int, n_out: int, doc_len: int, act_bytes: int,
+    attention_backend: str, align: bool,
+) -> int:
+    """Bytes of distillation's frozen teacher on one rank: its weights (TP shard, replicated over
+    ZeRO: outside DeepSpeed), the peak working set of one layer of its no-grad forward plus the
+    residual stream, its logits (held through the student's forward) with the KL's fp32 working
+    set (3 fp32 tensors of the logits' shape), and in an alignment stage its base stream after
+    every layer but the last."""
+    tp = parallel.tensor_parallel
+    sp = tp if parallel.sequence_parallel else 1
+    a, d = act_bytes, teacher.hidden_size
+    weights = params_per_rank(teacher, tp, parallel.expert_parallel) * a
+    layer = max(
+        layer_activation_bytes(teacher, parallel, n_base, 0, doc_len, a, attention_backend, layer_idx=i)
+        for i in range(teacher.num_hidden_layers)
+    )
+    forward = layer + n_base * d * a // sp
+    logits = n_out * (teacher.vocab_size // tp) * (a + 3 * 4)
+    states = (teacher.num_hidden_layers - 1) * n_base * d * a // sp if align else 0
+    return weights + forward + logits + states
 
 
 def memory_summary(cfg: RunConfig) -> dict[str, Any]:
@@ -264,10 +312,17 @@ def memory_summary(cfg: RunConfig) -> dict[str, Any]:
     stages = [(0, t.seq_len)] if not t.seq_len_schedule else [tuple(s) for s in t.seq_len_schedule]
     # The Triton kernels run on GPUs (attention_backend auto); only an explicit reference keeps scores.
     backend = "reference" if cfg.model.attention_backend == "reference" else "flash"
+    teacher, align = None, False
+    if cfg.distill.enabled:
+        from orthros_train.train.distill import planned_teacher_config
+
+        teacher, _ = planned_teacher_config(cfg)
+        align = cfg.distill.align != "none" and cfg.distill.align_steps > 0
     rows = []
     for start, length in stages:
         micro = t.seq_len * t.micro_batch_size // length
-        est = estimate_memory(cfg.model, cfg.parallel, length, micro, t.precision, backend)
+        est = estimate_memory(cfg.model, cfg.parallel, length, micro, t.precision, backend, teacher=teacher,
+                              teacher_align=align)  # fmt: skip
         rows.append({"from_step": start, "seq_len": length, "micro_batch_size": micro, **est.as_gib()})
     peak = max(r["total"] for r in rows)
     summary: dict[str, Any] = {

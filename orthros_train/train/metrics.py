@@ -47,6 +47,13 @@ def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = Tru
     window = cfg.base_window
     start, end = key_ranges(base_index, torch.full((t,), window), layout.cu_seqlens.cpu())
     base_pairs = float((end - start + 1).sum())
+    sinks = cfg.base_sink_tokens
+    if sinks:
+        # Sink keys a base query sees beyond its window: [doc_start, min(doc_start + S, window start)),
+        # at most S/W more base work (none for queries whose window still holds the document start).
+        cu = layout.cu_seqlens.cpu().long()
+        doc_start = cu[torch.searchsorted(cu, base_index, right=True) - 1]
+        base_pairs += float((start - doc_start).clamp(max=sinks).sum())
     per_pair = 4 * h * hd
     if cfg.attention_type == "orthros":
         out_idx = layout.output_index.cpu()

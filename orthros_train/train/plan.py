@@ -11,7 +11,7 @@ from orthros_train.model import OrthrosForCausalLM
 from orthros_train.parallel.setup import check_parallel_layout
 from orthros_train.train.config import RunConfig
 from orthros_train.train.memory import memory_summary
-from orthros_train.train.metrics import PEAK_BF16_TFLOPS, TERA, model_flops_per_token
+from orthros_train.train.metrics import PEAK_BF16_TFLOPS, TERA, layout_flops, model_flops_per_token
 
 # The MFU a cluster run is planned at (the figure the plan's expected throughput assumes).
 PLANNED_MFU = 0.40
@@ -25,6 +25,9 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     t = cfg.trainer
     flops = model_flops_per_token(cfg.model, t.seq_len)
+    distill = _distill_plan(cfg) if cfg.distill.enabled else None
+    if distill is not None:  # the teacher's forward runs every micro batch: part of a step's work
+        flops += distill["teacher_flops_per_token"]
     summary: dict[str, Any] = {
         "attention_type": cfg.model.attention_type,
         "parameters": params,
@@ -51,6 +54,10 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         "total_flops": flops * t.max_steps * cfg.tokens_per_step,
         "seq_len": t.seq_len,
         "sliding_window": cfg.model.sliding_window,
+        # sink tokens: S more keys per base query beyond its window (S/W more base-stream attention
+        # work, in flops_per_token), no extra KV memory
+        "sink_tokens": cfg.model.sink_tokens,
+        "base_attention_work": 1 + cfg.model.base_sink_tokens / cfg.model.sliding_window,
         "init_from": cfg.init.init_from,
         # What a cluster would do: H100 bf16 peak (or trainer.peak_tflops) at the planned MFU.
         "expected_at_40pct_mfu": _expected_throughput(cfg, flops, PLANNED_MFU),
@@ -67,11 +74,36 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
             "active_parameters": params - inactive,
             "experts_per_rank": m.num_experts // cfg.parallel.expert_parallel,
         }
+    if distill is not None:
+        summary["distill"] = distill
     if cfg.rl is not None:  # an RL recipe: what one step samples and trains on
         rows = cfg.rl.prompts_per_step * cfg.rl.group_size
         summary["rl"] = {"task": cfg.task.name, "rollouts_per_step": rows,
                          "max_response_tokens_per_step": rows * cfg.rl.max_new_tokens}
     return summary
+
+
+def _distill_plan(cfg: RunConfig) -> dict[str, Any]:
+    """What distillation adds to a run: the teacher, its size and the FLOPs of its forward."""
+    from orthros_train.phase.builders import pretrain_layout
+    from orthros_train.train.distill import planned_teacher_config
+
+    d = cfg.distill
+    teacher, source = planned_teacher_config(cfg)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in OrthrosForCausalLM(teacher).parameters())
+    layout = pretrain_layout(torch.zeros((1, cfg.trainer.seq_len), dtype=torch.long))
+    return {
+        "teacher": d.teacher,
+        "teacher_config": source,
+        "teacher_parameters": params,  # frozen, outside DeepSpeed: replicated over ZeRO (docs/memory.md)
+        "teacher_flops_per_token": layout_flops(teacher, layout, training=False) / cfg.trainer.seq_len,
+        "alpha": d.alpha,
+        "temperature": d.temperature,
+        "beyond_window_only": d.beyond_window_only,
+        "align": d.align,
+        "align_steps": d.align_steps,
+    }
 
 
 def _expected_throughput(cfg: RunConfig, flops_per_token: float, mfu: float) -> dict[str, float]:

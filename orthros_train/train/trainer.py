@@ -46,7 +46,7 @@ from orthros_train.train.checkpoint import (
 )
 from orthros_train.train.checkpointing import Checkpointing
 from orthros_train.train.config import RunConfig
-from orthros_train.train.distill import check_teacher_unchanged
+from orthros_train.train.distill import check_teacher, check_teacher_unchanged
 from orthros_train.train.evaluation import Evaluator
 from orthros_train.train.health import LossSpikeDetector, NonFiniteGuard, NonFiniteTrainingError
 from orthros_train.train.metrics import peak_tflops
@@ -78,6 +78,7 @@ class Trainer:
         self.device = start_processes(cfg, env or DistributedEnv())
         self.is_main = dist.get_rank() == 0
         check_memory_fit(cfg, self.device)
+        check_teacher(cfg)  # a missing teacher or another vocabulary, before the run directory is touched
         self.run_dir = Path(t.run_dir)
         self.run_lock = lock_run_dir(self.run_dir, job_id)  # before anything reads or writes the directory
         seed_everything(t.seed)
