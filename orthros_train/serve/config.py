@@ -25,8 +25,11 @@ ARCHITECTURE = "OrthrosForCausalLM"
 # Loaded by vLLM from these names (front end and engine), one per model-runner interface.
 PROMPT_LOGPROBS_ROWS = "orthros_train.serve.prompt_logprobs:PromptLogprobRows"
 PROMPT_LOGPROBS_REFUSAL_V2 = "orthros_train.serve.prompt_logprobs:RefusePromptLogprobsV2"
-# The output stream's attention: a splitting op of vLLM's piecewise CUDA graphs, as its own attention is.
+# The output stream's attention and the base stream's with sink tokens: splitting ops of vLLM's
+# piecewise CUDA graphs, as its own attention is (they read the step's metadata).
 OUTPUT_ATTENTION_OP = "orthros::output_attention"
+BASE_ATTENTION_OP = "orthros::base_attention"
+ATTENTION_OPS = (OUTPUT_ATTENTION_OP, BASE_ATTENTION_OP)
 # Speculative methods whose drafts need only the target's logits at the verified positions, which
 # the model gives by putting output tokens there. The others condition the draft on the target's
 # hidden states at every scheduled position (EAGLE, EAGLE-3, MTP, DFlash, DSpark, hidden-state
@@ -60,16 +63,67 @@ def check_serving_config(vllm_config: VllmConfig) -> None:
             f"num_attention_heads={hf.num_attention_heads} is not divisible by --tensor-parallel-size {tp}: gamma/beta "
             "and the query heads are split by heads; pick a tensor-parallel size that divides the head count"
         )
+    path, raw = export_config(vllm_config.model_config)
+    if raw is not None and "base_window" not in raw:
+        # The config class defaults the window (128), which would serve a model trained with another
+        # W silently wrong; an export always writes it.
+        legacy = " (its sliding_window is not read: the window of an Orthros export is base_window)" \
+            if "sliding_window" in raw else ""
+        raise OrthrosServeError(
+            f"{path} has no base_window{legacy}: re-export the checkpoint with `orthros-convert to-hf`, or add "
+            '"base_window": W (the base-stream window the model was trained with) to it'
+        )
     window = hf.base_window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise OrthrosServeError(
             f"base_window in config.json must be a positive integer (the base stream's window W), got {window!r}: "
             "re-export the checkpoint with `orthros-convert to-hf`, or set it to the W the model was trained with"
         )
+    sinks = getattr(hf, "sink_tokens", 0)
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or not 0 <= sinks < window:
+        raise OrthrosServeError(
+            f"sink_tokens in config.json must be an integer in 0..base_window-1={window - 1} (the base stream's "
+            f"attention sinks; absent means 0), got {sinks!r}: re-export the checkpoint with `orthros-convert to-hf`"
+        )
+
+
+def served_sink_tokens(hf_config: Any, max_model_len: int) -> int:
+    """The sink tokens the served base stream must add: the export's ``sink_tokens`` (absent: 0),
+    or 0 where no request is long enough for a window to miss its first tokens (``max_model_len <=
+    base_window``), so vLLM's own windowed attention serves it as it serves ``S = 0``."""
+    sinks = int(getattr(hf_config, "sink_tokens", 0) or 0)
+    return sinks if max_model_len > int(hf_config.base_window) else 0
+
+
+def export_config(model_config: Any) -> tuple[str, dict | None]:
+    """(path, contents) of the export's own config.json, as written (the config object vLLM built
+    from it has every default filled in); contents ``None`` where it cannot be read (then the
+    config object alone is checked)."""
+    import json
+    from pathlib import Path
+
+    source = getattr(model_config, "hf_config_path", None) or model_config.model
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        try:
+            from transformers.utils import cached_file
+
+            found = cached_file(source, "config.json", revision=getattr(model_config, "revision", None),
+                                _raise_exceptions_for_missing_entries=False)
+        except Exception:  # a remote source we cannot resolve here: vLLM reports its own errors
+            found = None
+        if found is None:
+            return str(path), None
+        path = Path(found)
+    try:
+        return str(path), json.loads(path.read_text())
+    except (OSError, ValueError):
+        return str(path), None
 
 
 def split_graphs_at_output_attention(vllm_config: VllmConfig) -> None:
-    """Make the output attention a splitting op of vLLM's piecewise CUDA graphs.
+    """Make the output attention (and the base stream's with sink tokens) splitting ops of vLLM's
+    piecewise CUDA graphs.
 
     vLLM's default splitting ops come from ``CompilationConfig._attention_ops``, which the plugin
     extends (``plugin.register``); a list the user gave gets the op appended here. An empty list
@@ -79,8 +133,8 @@ def split_graphs_at_output_attention(vllm_config: VllmConfig) -> None:
     count replays them.
     """
     ops = vllm_config.compilation_config.splitting_ops
-    if ops and OUTPUT_ATTENTION_OP not in ops:
-        ops.append(OUTPUT_ATTENTION_OP)
+    if ops:
+        ops.extend(op for op in ATTENTION_OPS if op not in ops)
 
 
 def add_prompt_logprobs_rows(vllm_config: VllmConfig) -> None:

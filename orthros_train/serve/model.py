@@ -64,7 +64,8 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.utils.torch_utils import _encode_layer_name, direct_register_custom_op
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
-from orthros_train.serve.config import OrthrosServeError
+from orthros_train.serve import kv_layout
+from orthros_train.serve.config import OrthrosServeError, served_sink_tokens
 from orthros_train.serve.output_rows import OutputRows, every_row, plan_output_rows
 from orthros_train.serve.prompt_logprobs import prompt_logprob_rows
 
@@ -91,6 +92,11 @@ class OutputQueries:
     row_request: torch.Tensor | None = None
     row_keys: torch.Tensor | None = None
     flash: bool = False  # run the output attention with vLLM's FlashAttention (see ``use_flash``)
+    # Base stream with sink tokens: every row's request and key count (its own key included; 0 for
+    # padding rows), computed on the device once per step for every layer.
+    base_request: torch.Tensor | None = None
+    base_keys: torch.Tensor | None = None
+    prepared: bool = False  # the cache layout was checked and the Triton kernels compiled (at load)
 
 
 class BaseStreamAttention(Attention):
@@ -100,9 +106,18 @@ class BaseStreamAttention(Attention):
     A windowed layer's ``SlidingWindowSpec`` lets the KV manager drop blocks outside the window
     (wrong tokens under block pressure, since the output stream reads every key); a full-attention
     spec keeps them and makes prefix caching match whole prefixes.
+
+    With sink tokens (``sink_tokens > 0``) vLLM's windowed kernels cannot add a request's first
+    keys to every window, so the layer only writes the K/V through vLLM and runs the base stream
+    itself (``base_attention``): the Triton kernel of ``paged_attention.py`` on GPU, a plain torch
+    gather on CPU.
     """
 
     output_queries: OutputQueries  # shared by every layer of a model, refreshed every step
+    window: int = 0  # the base stream's window W
+    sink_tokens: int = 0  # the base stream's sink tokens S (0: vLLM's windowed attention does it all)
+    layout: str | None = None  # how this model reads the cache by hand (``kv_layout``), where it does
+    cache_block_size: int = 16  # vLLM's cache block size (the test block written at load)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
         return FullAttentionSpec(
@@ -112,6 +127,110 @@ class BaseStreamAttention(Attention):
             head_size_v=self.head_size_v,
             dtype=self.kv_cache_torch_dtype,
         )
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """vLLM calls this on every attention layer once the weights are on the device (every load
+        format): the first layer checks the cache layout and compiles the Triton kernels for the
+        whole model, before any KV cache, warm-up run or CUDA-graph capture."""
+        super().process_weights_after_loading(act_dtype)
+        if not self.output_queries.prepared:
+            self.prepare_for_serving()
+            self.output_queries.prepared = True
+
+    def prepare_for_serving(self) -> None:
+        """Check that the backend writes its cache as this model reads it (its own writer on a
+        scratch cache) and, on GPU, compile the paged kernels; ``OrthrosServeError`` with the fix."""
+        from vllm.platforms import current_platform
+
+        cpu = current_platform.is_cpu()
+        if cpu and not self.sink_tokens:
+            return  # the output stream runs on the CPU backend's own op: nothing is read by hand
+        device = self._k_scale.device
+        backend = self.attn_backend.get_name()
+        block_size = self.cache_block_size
+        what = f"attention backend {backend} (kv_cache_dtype {self.kv_cache_dtype!r}, block size {block_size})"
+        try:
+            self.layout = kv_layout.layout_for(backend, self.kv_cache_dtype, "cpu" if cpu else "cuda")
+            if not self.attn_backend.forward_includes_kv_cache_update:
+                if cpu and not hasattr(self, "isa"):
+                    # The CPU metadata builder sets the layer's ISA when the cache exists; the same
+                    # choice now, to write the test block as the kernels will.
+                    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+                    self.isa = _get_attn_isa(self.kv_cache_torch_dtype, block_size, self.head_size,
+                                             self.kv_cache_dtype)
+                kv_layout.check_layout(
+                    self.layout, lambda k, v, cache, slots: self.impl.do_kv_cache_update(self, k, v, cache, slots),
+                    self.num_kv_heads, self.head_size, block_size, self.kv_cache_torch_dtype, device,
+                    what + (f", ISA {self.isa}" if cpu else ""),
+                )
+        except kv_layout.KVLayoutError as e:
+            hint = (" (the CPU backend's AMX kernels pack keys otherwise: serve with --dtype float32)"
+                    if cpu else "")
+            raise OrthrosServeError(f"{e}{hint}") from None
+        if not cpu:
+            from orthros_train.serve.paged_attention import compile_paged_kernels
+
+            compile_paged_kernels(device, self.kv_cache_torch_dtype, self.num_heads, self.num_kv_heads,
+                                  self.head_size, base_stream=self.sink_tokens > 0)
+
+    def _paged_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layout != kv_layout.PAGED:  # never reached after a load that checked the layout
+            raise OrthrosServeError(f"the KV cache layout of attention backend {self.attn_backend.get_name()} was "
+                                    "not checked at load (prepare_for_serving)")
+        return kv_layout.split_paged(self.kv_cache, self.head_size)
+
+    def base_attention(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The base stream with sink tokens: row ``t`` (request ``r``, key count ``n`` including its
+        own) attends its window ``[n - W, n)`` and its request's first ``S`` keys below it, into
+        ``out [T, heads * head_dim]``; padding rows are zeroed."""
+        queries = self.output_queries
+        md = queries.metadata
+        if md is None or queries.base_request is None:  # vLLM's profiling / warm-up run: no cache yet
+            out.zero_()
+            return
+        m = q.shape[0]
+        if q.device.type == "cpu":
+            self._base_attention_cpu(q, out, md.block_table, queries.base_request, queries.base_keys,
+                                     md.num_actual_tokens)
+            return
+        from orthros_train.serve.paged_attention import paged_window_attention
+
+        key_cache, value_cache = self._paged_views()
+        paged_window_attention(q.view(m, self.num_heads, self.head_size), key_cache, value_cache, md.block_table,
+                               queries.base_request[:m], queries.base_keys[:m], self.window, self.sink_tokens,
+                               scale=self.impl.scale, out=out.view(m, self.num_heads, self.head_size))
+
+    # Rows per gathered chunk of the CPU path, times the keys a row sees: bounds its scratch memory.
+    CPU_CHUNK_KEYS = 1 << 16
+
+    def _base_attention_cpu(self, q: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
+                            request: torch.Tensor, keys: torch.Tensor, n: int) -> None:
+        """The CPU path: each row's window and sink keys gathered from the CPU backend's cache
+        (``kv_layout.gather_cpu``; layout checked at load), softmax in fp32."""
+        out[n:].zero_()
+        window, sinks = self.window, self.sink_tokens
+        width = window + sinks
+        block_size = self.kv_cache.shape[2]
+        h_kv, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
+        j = torch.arange(width)
+        step = max(1, self.CPU_CHUNK_KEYS // width)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            req, n_keys = request[r0:r1].long(), keys[r0:r1].long()
+            win_lo = (n_keys - window).clamp(min=0)
+            n_sink = win_lo.clamp(max=sinks)
+            valid = j[None, :] < (n_sink + n_keys - win_lo)[:, None]
+            # Sinks first, then the window: key position of each of a row's (at most W + S) keys.
+            pos = torch.where(j[None, :] < n_sink[:, None], j[None, :], j[None, :] + (win_lo - n_sink)[:, None])
+            pos = torch.where(valid, pos, 0)
+            blocks = block_table[req[:, None], pos // block_size].long()
+            k, v = kv_layout.gather_cpu(self.kv_cache, blocks, pos % block_size)  # [m, W + S, Hkv, D]
+            qc = q[r0:r1].reshape(r1 - r0, h_kv, group, d).float()
+            scores = torch.einsum("mhgd,mlhd->mhgl", qc, k.float()) * self.impl.scale
+            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+            o = torch.einsum("mhgl,mlhd->mhgd", torch.softmax(scores, dim=-1), v.float())
+            out[r0:r1] = o.reshape(r1 - r0, -1).to(out.dtype)
 
     def output_attention(self, q_out: torch.Tensor, out: torch.Tensor) -> None:
         """Each output query against its request's cached keys, causal from the request's end (one
@@ -130,9 +249,8 @@ class BaseStreamAttention(Attention):
         if q_out.device.type == "cpu":
             from vllm import _custom_ops as ops
 
-            num_blocks, num_kv_heads, block_size, _ = self.kv_cache.size()
             # The CPU cache packs K and V of a block side by side (as its backend reads them).
-            key_cache, value_cache = self.kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
+            key_cache, value_cache = kv_layout.cpu_op_views(self.kv_cache)
             ops.cpu_attention_with_kv_cache(
                 query=q_out[:n].view(n, self.num_heads, self.head_size),
                 key_cache=key_cache, value_cache=value_cache, output=out[:n].view(n, self.num_heads, self.head_size),
@@ -142,8 +260,8 @@ class BaseStreamAttention(Attention):
                 k_scale=self._k_scale_float, v_scale=self._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
             )
             return
-        # FlashAttention / Triton backends' cache (blocks, kv heads, block_size, 2 * head_dim) -> K, V views.
-        key_cache, value_cache = self.kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        # The backend's cache as checked at load (``kv_layout.PAGED``) -> K, V [blocks, block_size, kv heads, D].
+        key_cache, value_cache = self._paged_views()
         if queries.flash:
             from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
@@ -198,9 +316,20 @@ def _output_attention_fake(q_out: torch.Tensor, out: torch.Tensor, layer_name: s
     return None
 
 
-# The op lives in its own library, kept alive as long as this module (the op's lifetime).
+def _base_attention_op(q: torch.Tensor, out: torch.Tensor, layer_name: str,
+                       kv_written: torch.Tensor | None = None) -> None:
+    """``torch.ops.orthros.base_attention``: the base stream with sink tokens, opaque as the output
+    attention is (it reads the cache and the step's metadata); ``kv_written`` orders it after the
+    K/V write."""
+    del kv_written
+    get_forward_context().no_compile_layers[layer_name].base_attention(q, out)
+
+
+# The ops live in their own library, kept alive as long as this module (the ops' lifetime).
 _ORTHROS_OPS = Library("orthros", "FRAGMENT")
 direct_register_custom_op("output_attention", _output_attention_op, mutates_args=["out"],
+                          fake_impl=_output_attention_fake, target_lib=_ORTHROS_OPS)
+direct_register_custom_op("base_attention", _base_attention_op, mutates_args=["out"],
                           fake_impl=_output_attention_fake, target_lib=_ORTHROS_OPS)
 
 
@@ -252,6 +381,9 @@ class OrthrosAttention(nn.Module):
             cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
             per_layer_sliding_window=int(config.base_window), prefix=f"{prefix}.attn",
         )
+        self.attn.window = int(config.base_window)
+        self.attn.sink_tokens = served_sink_tokens(config, vllm_config.model_config.max_model_len)
+        self.attn.cache_block_size = vllm_config.cache_config.block_size
 
     def _per_head(self, t: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         if norm is None:
@@ -273,6 +405,14 @@ class OrthrosAttention(nn.Module):
             out = q.new_empty(h.shape[0] - n_base, self.q_size)
             torch.ops.orthros.output_attention(q[n_base:], out, self.attn.layer_name, self._write_kv(k, v))
             return self.o_proj(out)[0]
+        if self.attn.sink_tokens:
+            # Sink tokens: vLLM only writes the K/V; the base stream's window plus sinks is this
+            # model's own op, into the base rows of the buffer the output stream fills too.
+            attn = q.new_empty(h.shape[0], self.q_size)
+            written = self._write_kv(k, v)
+            torch.ops.orthros.base_attention(q[:n_base], attn[:n_base], self.attn.layer_name, written)
+            torch.ops.orthros.output_attention(q[n_base:], attn[n_base:], self.attn.layer_name, written)
+            return self.o_proj(attn)[0]
         # Writes the step's K/V, then the windowed attention into the first n_base rows of a buffer
         # that holds the output stream's rows too: vLLM's attention writes only its query's rows
         # (as for a padded batch), so the two streams need no concatenation. The output attention
@@ -408,8 +548,10 @@ class OrthrosForCausalLM(nn.Module):
         scheduler = vllm_config.scheduler_config
         self.register_buffer("arange", torch.arange(max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)),
                              persistent=False)
-        logger.info("Orthros model: %d layers, base window %d, %d query heads / %d kv heads",
-                    config.num_hidden_layers, config.base_window, config.num_attention_heads,
+        sinks = self.model.layers[0].self_attn.attn.sink_tokens
+        logger.info("Orthros model: %d layers, base window %d, %d sink tokens%s, %d query heads / %d kv heads",
+                    config.num_hidden_layers, config.base_window, sinks,
+                    " (base stream on the model's own attention)" if sinks else "", config.num_attention_heads,
                     config.num_key_value_heads)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -430,10 +572,11 @@ class OrthrosForCausalLM(nn.Module):
             return y[:n]
         # Only the output rows are defined: NaN elsewhere makes any other reader visibly wrong
         # instead of plausibly wrong (every reader vLLM has is covered by the plan).
-        hidden = y.new_full((n, y.shape[1]), float("nan"))
+        # One scratch row past the step's rows takes the writes of padded requests (``OutputRows.dest``).
+        hidden = y.new_full((n + 1, y.shape[1]), float("nan"))
         placed = plan.count if self.model.output_queries.metadata is not None else rows.shape[0]
-        hidden[rows[:placed]] = y[:placed]
-        return hidden
+        hidden[plan.destinations()[:placed]] = y[:placed]
+        return hidden[:n]
 
     def _plan_output_queries(self, num_tokens: int, device: torch.device) -> OutputRows:
         """This step's output tokens (``output_rows.plan_output_rows``); sets the shared
@@ -454,8 +597,10 @@ class OrthrosForCausalLM(nn.Module):
                 plan = every_row(torch.zeros(1, dtype=torch.int32, device=device), num_tokens, 0, 1, self.arange)
             else:
                 rows = torch.tensor([0, num_tokens - 1], device=device)
+                # One token: the second output row writes the scratch row, not row 0 twice.
+                dest = torch.tensor([0, max(num_tokens - 1, 1)], device=device)
                 plan = OutputRows(rows=rows, query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
-                                  count=0, max_query_len=0, every_row=False)
+                                  count=0, max_query_len=0, every_row=False, dest=dest)
             queries.plan = plan
             return plan
         plan = plan_output_rows(
@@ -463,6 +608,11 @@ class OrthrosForCausalLM(nn.Module):
             full_requests=prompt_logprob_rows(self.vllm_config_id), graph=graph, arange=self.arange,
         )
         queries.plan = plan
+        queries.base_request = queries.base_keys = None
+        if attn.attn.sink_tokens:
+            # Every row of the step is a base query: its request and key count, on the device.
+            queries.base_request, queries.base_keys = every_row(
+                md.query_start_loc, num_tokens, md.num_actual_tokens, md.max_query_len).row_requests(md.seq_lens)
         if device.type == "cpu":
             from vllm import _custom_ops as ops
             from vllm import envs
@@ -475,6 +625,13 @@ class OrthrosForCausalLM(nn.Module):
                 dynamic_causal=None, kv_cache_dtype=attn.attn.kv_cache_dtype,
             )
         else:
+            from orthros_train.serve.paged_attention import is_compiled
+
+            if not queries.prepared or torch.cuda.is_current_stream_capturing() and not is_compiled(
+                    device, attn.attn.kv_cache_torch_dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
+                # Compiling a Triton kernel inside a CUDA-graph capture fails; they are compiled at load.
+                raise OrthrosServeError("the Orthros paged-attention kernels were not compiled when the model was "
+                                        "loaded (BaseStreamAttention.process_weights_after_loading did not run)")
             queries.flash = attn.attn.use_flash(graph_mode)
             if not queries.flash and (plan.every_row or plan.max_query_len > 1):
                 queries.row_request, queries.row_keys = plan.row_requests(md.seq_lens)

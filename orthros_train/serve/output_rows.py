@@ -47,6 +47,15 @@ class OutputRows:
     count: int  # real output tokens: rows[count:] are padding (their attention output is zero)
     max_query_len: int  # most output tokens of one request
     every_row: bool  # rows is arange(num_tokens): the output stream is the batch, in order
+    # [M] long: the row of the step's hidden states each output token is written to; ``None``: ``rows``.
+    # A request padded with no rows (Model Runner V2) writes to the scratch row ``num_tokens`` past
+    # the step's rows: its ``rows`` entry repeats a real request's row, and two writes to one row
+    # leave either (a GPU scatter does not order them).
+    dest: torch.Tensor | None = None
+
+    def destinations(self) -> torch.Tensor:
+        """Where each output token's hidden state goes (``dest``, or ``rows``)."""
+        return self.rows if self.dest is None else self.dest
 
     def row_requests(self, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(request, keys)`` of every output row, on the device with no host sync: the request whose
@@ -102,10 +111,14 @@ def plan_output_rows(
     full = [r for r in full_requests if 0 <= r < n_req]
     if suffix == 1 and not full:
         # One output token per request, at its last row. Requests padded with no rows (Model
-        # Runner V2 repeats the last offset) point at a real row; the attention masks them.
-        rows = (query_start_loc[1:] - 1).clamp(min=0).long()
+        # Runner V2 repeats the last offset) read a real row (the attention masks them) and write
+        # to the scratch row past the step's rows (on the device: no host sync).
+        ends = query_start_loc[1:].long()
+        rows = (ends - 1).clamp(min=0)
+        padded = ends == query_start_loc[:-1].long()
+        dest = torch.where(padded, torch.full_like(rows, num_tokens), rows)
         qsl = torch.arange(n_req + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
-        return OutputRows(rows=rows, query_start_loc=qsl, count=n_req, max_query_len=1, every_row=False)
+        return OutputRows(rows=rows, query_start_loc=qsl, count=n_req, max_query_len=1, every_row=False, dest=dest)
     host = (query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.cpu()).long()
     q_lens = host[1:] - host[:-1]
     m = q_lens.clamp(max=suffix)

@@ -45,13 +45,17 @@ from orthros_train.ops.triton_decode import (
 DEFAULT_SPLITS = 16  # programs per (request, kv head): fills an H100/H200 at batch >= 1 on long prompts
 
 
-@triton.jit
+# Integer arguments whose value changes with the deployment (cache block size, block-table width,
+# split count, window, sinks) are not specialised on: one compiled kernel per model serves every
+# value, so the kernels compiled at model load (``compile_paged_kernels``) are the ones every later
+# launch uses, and none is ever compiled inside a CUDA-graph capture.
+@triton.jit(do_not_specialize=["stride_btr", "n_splits", "block_size", "window", "sinks"])
 def _paged_split_kernel(
     Q, KC, VC, BT, SEQ, QSL, RR, OP, LP,
     stride_qm, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btr, stride_opm, stride_oph, stride_ops, stride_lpm, stride_lph,
-    n_splits, qk_scale,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+    n_splits, block_size, window, sinks, qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ROWS: tl.constexpr,
 ):
@@ -59,7 +63,7 @@ def _paged_split_kernel(
     hk = tl.program_id(1)
     s = tl.program_id(2)
     if ROWS:
-        # One program per output row: the request whose blocks it reads, and its own key count
+        # One program per query row: the request whose blocks it reads, and its own key count
         # (several rows of one request see causal prefixes; padding rows see 0 keys).
         req = tl.load(RR + r).to(tl.int64)
         seq_len = tl.load(SEQ + r)
@@ -68,11 +72,17 @@ def _paged_split_kernel(
         # A padded request (no tokens this step) reads nothing: its key range is empty.
         n_new = tl.load(QSL + r + 1) - tl.load(QSL + r)
         seq_len = tl.where(n_new > 0, tl.load(SEQ + r), 0)
-    # Splits of whole cache blocks, sized on the device from this request's length.
-    n_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    per_split = tl.cdiv(n_blocks, n_splits) * BLOCK_SIZE
+    # The row's keys: its window [win_lo, seq_len) and the request's first sink keys that the window
+    # does not reach, [0, n_sink). They are walked as one virtual range [0, n_virt) (sinks first),
+    # mapped to key positions per column, so a single softmax covers both (no partials to merge).
+    # Without a window (window >= seq_len) win_lo = 0, n_sink = 0: the identity.
+    win_lo = tl.maximum(seq_len - window, 0)
+    n_sink = tl.minimum(win_lo, sinks)
+    n_virt = n_sink + seq_len - win_lo
+    # Splits of whole key tiles, sized on the device from this row's key count.
+    per_split = tl.cdiv(tl.cdiv(n_virt, BLOCK_N), n_splits) * BLOCK_N
     lo = s * per_split
-    hi = tl.minimum(seq_len, lo + per_split)
+    hi = tl.minimum(n_virt, lo + per_split)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -89,10 +99,11 @@ def _paged_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + offs_n
-        c_ok = cols < hi
-        block = tl.load(BT + req * stride_btr + cols // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
-        slot = (cols % BLOCK_SIZE).to(tl.int64)
+        virt = n0 + offs_n
+        c_ok = virt < hi
+        cols = tl.where(virt < n_sink, virt, virt + (win_lo - n_sink))
+        block = tl.load(BT + req * stride_btr + cols // block_size, mask=c_ok, other=0).to(tl.int64)
+        slot = (cols % block_size).to(tl.int64)
         k_rows = block * stride_kb + slot * stride_ks + hk * stride_kh
         v_rows = block * stride_vb + slot * stride_vs + hk * stride_vh
         kt = tl.load(KC + k_rows[None, :] + offs_d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0.0)
@@ -105,7 +116,7 @@ def _paged_split_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     part_lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # base 2
-    # A request with no keys at all gets one finite zero partial, so the combine stays finite.
+    # A row with no keys at all gets one finite zero partial, so the combine stays finite.
     part_lse = tl.where(empty & (s == 0) & (seq_len == 0), 0.0, part_lse)
     op_ptrs = OP + r * stride_opm + heads[:, None] * stride_oph + s * stride_ops + offs_d[None, :]
     tl.store(op_ptrs, acc / l_safe[:, None], mask=g_ok[:, None] & d_ok[None, :])
@@ -113,6 +124,8 @@ def _paged_split_kernel(
 
 
 SPLIT_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+UNBOUNDED = 2**31 - 1  # "no window": every key of the row (int32-safe)
+BASE_SPLITS = 2  # a base row sees at most W + S keys: two splits fill the grid without empty programs
 
 
 def paged_output_attention(
@@ -127,6 +140,8 @@ def paged_output_attention(
     block_n: int | None = None,
     out: torch.Tensor | None = None,
     row_request: torch.Tensor | None = None,
+    window: int | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Attention of one query per request over all of its cached keys: ``out [R, Hq, D]``.
 
@@ -134,11 +149,15 @@ def paged_output_attention(
     ``seq_lens[r] - 1``); ``query_start_loc`` only marks requests without tokens this step,
     whose rows come back zero. Shapes are checked; values are not (that would sync the host).
 
-    With ``row_request [M]`` the rows are output tokens, several per request where a request
-    has several (speculative verification, prompt logprobs, every row of a captured graph):
-    row ``i`` reads the blocks of request ``row_request[i]`` and its first ``seq_lens[i]`` keys
-    (``OutputRows.row_requests`` gives both; 0 keys: a padding row, zero), and
-    ``query_start_loc`` is not read.
+    With ``row_request [M]`` the rows are query tokens, several per request where a request
+    has several (speculative verification, prompt logprobs, every row of a captured graph, the
+    base stream): row ``i`` reads the blocks of request ``row_request[i]`` and its first
+    ``seq_lens[i]`` keys (``OutputRows.row_requests`` gives both; 0 keys: a padding row, zero),
+    and ``query_start_loc`` is not read.
+
+    ``window``/``sink_tokens`` (the base stream): a row with ``n`` keys sees only its last
+    ``window`` keys ``[n - window, n)`` plus the request's first ``sink_tokens`` keys that the window
+    does not reach (``OrthrosConfig.sink_tokens``; each key once). ``None``: every key.
     """
     if q.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the paged output-stream kernel needs CUDA tensors or TRITON_INTERPRET=1")
@@ -152,6 +171,8 @@ def paged_output_attention(
     if d_k != d or h_q % h_kv:
         raise ValueError(f"head_dim {d} vs cache {d_k}, query heads {h_q} vs kv heads {h_kv}: need equal head_dim "
                          "and query heads a multiple of kv heads")
+    if window is not None and (window < 1 or sink_tokens < 0):
+        raise ValueError(f"window must be >= 1 and sink_tokens >= 0, got {window}, {sink_tokens}")
     rows = row_request is not None
     if rows:
         if block_table.dim() != 2 or row_request.shape != (n_req,) or seq_lens.shape[0] < n_req:
@@ -186,8 +207,9 @@ def paged_output_attention(
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-        num_splits, scale * LOG2E,
-        BLOCK_SIZE=block_size, GROUP=group, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        num_splits, block_size, UNBOUNDED if window is None else int(window),
+        0 if window is None else int(sink_tokens), scale * LOG2E,
+        GROUP=group, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=INTERPRET or q.dtype == torch.float32, PRECISION="ieee",
         ROWS=rows, num_warps=SPLIT_LAUNCH["num_warps"], num_stages=1 if INTERPRET else SPLIT_LAUNCH["num_stages"],
     )
@@ -201,6 +223,71 @@ def paged_output_attention(
     return out
 
 
+def paged_window_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    row_request: torch.Tensor,
+    row_keys: torch.Tensor,
+    window: int,
+    sink_tokens: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The base stream over the paged cache: row ``i`` (of request ``row_request[i]``, with
+    ``row_keys[i]`` keys up to and including its own) attends its window and the request's sink
+    tokens (``paged_output_attention`` with a window)."""
+    return paged_output_attention(q, key_cache, value_cache, block_table, row_keys, None, scale=scale,
+                                  num_splits=BASE_SPLITS, out=out, row_request=row_request, window=window,
+                                  sink_tokens=sink_tokens)
+
+
+# Kernels compiled by ``compile_paged_kernels``: (device, dtype, query heads, kv heads, head_dim).
+_COMPILED: set[tuple] = set()
+
+
+def kernel_key(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple:
+    """What selects a compiled variant of the kernels besides sizes they are not specialised on."""
+    return (str(device), dtype, num_heads, num_kv_heads, head_dim)
+
+
+def is_compiled(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    return kernel_key(device, dtype, num_heads, num_kv_heads, head_dim) in _COMPILED
+
+
+def compile_paged_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                          head_dim: int, block_size: int = 16, base_stream: bool = False) -> None:
+    """Compile (by launching them on a small dummy cache) every variant of the kernels a served
+    model launches: per-request and per-row mode, and the combine kernel at the row counts Triton
+    specialises on (1, a multiple of 16, any other). Called when the model is loaded, so no launch
+    inside a CUDA-graph capture compiles (a capture cannot load a module; compiling there fails or
+    stalls the capture). ``base_stream``: the base stream's windowed call too (sink tokens).
+
+    The dummy cache has the layout the model reads (``kv_layout.split_paged_cache``: strides in
+    multiples of ``2 * head_dim``, as every vLLM cache layout has them), so the stride
+    specialisations match the real cache; block size, block-table width, windows and split counts
+    are not specialised on.
+    """
+    blocks, width = 4, 4
+    kv = torch.zeros(blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype, device=device)
+    key_cache, value_cache = kv.transpose(1, 2).split(head_dim, dim=-1)
+    table = torch.zeros(2, width, dtype=torch.int32, device=device)
+    for m in (1, 16, 3):
+        q = torch.zeros(m, num_heads, head_dim, dtype=dtype, device=device)
+        seq = torch.ones(m, dtype=torch.int32, device=device)
+        qsl = torch.arange(m + 1, dtype=torch.int32, device=device)
+        request = torch.zeros(m, dtype=torch.int32, device=device)
+        paged_output_attention(q, key_cache, value_cache, table.expand(m, width).contiguous(), seq, qsl)
+        paged_output_attention(q, key_cache, value_cache, table, seq, None, row_request=request)
+        if base_stream:
+            paged_window_attention(q, key_cache, value_cache, table, request, seq, window=2, sink_tokens=1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    _COMPILED.add(kernel_key(device, dtype, num_heads, num_kv_heads, head_dim))
+
+
 def paged_output_attention_reference(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -210,8 +297,10 @@ def paged_output_attention_reference(
     query_start_loc: torch.Tensor | None,
     scale: float | None = None,
     row_request: torch.Tensor | None = None,
+    window: int | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
-    """The same contract in plain torch: gather each request's keys through its block table."""
+    """The same contract in plain torch: gather each row's keys through its block table."""
     n_req, h_q, d = q.shape
     block_size, h_kv = key_cache.shape[1], key_cache.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -221,6 +310,9 @@ def paged_output_attention_reference(
         if row_request is None and int(query_start_loc[r + 1]) == int(query_start_loc[r]) or n == 0:
             continue
         pos = torch.arange(n, device=q.device)
+        if window is not None:
+            lo = max(n - window, 0)
+            pos = torch.cat([pos[: min(lo, sink_tokens)], pos[lo:]])
         table = block_table[r if row_request is None else int(row_request[r])]
         blocks = table[pos // block_size].long()
         k = key_cache[blocks, pos % block_size].float()  # [n, Hkv, D]

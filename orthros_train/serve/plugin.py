@@ -6,7 +6,7 @@ lazily (vLLM imports ``orthros_train.serve.model`` when an Orthros checkpoint is
 ``orthros`` config class with transformers' ``AutoConfig``, so the export's ``config.json`` loads
 without ``trust_remote_code`` (the export's own remote code is for transformers' ``generate``),
 the architecture's config hook (``config.py``: what cannot be served is refused when the engine's
-configuration is built), and the output attention op as a splitting op of piecewise CUDA graphs.
+configuration is built), and the model's attention ops as splitting ops of piecewise CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from orthros_train.convert.remote_code.configuration_orthros import OrthrosConfig
-    from orthros_train.serve.config import ARCHITECTURE, OUTPUT_ATTENTION_OP, OrthrosConfigHook
+    from orthros_train.serve.config import ARCHITECTURE, ATTENTION_OPS, OrthrosConfigHook
 
     AutoConfig.register(OrthrosConfig.model_type, OrthrosConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
@@ -31,5 +31,6 @@ def register() -> None:
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, OrthrosConfigHook)
     # vLLM's piecewise CUDA graphs split at the ops of this list (its own attention ops, and the
     # ops models of its tree add): the output attention reads per-step metadata, as they do.
-    if OUTPUT_ATTENTION_OP not in CompilationConfig._attention_ops:
-        CompilationConfig._attention_ops.append(OUTPUT_ATTENTION_OP)
+    for op in ATTENTION_OPS:
+        if op not in CompilationConfig._attention_ops:
+            CompilationConfig._attention_ops.append(op)
