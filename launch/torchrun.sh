@@ -23,6 +23,9 @@ if [[ -n ${MASTER_PORT:-} ]]; then
 else
   RDZV=(--standalone)
 fi
+# The recipe, the layout for NPROC ranks and the run directory, checked once here: a refusal is one
+# line, not NPROC ranks' messages inside torchrun's ChildFailedError traceback.
+ORTHROS_PRECHECK_WORLD_SIZE=$NPROC "$PYTHON" -m orthros_train.train.cli --config-name "$RECIPE" "$@"
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes 1 --nproc_per_node "$NPROC" "${RDZV[@]}" \
   -m orthros_train.train.cli --config-name "$RECIPE" "$@"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,10 +35,17 @@ def test_slurm_script_forwards_preemption_and_requeues(tmp_path):
         f"#!/bin/bash\ntrap 'echo trainer-got-usr1 >> {log}; exit 0' USR1\necho started >> {log}\n"
         "for i in $(seq 300); do sleep 0.1; done\nexit 1\n"
     )
+    # The script's one-process check of the recipe (ORTHROS_PRECHECK_WORLD_SIZE) passes at once
+    # here: this test is about the signals, and the real check takes seconds of imports.
+    (bin_dir / "python").write_text(
+        f'#!/bin/bash\nif [[ -n ${{ORTHROS_PRECHECK_WORLD_SIZE:-}} ]]; then echo precheck >> {log}; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {
         **os.environ,
+        "PYTHON": str(bin_dir / "python"),
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "SLURM_JOB_NODELIST": "node1",
         "SLURM_NNODES": "1",
@@ -59,6 +67,7 @@ def test_slurm_script_forwards_preemption_and_requeues(tmp_path):
     assert proc.returncode == 0, err
     lines = log.read_text().splitlines()
     assert "trainer-got-usr1" in lines and "requeue 4242" in lines
+    assert lines[0] == "precheck"  # the recipe was checked once before srun started the ranks
 
 
 def _fake_python(folder: Path, name: str = "python") -> Path:

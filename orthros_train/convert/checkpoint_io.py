@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from orthros_train.errors import UserError
+from orthros_train.file_modes import honour_umask
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -264,6 +265,7 @@ def write_sharded(
             weight_map[t.name] = file_name
             total += t.nbytes
         save_file(state, str(directory / file_name), metadata={"format": "pt"})
+        honour_umask(directory / file_name)  # save_file creates 0600 files whatever the umask
         del state
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -16,6 +16,7 @@ and ``load_state_dict()``.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -52,6 +53,25 @@ class DataConfig:
             raise UserError("data.source=indexed needs data.paths (orthros-data outputs or .bin/.idx prefixes)")
         if self.weights is not None and len(self.weights) != len(self.paths):
             raise UserError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
+        if self.weights is not None and (any(w < 0 for w in self.weights) or not sum(self.weights) > 0):
+            raise UserError(f"data.weights={self.weights}: blend weights must be >= 0 with a positive sum")
+        check_split(self.split)
+
+
+def check_split(split: str) -> list[float]:
+    """``data.split`` as megatron reads it ("train,valid,test" shares, "/" also separates; missing
+    shares are 0), refused naming the key when it is not numbers or leaves nothing to train on:
+    megatron would fail later on NaN shares or report too little data for a training sample."""
+    example = "e.g. data.split=98,2,0"
+    try:
+        shares = [float(x) for x in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        raise UserError(f"data.split={split!r}: expected up to three numbers train,valid,test ({example})") from None
+    if len(shares) > 3 or any(not math.isfinite(x) or x < 0 for x in shares):
+        raise UserError(f"data.split={split!r}: expected up to three shares >= 0, train,valid,test ({example})")
+    if not shares[0] > 0:
+        raise UserError(f"data.split={split!r} gives training no share of the documents; {example}")
+    return shares
 
 
 def build_data(

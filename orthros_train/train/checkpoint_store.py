@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from orthros_train.file_modes import honour_umask
+
 log = logging.getLogger("orthros_train.checkpoint")
 
 LATEST = "latest"
@@ -256,6 +258,7 @@ class ShardedTensorWriter:
 
                 path.parent.mkdir(parents=True, exist_ok=True)
                 save_file(shard, str(path), metadata=metadata)
+                honour_umask(path)  # save_file creates 0600 files whatever the umask
 
             self.sink.put(write, release=nbytes, hash_path=path)
         self._current, self._current_bytes = {}, 0

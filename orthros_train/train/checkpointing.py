@@ -20,7 +20,7 @@ from orthros_train.train.checkpoint import (
     verify_checkpoint,
 )
 from orthros_train.train.config import TrainerConfig
-from orthros_train.train.run_dir import check_fresh_start, check_resume
+from orthros_train.train.run_dir import check_fresh_start, check_resume, existing_run, tokenizer_difference
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,31 @@ class Checkpointing:
         if mode == "auto":
             path = self.manager.find_latest()
             if path is None:
+                found = existing_run(run_dir)
+                if found:
+                    # Starting afresh would append a second step 1... to this run's metrics and
+                    # replace its checkpoints: the user decides.
+                    raise UserError(
+                        f"trainer.run_dir={run_dir} holds a run ({', '.join(found)}) but no usable checkpoint to "
+                        "resume (none was saved, or none verifies): pass trainer.resume=none trainer.overwrite=true "
+                        "to start over (deleting it), or pick another trainer.run_dir"
+                    )
                 return None
         else:
             path = Path(mode)
             problem = verify_checkpoint(path) if path.is_dir() else "no such directory"
             if problem:
-                raise UserError(f"trainer.resume={mode}: {problem}")
+                raise UserError(
+                    f"trainer.resume={mode}: {problem} (trainer.resume takes auto, none or a checkpoint directory)"
+                )
         for line in check_resume(path, self.recipe, self.cfg.resume_changes):  # the same run only
             log.warning("%s", line, extra=RANK_ZERO)
+        difference = tokenizer_difference(path, self.state().tokenizer)
+        if difference:
+            raise UserError(
+                f"cannot resume {path} on this data: {difference}. The data was tokenized again with another "
+                "tokenizer; tokenize it with the checkpoint's tokenizer, or start a new run (another trainer.run_dir)"
+            )
         counters = self.manager.load(self.state(), path).counters
         log.info("resumed from %s at step %d", path, counters.step)
         self.resumed_from = path

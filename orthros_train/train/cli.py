@@ -162,6 +162,26 @@ def _completed(run_cfg: "RunConfig", resolved: dict) -> dict | None:
     return {"complete": True, "checkpoint": str(final), "eval_loss": None, "history": []}
 
 
+# launch/*.sh set it to the process count they are about to start: the recipe, the layout and the
+# run directory are checked once, in one process, and nothing trains.
+PRECHECK_ENV = "ORTHROS_PRECHECK_WORLD_SIZE"
+
+
+def _precheck(resolved: dict, world_size: int) -> dict:
+    """What every rank would refuse at start-up, said once before the launcher starts the ranks
+    (a refusal in N ranks ends in the launcher's ChildFailedError traceback around N messages)."""
+    from orthros_train.train.run_lock import RunLockedError, held_by_another
+
+    run_cfg = run_config_from_dict(resolved, world_size=world_size)
+    holder = held_by_another(run_cfg.trainer.run_dir, os.environ.get("SLURM_JOB_ID"))
+    if holder is not None:
+        raise RunLockedError(
+            f"trainer.run_dir={run_cfg.trainer.run_dir} is in use by another run ({holder.describe()}); wait for it, "
+            "stop it, or pick another trainer.run_dir"
+        )
+    return {"checked": True, "world_size": world_size}
+
+
 def run(cfg: DictConfig) -> dict:
     """Resolve the recipe into typed config, then dry-run or train."""
     from orthros_train.parallel.setup import destroy_parallel
@@ -171,6 +191,9 @@ def run(cfg: DictConfig) -> dict:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
     env = launcher_env()
+    precheck = os.environ.get(PRECHECK_ENV)
+    if precheck:
+        return _precheck(resolved, int(precheck))
     # A dry run plans for the recipe's parallel.world_size; a launch follows its own process count.
     dry = bool((resolved.get("trainer") or {}).get("dry_run"))
     run_cfg = run_config_from_dict(resolved, world_size=None if dry else env.world_size)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,8 @@ import torch
 
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.phase.layout import OrthrosLayout
+
+log = logging.getLogger(__name__)
 
 TERA = 1e12  # FLOP/s per TFLOP/s
 
@@ -82,13 +86,48 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+def set_aside_rows_after(path: Path, step: int) -> Path | None:
+    """A run resumed at ``step`` trains the steps after it again: their rows from the first attempt
+    (written after the checkpoint it resumes, before it died) move to a file of their own, named in
+    the log, so ``metrics.jsonl`` holds each step once. A row cut short by the crash goes with them.
+    Returns the file the rows went to (None when nothing was past ``step``)."""
+    if not path.is_file():
+        return None
+    kept, moved = [], []
+    for line in path.read_text(errors="replace").splitlines(keepends=True):
+        if not line.strip():
+            continue
+        try:
+            row_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            moved.append(line if line.endswith("\n") else line + "\n")  # a partial last row
+            continue
+        (moved if isinstance(row_step, int) and row_step > step else kept).append(line)
+    if not moved:
+        return None
+    n = 1
+    while (aside := path.with_name(f"metrics.after-step-{step}.attempt-{n}.jsonl")).exists():
+        n += 1
+    aside.write_text("".join(moved))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)  # atomically: a crash now leaves the old file (rows also in aside)
+    log.warning(
+        "resumed at step %d: %d metrics row(s) past it from the interrupted attempt moved to %s; "
+        "metrics.jsonl holds each step once", step, len(moved), aside,
+    )
+    return aside
+
+
 class MetricsLog:
     """One JSON object per line in ``<run_dir>/metrics.jsonl``, mirrored to wandb when enabled."""
 
-    def __init__(self, run_dir: Path, wandb_run: Any | None = None) -> None:
+    def __init__(self, run_dir: Path, wandb_run: Any | None = None, initial_step: int = 0) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.wandb_run = wandb_run
+        self.set_aside = set_aside_rows_after(self.path, initial_step)
+
 
     def log(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:

@@ -11,11 +11,16 @@ ignored, and a longer ``trainer.max_steps`` or another precision are logged only
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from orthros_train.errors import UserError
+from orthros_train.file_modes import honour_umask_tree
 from orthros_train.options import ResumeChanges
 
 # What a run *is*: a checkpoint of another model or data belongs to another run.
@@ -109,6 +114,35 @@ def check_resume(checkpoint: Path, current: dict[str, Any], resume_changes: Resu
     return [f"resume: {line}" for line in kinds["training"] + kinds["noted"]]
 
 
+def tokenizer_difference(checkpoint: str | Path, tokenizer: Any) -> str | None:
+    """How ``tokenizer`` (the data's, this launch) differs from the one ``checkpoint`` was trained
+    with (saved beside its weights), or None when they agree or either is unknown. The same
+    ``data.paths`` may have been tokenized again with another tokenizer: the recipe is unchanged,
+    but the token ids now mean other words."""
+    saved_file = Path(checkpoint) / "model" / "tokenizer.json"
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if not saved_file.is_file() or get_vocab is None:
+        return None
+    try:
+        saved = json.loads(saved_file.read_text())
+        saved_vocab = dict(saved["model"]["vocab"])
+        for added in saved.get("added_tokens") or []:
+            saved_vocab[added["content"]] = added["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not a BPE/word-level tokenizer.json this reads: no opinion
+    now = get_vocab()
+    if now == saved_vocab:
+        return None
+    name = getattr(tokenizer, "name_or_path", "") or "?"
+    differing = sorted(k for k in set(now) ^ set(saved_vocab))[:3] or sorted(
+        k for k in now if now[k] != saved_vocab.get(k)
+    )[:3]
+    return (
+        f"the checkpoint was trained with the tokenizer saved in {saved_file.parent} ({len(saved_vocab)} tokens), "
+        f"the data now comes with tokenizer {name} ({len(now)} tokens; they differ e.g. in {differing})"
+    )
+
+
 def completed_checkpoint(run_dir: str | Path, max_steps: int) -> Path | None:
     """The final export of a run whose latest checkpoint reached ``max_steps``, else None."""
     root = Path(run_dir) / "checkpoints"
@@ -117,8 +151,39 @@ def completed_checkpoint(run_dir: str | Path, max_steps: int) -> Path | None:
         step = int(json.loads((latest / "meta.json").read_text())["step"])
     except (OSError, ValueError, KeyError):
         return None
-    final = root / "final"
-    return latest if step >= max_steps and final.is_dir() else None
+    return latest if step >= max_steps and complete_export(root / "final") else None
+
+
+def complete_export(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a whole exported model (config.json and its weights), as
+    ``publish_directory`` leaves it; an export cut short by an older writer does not count."""
+    directory = Path(directory)
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
+
+
+def publish_directory(target: str | Path, write: Callable[[Path], Any]) -> Path:
+    """``write(tmp)`` into a hidden folder beside ``target``, then rename it to ``target``: a crash
+    at any moment leaves either the previous complete folder, a complete new one, or none, never a
+    half-written one announced as the model. A previous ``target`` is moved aside first and deleted
+    after the new one is in place (a directory cannot be renamed over a non-empty one)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.*-*"):  # left by a writer that died
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        write(tmp)
+        honour_umask_tree(tmp)  # safetensors writes 0600 files whatever the umask
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+    if target.exists():
+        os.rename(target, old)
+    os.rename(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+    return target
 
 
 def multirun_job_dir(run_dir: str, overrides: list[str], job_num: int) -> str:

@@ -37,7 +37,7 @@ class StepLog:
         self.world = world_size
         self.peak = peak_tflops
         self.device = device
-        self.metrics = MetricsLog(run_dir, wandb_run) if is_main else None
+        self.metrics = MetricsLog(run_dir, wandb_run, initial_step) if is_main else None
         self.progress = tqdm(total=cfg.max_steps, initial=initial_step, disable=not (cfg.progress and is_main),
                              dynamic_ncols=True, desc="train")
 

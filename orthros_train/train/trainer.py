@@ -52,6 +52,7 @@ from orthros_train.train.health import LossSpikeDetector, NonFiniteGuard, NonFin
 from orthros_train.train.metrics import peak_tflops
 from orthros_train.train.optim import build_optimizer, lr_at
 from orthros_train.train.rl import Policy
+from orthros_train.train.run_dir import publish_directory
 from orthros_train.train.step import StepStats, TrainStep
 from orthros_train.train.step_log import StepLog, start_wandb
 from orthros_train.train.stop_signals import StopSignals
@@ -241,8 +242,14 @@ class Trainer:
         target = self.run_dir / "checkpoints" / name
         state = self.full_state_dict()  # collective
         if self.is_main:
-            self.reference_model(state).save_pretrained(target)
-            self.data.tokenizer.save_pretrained(target)
+            model = self.reference_model(state)
+
+            def write(folder: Path) -> None:
+                model.save_pretrained(folder)
+                self.data.tokenizer.save_pretrained(folder)
+
+            # Written beside it and renamed into place: final/ holds a whole model or does not exist.
+            publish_directory(target, write)
         collectives.barrier()
         return target
 

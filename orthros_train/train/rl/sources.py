@@ -8,17 +8,21 @@ advantages computed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from orthros_train.errors import UserError
+from orthros_train.logging_setup import RANK_ZERO
 from orthros_train.train.config import RLConfig
 from orthros_train.train.rl.advantages import compute_advantages
 from orthros_train.train.rl.generation import RolloutGenerator
 from orthros_train.train.rl.policy import Policy
 from orthros_train.train.rl.rollout import Rollout, load_rollouts
+
+log = logging.getLogger(__name__)
 
 # slots -> (prompt token ids, reference answer ids or None per prompt)
 PromptFn = Callable[[list[int]], tuple[list[list[int]], "list[Any] | None"]]
@@ -105,11 +109,34 @@ class FileRollouts:
         self.cfg = cfg
         self.dp_rank, self.dp_size = dp_rank, dp_size
         steps = len(self.rollouts) // self.rows
+        self._check_group_sizes(path, min(steps, draws))
         if steps < draws:
             updates = steps // cfg.minibatches * cfg.minibatches * cfg.ppo_epochs
             raise UserError(
                 f"{path} holds {len(self.rollouts)} rollouts: {steps} steps of rl.prompts_per_step x rl.group_size = "
                 f"{self.rows}, fewer than the run needs ({draws}); set trainer.max_steps={updates}"
+            )
+
+    def _check_group_sizes(self, path: str, steps: int) -> None:
+        """A step's groups (the baseline of their rewards) are meant to hold rl.group_size rollouts:
+        a group of one has no baseline, and a group cut by the step boundary or sharing another's id
+        compares answers to different prompts. External engines may group otherwise on purpose, so
+        this is said (naming the groups), not refused."""
+        wrong: list[str] = []
+        for step in range(steps):
+            first = step * self.rows
+            sizes: dict[Any, list[int]] = {}  # group -> the 1-based records in this step
+            for i, r in enumerate(self.rollouts[first : first + self.rows], first + 1):
+                if r.advantages is None and r.group is not None:
+                    sizes.setdefault(r.group, []).append(i)
+            wrong += [f"step {step + 1}: group {g!r} has {len(records)} (rollouts {records[0]}..{records[-1]})"
+                      for g, records in sizes.items() if len(records) != self.cfg.group_size]
+        if wrong:
+            log.warning(
+                "WARNING: %s: %d group(s) whose size is not rl.group_size=%d: %s%s. Each group's rewards are "
+                "compared with its own mean; if the file groups rl.group_size responses per prompt, fix it",
+                path, len(wrong), self.cfg.group_size, "; ".join(wrong[:3]), " ..." if len(wrong) > 3 else "",
+                extra=RANK_ZERO,
             )
 
     def step_rollouts(self, step: int) -> tuple[list[Rollout], list[torch.Tensor]]:
