@@ -273,13 +273,13 @@ def compile_paged_kernels(device: torch.device, dtype: torch.dtype, num_heads: i
     blocks, width = 4, 4
     kv = torch.zeros(blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype, device=device)
     key_cache, value_cache = kv.transpose(1, 2).split(head_dim, dim=-1)
-    table = torch.zeros(2, width, dtype=torch.int32, device=device)
+    table = torch.zeros(16, width, dtype=torch.int32, device=device)
     for m in (1, 16, 3):
         q = torch.zeros(m, num_heads, head_dim, dtype=dtype, device=device)
         seq = torch.ones(m, dtype=torch.int32, device=device)
         qsl = torch.arange(m + 1, dtype=torch.int32, device=device)
         request = torch.zeros(m, dtype=torch.int32, device=device)
-        paged_output_attention(q, key_cache, value_cache, table.expand(m, width).contiguous(), seq, qsl)
+        paged_output_attention(q, key_cache, value_cache, table, seq, qsl)
         paged_output_attention(q, key_cache, value_cache, table, seq, None, row_request=request)
         if base_stream:
             paged_window_attention(q, key_cache, value_cache, table, request, seq, window=2, sink_tokens=1)

@@ -66,6 +66,23 @@ def test_padded_requests_have_no_output_rows():
     assert p.rows.tolist() == [4, 5, 7, 8] and p.query_start_loc.tolist() == [0, 2, 4, 4, 4]
 
 
+def test_a_padded_request_writes_a_scratch_row_not_a_real_one_twice():
+    """One output token per request: a request padded with no rows (Model Runner V2 repeats the
+    last offset, here also at the front) reads a real row but writes the scratch row past the step's
+    rows, so every real row is written once, by its own request."""
+    qsl = torch.tensor([0, 0, 6, 9, 9, 9], dtype=torch.int32)
+    p = plan_output_rows(qsl, 12, 9, 6)
+    assert p.rows.tolist() == [0, 5, 8, 8, 8]
+    assert p.destinations().tolist() == [12, 5, 8, 12, 12]
+    real = [d for d in p.destinations().tolist() if d < 12]
+    assert len(real) == len(set(real))
+    # What the model does with them: the real rows keep their own request's values.
+    y = torch.arange(5.0)[:, None]
+    hidden = torch.full((13, 1), float("nan"))
+    hidden[p.destinations()] = y
+    assert hidden[5].item() == 1.0 and hidden[8].item() == 2.0
+
+
 def test_a_captured_graph_gets_every_row_from_one_buffer():
     """A graph captured for N tokens replays with N output rows read at a fixed address: every row
     (padding included) from a persistent arange; only the scheduled rows count."""
