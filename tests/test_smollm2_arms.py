@@ -19,7 +19,7 @@ def test_tokens_to_reach_measured_extrapolated_or_never() -> None:
     curve = [{"tokens": 0, "loss_beyond_w": 4.0}, {"tokens": 100, "loss_beyond_w": 3.5},
              {"tokens": 200, "loss_beyond_w": 3.0}]
     assert tokens_to_reach(curve, 3.25) == {"tokens": 150.0, "how": "measured"}  # between two points
-    assert tokens_to_reach(curve, 4.5) == {"tokens": 0, "how": "measured"}  # already there at the start
+    assert tokens_to_reach(curve, 4.5) == {"tokens": 0, "how": "at the start"}
     assert tokens_to_reach(curve, 2.0) == {"tokens": 400.0, "how": "extrapolated"}  # the last slope, 0.5 / 100
     flat = [*curve[:2], {"tokens": 200, "loss_beyond_w": 3.6}]
     assert tokens_to_reach(flat, 3.0) == {"tokens": None, "how": "not falling at the end"}
@@ -154,7 +154,7 @@ def test_quick_smollm2_section_end_to_end(tmp_path) -> None:
     for key in ("ce", "sinks_ce", "sinks_kd", "sinks_align_kd", "dense"):
         row = s["rows"][key]
         assert [p["step"] for p in row["curve"]] == [0, 2, 4] and row["training"]["steps"] == 4
-        assert row["to_original"]["how"] in ("measured", "extrapolated", "not falling at the end")
+        assert row["to_original"]["how"] in ("at the start", "measured", "extrapolated", "not falling at the end")
     recipe = json.loads((out / "smollm2" / "sinks_align_kd" / "recipe.json").read_text())
     assert recipe["model"]["sink_tokens"] == 4 and recipe["distill"]["align"] == "mse"
     assert (out / "conversion.md").is_file() and Path(out / "conversion" / "smollm2_recovery.png").is_file()

@@ -219,11 +219,12 @@ def test_moe_bench_refuses_bad_numbers(tmp_path, capsys, args) -> None:
 @pytest.mark.slow
 def test_real_quick_study_killed_resumes_and_a_rerun_retrains_nothing(tmp_path) -> None:
     """Through the real trainer: SIGTERM midway (exit 143, the trainer saved), the rerun resumes and
-    finishes, a third run reuses everything (no trainer starts, no checkpoint is rewritten)."""
+    finishes (and trains the sink arm), a third run reuses everything (no trainer starts, no checkpoint
+    is rewritten)."""
     out = tmp_path / "s"
-    argv = [sys.executable, "-m", "orthros_train.study.cli", "--quick", "--out", str(out), "--archs", "orthros",
-            "--lrs", "3e-3", "--seeds", "1", "--steps", "400", "--recall-documents", "1", "--passkey-documents", "1",
-            "--valid-tokens", "256", "--prefill-lengths", ""]
+    argv = [sys.executable, "-m", "orthros_train.study.cli", "--quick", "--out", str(out),
+            "--archs", "orthros,orthros_sinks", "--lrs", "3e-3", "--seeds", "1", "--steps", "400",
+            "--recall-documents", "1", "--passkey-documents", "1", "--valid-tokens", "256", "--prefill-lengths", ""]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = out / "orthros" / "lr0.003-seed1"
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -240,8 +241,14 @@ def test_real_quick_study_killed_resumes_and_a_rerun_retrains_nothing(tmp_path) 
     assert subprocess.run(argv, env=env, capture_output=True, timeout=600).returncode == 0
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 400 and len(set(steps)) == len(steps)  # resumed, not restarted
-    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    runs = [p for arm in ("orthros", "orthros_sinks") for p in (out / arm).rglob("*")]
+    before = {p: p.stat().st_mtime_ns for p in runs}
     third = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert third.returncode == 0 and f"reuse {run}" in third.stdout + third.stderr
-    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    assert {p: p.stat().st_mtime_ns for p in runs} == before  # nothing trained, deleted or rewritten
     assert (out / "study.json").is_file() and (out / "study.md").is_file()
+    # The from-scratch sink arm: the Orthros recipe with S = 4, beside S = 0, in the report.
+    sinks = json.loads((out / "orthros_sinks" / "lr0.003-seed1" / "recipe.json").read_text())
+    assert sinks["model"]["sink_tokens"] == 4 and sinks["model"]["attention_type"] == "orthros"
+    assert set(json.loads((out / "study.json").read_text())["summary"]) == {"orthros", "orthros_sinks"}
+    assert "Orthros, 4 sink tokens" in (out / "study.md").read_text()

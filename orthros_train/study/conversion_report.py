@@ -218,8 +218,9 @@ def _smollm2_recover(s: dict[str, Any], trained: dict[str, Any]) -> list[str]:
     lines = [f"Tokens to reach the original's loss at positions >= W ({target:.3f}):", "",
              "| arm | loss >= W at the end | tokens to reach the original | how | pass key reached | NIAH reached |",
              "| --- | ---: | ---: | --- | ---: | ---: |"]
-    how = {"measured": "measured (between curve points)", "extrapolated": "extrapolated from the last two points' "
-           "slope", "not falling at the end": "never at this rate (not falling at the end)", "one point": "-"}
+    how = {"measured": "measured (between curve points)", "at the start": "already at the start",
+           "extrapolated": "extrapolated from the last two points' slope",
+           "not falling at the end": "never at this rate (not falling at the end)", "one point": "-"}
     for row in trained.values():
         r = row["to_original"]
         tokens = "-" if r["tokens"] is None else f"{r['tokens']:,.0f}"
@@ -369,6 +370,9 @@ def write_conversion_report(results: dict[str, Any], path: Path, notes: str | No
         "orthros-study conversion --smollm2-only --out runs/conv   # + the SmolLM2 section (merged into both)",
         "orthros-study conversion --report-only --out runs/conv --report docs/conversion_study.md --notes NOTES.md",
         "orthros-study conversion --quick --out runs/conv-quick    # the reduced pipeline, a few minutes",
+        "orthros-study conversion --smollm2-only --out runs/conv-smollm2 --smollm2-steps 16 --smollm2-points 4 \\",
+        "    --smollm2-eval-tokens 2048 --jobs 2                    # the SmolLM2 arms (--smollm2-arms: a subset)",
+        "# a rerun reuses finished runs and resumes partial ones; --overwrite starts over",
         "```",
         "",
         f"Every number above is in `{folder.name}/conversion.json`.",
@@ -392,7 +396,7 @@ def write_smollm2_report(section: dict[str, Any], path: Path, notes: str | None 
     folder.mkdir(parents=True, exist_ok=True)
     write_json(section, folder / "smollm2.json")
     lines = ["# Conversion study: SmolLM2-135M and the arms that recover it", "",
-             f"- Command: `{command or 'orthros-study conversion --smollm2-only'}`",
+             f"- Command: `{section.get('command') or command or 'orthros-study conversion --smollm2-only'}`",
              f"- Machine: load average {section['load_average']} at the end; {_f(section['wall_seconds'] / 60, '.0f')} "
              f"min wall clock, {section.get('jobs', 1)} training processes at a time, one thread each.", "",
              *_smollm2_section({"smollm2": section}, folder)]

@@ -386,7 +386,7 @@ def _section(opts: ConversionOptions, p: Prepared, recipe: dict[str, Any], steps
     """The JSON of the section: how it ran, what the probes were, every row."""
     o, cells = recipe["optim"], rows["original"]
     return {
-        "version": 2, "quick": opts.quick, "window": p.window, "seq_len": p.seq_len,
+        "version": 2, "quick": opts.quick, "command": opts.command, "window": p.window, "seq_len": p.seq_len,
         "sink_tokens": opts.sink_tokens, "recipe": RECIPE, "steps": steps, "tokens_per_step": p.micro * p.seq_len,
         "budget_minutes": opts.smollm2_minutes, "jobs": opts.jobs,
         "recipe_settings": f"lr {o['lr']:g} cosine to {o['min_lr']:g}, warm-up {warmup} steps, weight decay "

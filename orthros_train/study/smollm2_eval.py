@@ -91,7 +91,7 @@ def tokens_to_reach(curve: Sequence[dict[str, Any]], target: float, key: str = "
     else extrapolated linearly from its last two points (said so), else never (not falling)."""
     points = [(p["tokens"], p[key]) for p in curve if p.get(key) is not None]
     if points and points[0][1] <= target:
-        return {"tokens": points[0][0], "how": "measured"}
+        return {"tokens": points[0][0], "how": "at the start"}
     for (t0, y0), (t1, y1) in zip(points, points[1:]):
         if y1 <= target:
             return {"tokens": t0 + (t1 - t0) * (y0 - target) / (y0 - y1), "how": "measured"}
