@@ -449,3 +449,78 @@ def test_output_attention_splits_piecewise_cuda_graphs(tiny):
     config = Config()
     split_graphs_at_output_attention(config)
     assert config.compilation_config.splitting_ops == ["vllm::unified_attention_with_output", OUTPUT_ATTENTION_OP]
+
+
+SINKS = 4  # a converted model's usual choice; W = 16 is below every prompt, so every long row needs them
+
+
+@pytest.fixture(scope="module")
+def sinky():
+    """A tiny export with sink tokens (``sink_tokens = 4`` in config.json, W = 16)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as root:
+        ckpt, export = make_orthros(Path(root), seed=20, sink_tokens=SINKS)
+        yield OrthrosForCausalLM.from_pretrained(ckpt).eval(), export
+
+
+def test_sink_tokens_change_what_the_model_says(sinky):
+    """The equality tests below are evidence only if the sinks matter: without them the same weights
+    say something else."""
+    model, _ = sinky
+    with_sinks = generate(model, MIXED, max_new_tokens=NEW).sequences
+    model.config.sink_tokens = 0
+    try:
+        without = generate(model, MIXED, max_new_tokens=NEW).sequences
+    finally:
+        model.config.sink_tokens = SINKS
+    assert with_sinks != without
+
+
+@pytest.fixture(scope="module")
+def sink_compiled(sinky, tmp_path_factory):
+    """The export with sinks as users run it on CPU (compiled, prefix caching): the base stream's op
+    inside vLLM's compiled model."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        with engine(sinky[1], enforce_eager=False, enable_prefix_caching=True) as llm:
+            yield llm
+
+
+def test_sink_tokens_mixed_batch_compiled_equals_generate(sinky, sink_compiled):
+    model, _ = sinky
+    assert sink_compiled.llm_engine.model_config.hf_config.sink_tokens == SINKS
+    for prompts in (MIXED, prompts_of([50], seed=21)):
+        assert_same(vllm_run(sink_compiled, prompts), model, prompts)
+
+
+def test_sink_tokens_with_prefix_caching_and_prompt_logprobs(sinky, sink_compiled):
+    """A cached prefix holds the sinks of every request that shares it; prompt logprobs run the
+    request's prompt in the pretraining layout over a base stream with sinks."""
+    model, _ = sinky
+    shared = prompts_of([300], seed=22)[0]
+    prompts = [shared + t for t in prompts_of([5, 40], seed=23)]
+    first = vllm_run(sink_compiled, prompts[:1])
+    rest = vllm_run(sink_compiled, prompts[1:])
+    assert rest[0].num_cached_tokens >= 256
+    assert_same(first + rest, model, prompts)
+    prompt = prompts_of([129], seed=24)[0]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=TOP_K, ignore_eos=True,
+                            prompt_logprobs=PROMPT_TOP_K)
+    out = sink_compiled.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    assert_prompt_logprobs(out[0], model, prompt)
+    assert_same(out, model, [prompt])
+
+
+def test_sink_tokens_chunked_prefill_and_block_pressure_equal_generate(sinky):
+    """64-token steps (a 600-token prompt in ten chunks: later chunks read the sinks from the cache,
+    beside decode steps) and ten KV blocks (preemption and recompute)."""
+    model, export = sinky
+    with engine(export, max_num_batched_tokens=64, kv_cache_memory_bytes=TEN_BLOCKS,
+                enable_prefix_caching=False) as llm:
+        assert_same(vllm_run(llm, MIXED), model, MIXED)
+        prompts = prompts_of([250, 240, 230, 260, 200, 245], seed=25)
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        assert blocks < sum(-(-(len(p) + 24) // 128) for p in prompts), "no block pressure to test"
+        assert_same(vllm_run(llm, prompts, 24), model, prompts, 24)
