@@ -57,27 +57,29 @@ $(IMAGE_VENV)/.installed: pyproject.toml Makefile
 test-image-versions: $(IMAGE_VENV)/.installed
 	$(TEST_ENV) $(IMAGE_VENV)/bin/python -m pytest -p no:xdist -q $(IMAGE_TESTS) $(PYTEST_ARGS)
 
-# The GPU node without a GPU: a venv holding exactly the image's packages (--no-deps; torch is the
-# CPU 2.13 wheel and numpy 2.4.6, as 2.11+cu130 has no CPU build and numpy 2.5 is not on PyPI),
-# the kit built for its Python and installed with the node's command, then 2 steps of the
-# embedded recipe with wandb off: the kit lacks nothing the trainer imports.
+# The GPU node without a GPU. A venv of CPython 3.12 (the image's Python) holding exactly the
+# image's package list and nothing else (--no-deps; torch is the CPU 2.13 wheel and numpy 2.4.6,
+# as 2.11+cu130 has no CPU build and numpy 2.5 is not on PyPI; rebuilt from scratch when the list
+# changes). The kit is built for it, then the node's own command runs: gpu_check installs the kit
+# (pip --no-index --no-deps --target) and rehearses every section in the node's order at tiny sizes
+# (gloo, the Triton interpreter). A package or corpus the kit lacks fails here, not on the node.
+NODE_PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	$$p -c '' 2>/dev/null && { echo $$p; break; }; done)
 NODE_VENV ?= .venv-node
 $(NODE_VENV)/.installed: docker/gpu_image_packages.txt
-	test -x $(NODE_VENV)/bin/python || python3 -m venv $(NODE_VENV)
-	$(NODE_VENV)/bin/python -m pip install -q --upgrade pip
+	@test -n "$(NODE_PYTHON)" || { echo "no CPython 3.12 (the node's) found: make test-gpu-node NODE_PYTHON=/path/to/python3.12"; exit 1; }
+	rm -rf $(NODE_VENV)
+	$(NODE_PYTHON) -m venv $(NODE_VENV)
 	grep -vE '^(#|$$|torch==|numpy==)' docker/gpu_image_packages.txt > $(NODE_VENV)/image_pins.txt
-	$(NODE_VENV)/bin/python -m pip install -q --no-deps "torch==2.13.0" "numpy==2.4.6" -r $(NODE_VENV)/image_pins.txt \
-		"needlehaystack==0.1.0"
+	$(NODE_VENV)/bin/python -m pip install -q --no-deps "torch==2.13.0" "numpy==2.4.6" -r $(NODE_VENV)/image_pins.txt
 	touch $@
 
 test-gpu-node: $(STAMP) $(NODE_VENV)/.installed
 	$(PY) launch/gpu_kit.py --out build/gpu_kit_node \
 		--python $$($(NODE_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-	rm -rf build/node_site build/node_run
-	$(NODE_VENV)/bin/python -m pip install -q --no-index --no-deps --target build/node_site build/gpu_kit_node/*.whl
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONPATH=build/node_site:. $(NODE_VENV)/bin/python -m orthros_train.train.cli \
-		--config-name tiny_cpu trainer.max_steps=2 trainer.eval_batches=1 trainer.sample_tokens=2 trainer.progress=false \
-		trainer.wandb.enabled=false trainer.run_dir=build/node_run data.cache_dir=build/node_cache
+	rm -rf build/node_check
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(NODE_VENV)/bin/python bench/gpu_check.py --kit build/gpu_kit_node \
+		--rehearse --out build/node_check
 
 # The Triton kernels under triton 3.6 (the GPU image's release) in their own venv: the torch 2.13
 # CPU wheel, triton 3.6.0, the package without its dependencies and what the kernel tests import

@@ -1,81 +1,163 @@
-"""One-shot GPU check: the first run on an H100/H200 turns into a table of every figure next to
+"""One-shot GPU check: the first run on an H100/H200 turns into a report of every figure next to
 its target, written as it goes.
 
-    python bench/gpu_check.py --out gpu_check/            # one GPU, the whole run < 7 minutes
-    python bench/gpu_check.py --out /tmp/gc --dry-run     # CPU: every section at tiny sizes
+On the GPU node, from the repository root (the repository and ``build/gpu_kit`` shipped
+together; ``make gpu-kit`` builds the kit), one command does everything, the kit's install
+included, in about 8 minutes::
 
-It prints its plan first, then writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out``
-after every section and item, and again on SIGTERM and on its own SIGALRM backstop (a kill at a
-time limit or an OOM in a child leaves the report of everything finished so far). Every item has
-its own try: a failure is recorded next to the item and the rest runs. The wall-clock budget
-starts at process start (imports, JIT builds and autotuning count) and is checked inside the
-sections; each section imports what it needs, so a missing package costs that section only.
+    python3 bench/gpu_check.py --kit build/gpu_kit --out $OUT
 
-Sections:
+On CPU, the rehearsal walks every item in the node's order through the same code paths at tiny
+sizes (the trainer through torchrun on gloo, the kernels on the Triton interpreter; nothing it
+times means anything)::
 
-1. ``trainer``: the real trainer, ``orthros-train`` through ``torchrun --nproc-per-node 1``
-   (NCCL, bf16, Triton attention; recipes/gpu_check.yaml): a run with saves; a second run killed
-   with SIGKILL after its first save and resumed, whose losses must equal the first run's bit for
-   bit; one SFT step and one RL step (sampling on the GPU) from its export; a transformers
-   ``generate`` of the export. Then the 1.3B shape with as many layers as fit, timed through the
-   trainer (tokens/s, MFU from the model's own FLOPs, peak memory next to the trainer's dry-run
-   estimate for that same layout and precision).
-2. ``correctness``: bf16 forward / backward / decode of the Triton kernels against the fp32
-   reference op, and two layers under ``torch.cuda.set_sync_debug_mode("error")``.
-3. ``kernels``: TFLOP/s of the output stream, base stream, sft and prefill layouts, forward and
-   backward (deterministic and atomic), T = 4K..32K, next to SDPA's flash and cuDNN backends;
-   the autotuner's choices recorded per sequence length.
-4. ``inference``: prefill time to first token and decode tokens/s, Orthros vs dense.
-5. ``serving``: the Orthros export and its dense Llama twin in vLLM as users run them (compiled,
-   CUDA graphs on): decode tokens/s of a batch at a 1K context, TTFT at 16K and 128K, and the
-   Orthros engine's greedy tokens against the project's ``generate``. It runs in the time the
-   other sections leave (``--sections serving`` gives it the whole budget) and needs vLLM, which
-   the locked-down GPU image lacks: there it records that and takes no time.
+    python bench/gpu_check.py --rehearse --out DIR      # (--dry-run: the same)
 
-``--dry-run`` runs every section on CPU at tiny sizes (the trainer through torchrun on gloo, the
-kernels on the Triton interpreter) and times nothing that means anything.
+``--kit DIR`` installs the kit's wheels the way the node has to (``pip install --no-index
+--no-deps --target SCRATCH/site``) and starts the check again with that folder on
+``PYTHONPATH``; the budget counts from the first start. Working files (trainer runs and logs,
+the Triton cache, the installed kit) go to a scratch folder (``--scratch``, by default a new
+temporary one). ``--out`` receives at most ``OUT_FILES`` (5 files, flat): ``gpu_check.json``
+and ``gpu_check.md``, rewritten after every item, on SIGTERM and on the budget's SIGALRM
+backstop; ``gpu_check_logs.tar.gz``, every log of the run (each cut to its last 2 MiB), rewritten
+after every item; and two plots when there is something to draw.
+
+Items run in value order (``PLAN``): what a 15-minute lease must not leave unmeasured first.
+Each has a budget on the node and starts only when the run has the time it needs (estimated
+from the measured cost of a trainer launch and of Triton's cold compiles); what does not fit is
+dropped and the report says so. One Triton cache (``TRITON_CACHE_DIR`` in the scratch folder,
+with ``TRITON_CACHE_AUTOTUNING=1``) is shared by every process: the trainer runs, their resume
+and this process compile and tune each kernel once, and a resumed run picks the tiles of the run
+it resumes.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
-_T0 = time.monotonic()  # the budget starts here: imports count
+# The budget counts from the node command's start: a re-exec after the kit's install passes it on.
+_T0_WALL = float(os.environ.get("GPU_CHECK_T0") or time.time())
+_T0 = time.monotonic() - (time.time() - _T0_WALL)
+OUT_FILES = ("gpu_check.json", "gpu_check.md", "gpu_check_logs.tar.gz", "gpu_check_kernels.png",
+             "gpu_check_loss.png")  # fmt: skip
+
+
+def check_out(out: str) -> str | None:
+    """Why ``--out`` cannot take the report (one line), or None: it must be a folder (or be
+    creatable as one) that this process can write."""
+    from pathlib import Path
+
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        return f"--out {out}: exists and is not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".gpu_check_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        return f"--out {out}: cannot write there ({exc.strerror or type(exc).__name__})"
+    return None
+
+
+def _install_kit_and_reexec(argv: list[str]) -> None:
+    """``--kit DIR``: the node's install (pip, no index, no dependencies, into SCRATCH/site), then
+    this script again without ``--kit`` and with that folder on PYTHONPATH. A failed install is
+    carried into the report (the preflight item fails and names it) rather than ending here."""
+    import argparse
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--kit", required=True)
+    p.add_argument("--out")
+    p.add_argument("--scratch")
+    args, rest = p.parse_known_args(argv)
+    if args.out and (why := check_out(args.out)):
+        sys.exit(f"gpu_check: error: {why}")
+    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="gpu_check_"))
+    site = scratch / "site"
+    wheels = sorted(str(w) for w in Path(args.kit).glob("*.whl"))
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--disable-pip-version-check", "--target", str(site), *wheels]  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True) if wheels else None
+    error = (f"{args.kit} holds no wheels" if proc is None else
+             None if proc.returncode == 0 else f"pip exit {proc.returncode}: {proc.stderr.strip()[-600:]}")  # fmt: skip
+    info = {"kit": args.kit, "site": str(site), "wheels": len(wheels), "seconds": round(time.monotonic() - t0, 1),
+            "command": " ".join(cmd[:10]) + " KIT/*.whl", "error": error}  # fmt: skip
+    env = {**os.environ, "GPU_CHECK_T0": repr(_T0_WALL), "GPU_CHECK_KIT": json.dumps(info),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    again = [sys.executable, os.path.abspath(__file__), *rest, "--scratch", str(scratch)]
+    if args.out:
+        again += ["--out", args.out]
+    os.execve(sys.executable, again, env)
+
+
+if __name__ == "__main__" and any(a == "--kit" or a.startswith("--kit=") for a in sys.argv[1:]):
+    _install_kit_and_reexec(sys.argv[1:])
+
 
 import argparse  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import platform  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
+import tarfile  # noqa: E402
+import tempfile  # noqa: E402
 import traceback  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-DRY = "--dry-run" in sys.argv
+REHEARSE = any(a in ("--dry-run", "--rehearse") for a in sys.argv[1:])
+_t_torch = time.monotonic()
 import torch  # noqa: E402
 
-if DRY or not torch.cuda.is_available():
+TORCH_IMPORT_S = time.monotonic() - _t_torch
+if REHEARSE or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-sys.path.insert(0, str(BENCH))
+for _p in (str(REPO), str(BENCH)):  # run as `python3 bench/gpu_check.py` from anywhere
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 TARGETS = {
     "output_vs_sdpa": 0.80,  # output-stream TFLOP/s / the faster SDPA backend's TFLOP/s, >=
     "base_time_ratio": 1.30,  # base-stream time / (its pairs at the output stream's rate), <=
     "mfu": 0.50,  # 1.3B-shape training MFU, >=
 }
-TOTAL_BUDGET_S = 7 * 60  # the whole run, from process start
-ALARM_MARGIN_S = 10  # SIGALRM after the budget plus this: the backstop when a unit overruns
-# Seconds per section (capped by what the whole run has left).
-# ``serving`` (last) has no share of its own: it runs in the time the others leave, all of the
-# budget with ``--sections serving``, and takes none where vLLM is not installed.
-BUDGET_S = {"trainer": 170, "correctness": 40, "kernels": 130, "inference": 60, "serving": 0}
+# The whole run from the node command's start (the kit's install and every import count): 7.5
+# minutes, so the command ends inside 9 with the alarm's margin, under the node's 10-minute limit.
+TOTAL_BUDGET_S = 450
+ALARM_MARGIN_S = 15  # SIGALRM after the budget plus this: the backstop when an item overruns
+# Costs an item's start is weighed against, before they are measured in this run (then the
+# measurement replaces them): a trainer launch (torchrun + megatron-core + DeepSpeed imports,
+# ~10 s per process, NCCL init, the model built) and a cold Triton compile (2-3 s per config, sm_90,
+# measured on CPU). The attention kernels have 13 bf16 configs per shape key (fwd 4+3, dq 3+3,
+# dk/dv 1+1 under triton 3.6, its atomic variant 1+1): one cold autotune is ~40 s, paid once per
+# run thanks to the shared on-disk cache, as every GPU item uses the 1.3B shape's attention
+# geometry (head_dim 64, one query head per KV head).
+PRIOR_LAUNCH_S = 15.0
+PRIOR_COMPILE_S = 2.5
+COLD_AUTOTUNE_CONFIGS = 16
+# bf16 tolerances against the fp32 reference on unit-variance inputs: the kernels' error is the
+# bf16 rounding of their inputs/outputs (about 2**-8 relative), scaled by each tensor's size.
+TOL = {"out": 2e-2, "lse": 2e-2, "dq": 5e-2, "dk": 5e-2, "dv": 5e-2}
+# FlashAttention-2's backward does 5 matrix products per tile (S, dP, dV, dK, dQ); ours, without
+# atomics, recomputes S and dP in the dq kernel: 7. At equal tensor-core efficiency it reaches
+# 5/7 of FA2's backward TFLOP/s counted on 5 products; the atomic variant does 5.
+DETERMINISTIC_BWD_CEILING = 5 / 7
+LOG_TAIL_BYTES = 2 * 2**20  # per log in the bundle
 
 
 def shape_1p3b() -> dict:
@@ -86,38 +168,65 @@ def shape_1p3b() -> dict:
     return {**PRESETS["1p3b"], "max_position_embeddings": 131072}
 
 
-# bf16 tolerances against the fp32 reference on unit-variance inputs: the kernels' error is the
-# bf16 rounding of their inputs/outputs (about 2**-8 relative), scaled by each tensor's size.
-TOL = {"out": 2e-2, "lse": 2e-2, "dq": 5e-2, "dk": 5e-2, "dv": 5e-2}
-# FlashAttention-2's backward does 5 matrix products per tile (S, dP, dV, dK, dQ); ours, without
-# atomics, recomputes S and dP in the dq kernel: 7. At equal tensor-core efficiency it reaches
-# 5/7 of FA2's backward TFLOP/s counted on 5 products; the atomic variant does 5.
-DETERMINISTIC_BWD_CEILING = 5 / 7
+def tiny_shape(**extra) -> dict:
+    """The rehearsal's model: the 1.3B's config at a size the interpreter runs in seconds."""
+    return {**shape_1p3b(), "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+            "intermediate_size": 128, "vocab_size": 256, **extra}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan, the run and the report
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of the plan: ``fn(run, sec)`` returns its result (``ok`` False: a failed check)."""
+
+    name: str
+    section: str
+    budget_s: float  # its cap on the node
+    launches: int  # trainer processes it starts (each costs the measured launch time)
+    work_s: float  # its own work beyond the launches (a cold autotune the first time)
+    fn: Callable
+    what: str
 
 
 class Run:
-    """The report and where it goes; written atomically after every item, section and signal."""
+    """The report and where it goes; written atomically after every item and signal."""
 
-    def __init__(self, out_dir: Path, dry: bool) -> None:
-        self.out_dir, self.dry = out_dir, dry
+    def __init__(self, out_dir: Path, dry: bool, scratch: Path | None = None) -> None:
+        self.out_dir, self.dry = Path(out_dir), dry
+        self.scratch = Path(scratch) if scratch else Path(tempfile.mkdtemp(prefix="gpu_check_"))
+        self.logs = self.scratch / "logs"
         self.deadline = _T0 + TOTAL_BUDGET_S
+        self.item_deadline = math.inf
         self.child: subprocess.Popen | None = None  # a trainer process to kill with us
+        self.state: dict = {}  # what items hand on (the reference run, the layers that fit)
+        kit = json.loads(os.environ.get("GPU_CHECK_KIT") or "null")
+        self.costs = {"torch_import_s": round(TORCH_IMPORT_S, 1), "kit_install_s": kit and kit["seconds"],
+                      "launch_s": None, "launch_s_assumed": PRIOR_LAUNCH_S, "compile_s_assumed": PRIOR_COMPILE_S}
         self.report: dict = {
-            "device": f"CPU ({platform.machine()}), dry run" if dry else torch.cuda.get_device_name(0),
+            "device": f"CPU ({platform.machine()}), rehearsal" if dry or not torch.cuda.is_available()
+            else torch.cuda.get_device_name(0),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "torch": torch.__version__,
-            "triton": _version("triton"),
-            "dry_run": dry,
-            "budget_s": TOTAL_BUDGET_S,
-            "section_budget_s": BUDGET_S,
-            "targets_goal": TARGETS,
-            "complete": False,
-            "sections": {},
-            "targets": [],
-        }
+            "python": platform.python_version(), "torch": torch.__version__, "triton": _version("triton"),
+            "dry_run": dry, "budget_s": TOTAL_BUDGET_S, "kit": kit, "costs": self.costs,
+            "triton_cache": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")},
+            "targets_goal": TARGETS, "complete": False, "items": [], "dropped": [], "sections": {}, "targets": [],
+        }  # fmt: skip
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def launch_s(self) -> float:
+        return self.costs["launch_s"] or PRIOR_LAUNCH_S
+
+    def need_s(self, item: Item) -> float:
+        """Seconds ``item`` needs to start: its launches at the measured cost, its own work, and a
+        cold autotune if nothing has compiled the kernels yet."""
+        cold = 0.0 if self.state.get("kernels_warm") else COLD_AUTOTUNE_CONFIGS * PRIOR_COMPILE_S
+        return min(item.budget_s, item.launches * self.launch_s() + item.work_s + (cold if item.work_s else 0.0))
 
     def write(self) -> None:
         r = self.report
@@ -133,6 +242,19 @@ class Run:
             tmp.write_text(text)
             os.replace(tmp, self.out_dir / name)  # a reader never sees half a report
 
+    def bundle(self) -> None:
+        """``gpu_check_logs.tar.gz``: every log and metrics file of the scratch folder, each cut to
+        its last ``LOG_TAIL_BYTES`` (the trainer's error is at the end)."""
+        tmp = self.out_dir / ".gpu_check_logs.tar.gz.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path in sorted(self.scratch.rglob("*")):
+                if path.is_file() and (path.suffix in (".log", ".jsonl") or path.parent == self.logs):
+                    data = path.read_bytes()[-LOG_TAIL_BYTES:]
+                    info = tarfile.TarInfo(str(path.relative_to(self.scratch)))
+                    info.size, info.mtime = len(data), int(path.stat().st_mtime)
+                    tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, self.out_dir / "gpu_check_logs.tar.gz")
+
     def on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         self.report["interrupted"] = f"{name} after {time.monotonic() - _T0:.0f}s" + (
@@ -140,7 +262,11 @@ class Run:
         )
         kill_child(self.child)
         try:
+            for entry in self.report["items"]:
+                if entry["status"] == "running":
+                    entry["status"] = "interrupted"
             self.write()
+            self.bundle()
         finally:
             os._exit(124 if signum == signal.SIGALRM else 128 + signum)
 
@@ -150,6 +276,84 @@ def _version(module: str) -> str | None:
         return __import__(module).__version__
     except Exception:  # noqa: BLE001 - a missing package is a fact of the report
         return None
+
+
+def section_entry(run: Run, name: str) -> dict:
+    return run.report["sections"].setdefault(name, {"status": "pending", "rows": [], "errors": []})
+
+
+def run_item(run: Run, item: Item) -> None:
+    """Run one item within its budget (or drop it when the run has not the time it needs) and
+    record its status, result and seconds; the report and the log bundle follow."""
+    entry = next(e for e in run.report["items"] if e["name"] == item.name)
+    sec = section_entry(run, item.section)
+    need = run.need_s(item)
+    if not run.dry and run.left() < need:
+        entry.update(status="dropped", reason=f"needs ~{need:.0f} s, {max(run.left(), 0):.0f} s left")
+        run.report["dropped"].append({"item": item.name, "reason": entry["reason"]})
+        sec.setdefault("skipped", []).append(item.name)
+    else:
+        entry["status"], sec["status"] = "running", "running"
+        run.write()
+        t0 = time.monotonic()
+        run.item_deadline = math.inf if run.dry else min(t0 + item.budget_s, run.deadline)
+        try:
+            result = item.fn(run, sec) or {}
+            entry["status"] = result.pop("status", None) or ("failed" if result.get("ok") is False else "ok")
+            entry["result"] = result
+        except Exception as exc:  # noqa: BLE001 - one item's failure is a result; the rest runs
+            entry.update(status="error", error=f"{type(exc).__name__}: {exc}"[:800],
+                         traceback=traceback.format_exc()[-1500:])  # fmt: skip
+            sec["errors"].append({"item": item.name, "error": entry["error"]})
+        finally:
+            kill_child(run.child)
+            run.item_deadline = math.inf
+            entry["seconds"] = round(time.monotonic() - t0, 1)
+    sec["seconds"] = round(sum(e.get("seconds") or 0 for e in run.report["items"] if e["section"] == item.section), 1)
+    if all(e["status"] not in ("pending", "running") for e in run.report["items"] if e["section"] == item.section):
+        sec["status"] = "done"
+    run.write()
+    _quietly(run.bundle)
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - a bundle or a plot that fails costs nothing else
+        print(f"gpu_check: {getattr(fn, '__name__', fn)}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def left_s(run: Run) -> float:
+    """Seconds the running item has left (inf in a rehearsal)."""
+    return run.item_deadline - time.monotonic()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# the real trainer, through torchrun
+# ---------------------------------------------------------------------------------------------
+
+# On CPU (rehearsal): gloo, fp32 (the interpreter's bf16 is not the GPU's), tiny sizes.
+DRY_DEVICE = ["trainer.device=cpu", "trainer.precision=fp32", "parallel.backend=gloo"]
+GPU_DEVICE = ["trainer.device=cuda", "trainer.precision=bf16", "parallel.backend=nccl"]
+COMMON = ["trainer.wandb.enabled=false", "trainer.progress=false", "trainer.eval_every=0",
+          "trainer.sample_prompt=null", "++model.attention_backend=triton", "trainer.gpu=null",
+          "trainer.gpu_memory_gib=null"]  # fmt: skip
+DRY_TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=128",
+            "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.eval_batches=1"]  # fmt: skip
+# The tiny model's runs on the GPU take the 1.3B shape's attention geometry (head_dim 64 = 256 / 4
+# heads, one query head per KV head), so they reuse the kernels compiled and tuned for it.
+GPU_TINY = ["model.num_key_value_heads=4"]
+GPU_RL = ["model.hidden_size=256", "model.num_key_value_heads=4"]  # rl_tiny_cpu's 64 wide model, likewise
+
+
+def trainer_cmd(recipe: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
+            "-m", "orthros_train.train.cli", "--config-name", recipe, *overrides]  # fmt: skip
 
 
 def _descendants(pid: int) -> list[int]:
@@ -182,107 +386,37 @@ def kill_child(proc: subprocess.Popen | None) -> None:
     proc.wait()
 
 
-class Guard:
-    """Time budget of one section, capped by the whole run's: ``ok()`` is false once spent."""
-
-    def __init__(self, run: Run, seconds: float) -> None:
-        self.run = run
-        # a dry run checks every item, however slow the interpreter on a shared CPU is
-        self.deadline = math.inf if run.dry else min(time.monotonic() + seconds, run.deadline)
-        self.skipped: list[str] = []
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def ok(self, what: str, need_s: float = 0.0) -> bool:
-        if self.left() > need_s:
-            return True
-        self.skipped.append(what)
-        return False
-
-
-@contextmanager
-def section(run: Run, name: str):
-    t0 = time.monotonic()
-    entry = run.report["sections"].setdefault(name, {"rows": [], "errors": []})
-    entry["status"] = "running"
-    run.write()
-    try:
-        yield entry
-        entry["status"] = "done"
-    except Exception as exc:  # noqa: BLE001 - a failed section is a result; the others still run
-        entry["status"] = "failed"
-        entry["error"] = f"{type(exc).__name__}: {exc}"[:800]
-        entry["traceback"] = traceback.format_exc()[-2000:]
-    finally:
-        entry["seconds"] = round(time.monotonic() - t0, 1)
-        run.write()
-
-
-@contextmanager
-def attempt(run: Run, sec: dict, what: str):
-    """One item: its failure is recorded under the section's ``errors`` and the section goes on."""
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - one item's failure is a result
-        sec.setdefault("errors", []).append({"item": what, "error": f"{type(exc).__name__}: {exc}"[:800]})
-    finally:
-        run.write()
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-# ---------------------------------------------------------------------------------------------
-# 1. the real trainer
-# ---------------------------------------------------------------------------------------------
-
-# On CPU (dry run): gloo, fp32 (the interpreter's bf16 is not the GPU's), tiny sizes.
-DRY_DEVICE = ["trainer.device=cpu", "trainer.precision=fp32", "parallel.backend=gloo"]
-GPU_DEVICE = ["trainer.device=cuda", "trainer.precision=bf16", "parallel.backend=nccl"]
-COMMON = ["trainer.wandb.enabled=false", "trainer.progress=false", "trainer.eval_every=0",
-          "trainer.sample_prompt=null", "++model.attention_backend=triton", "trainer.gpu=null",
-          "trainer.gpu_memory_gib=null"]  # fmt: skip
-DRY_TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=128",
-            "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.eval_batches=1"]  # fmt: skip
-
-
-def trainer_cmd(recipe: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
-            "-m", "orthros_train.train.cli", "--config-name", recipe, *overrides]  # fmt: skip
-
-
-def launch(run: Run, cmd: list[str], log: Path) -> subprocess.Popen:
+def launch(run: Run, cmd: list[str], name: str) -> tuple[subprocess.Popen, Path]:
+    """Start a trainer with its log at SCRATCH/logs/NAME.log; the Triton cache is inherited."""
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     if run.dry:
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)  # the interpreter on CUDA tensors copies them to the host
+    log = run.logs / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    handle = log.open("w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-    handle.close()
+    with log.open("w") as handle:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
     run.child = proc
-    return proc
+    return proc, log
 
 
-def wait_for(run: Run, proc: subprocess.Popen, guard: Guard, log: Path, until=None, poll_s: float = 0.05) -> int:
-    """Wait for ``proc`` (or for ``until()`` to hold, then kill it with SIGKILL) within the guard's
-    time; a process still running at the deadline is killed and named."""
+def wait_for(run: Run, proc: subprocess.Popen, log: Path, until=None, poll_s: float = 0.05) -> int:
+    """Wait for ``proc`` (or for ``until()`` to hold, then kill it with SIGKILL) within the item's
+    time; a process still running at the item's deadline is killed and named."""
     while proc.poll() is None:
         if until is not None and until():
             kill_child(proc)
             return -9
-        if guard.left() <= 0:
+        if left_s(run) <= 0:
             kill_child(proc)
-            raise TimeoutError(f"the trainer ran out of the section's time (log: {log})")
+            raise TimeoutError(f"the trainer ran out of the item's time (log {log.name} in the bundle)")
         time.sleep(poll_s)
     run.child = None
     if proc.returncode != 0:
-        raise RuntimeError(f"trainer exited with {proc.returncode} (log {log}): {log_problem(log)}")
+        raise RuntimeError(f"trainer exited with {proc.returncode} (log {log.name}): {log_problem(log)}")
     return 0
 
 
@@ -321,143 +455,9 @@ def latest_step(run_dir: Path) -> int | None:
         return None
 
 
-def run_trainer_section(run: Run) -> None:
-    with section(run, "trainer") as sec:
-        guard = Guard(run, BUDGET_S["trainer"])
-        dry = run.dry
-        work = run.out_dir / "trainer_runs"
-        logs = run.out_dir / "trainer_logs"
-        device = DRY_DEVICE if dry else GPU_DEVICE
-        tiny = DRY_TINY if dry else []
-        steps, every = (4, 2) if dry else (12, 3)
-        base = [*device, *COMMON, *tiny, "trainer.log_every=1", f"trainer.save_every={every}"]
-        sec["recipe"] = "recipes/gpu_check.yaml"
-        sec["launcher"] = " ".join(trainer_cmd("gpu_check", [])[2:7])
-        rows = sec["rows"]
-        ref_dir, killed_dir = work / "reference", work / "killed"
-
-        def row(name: str) -> dict:
-            r = {"item": name, "ok": None, "seconds": None}
-            rows.append(r)
-            return r
-
-        r = row(f"pretrain {steps} steps with saves")
-        with attempt(run, sec, r["item"]):
-            t0 = time.monotonic()
-            proc = launch(
-                run,
-                trainer_cmd("gpu_check", [*base, f"trainer.max_steps={steps}", f"trainer.run_dir={ref_dir}"]),
-                logs / "reference.log",
-            )
-            wait_for(run, proc, guard, logs / "reference.log")
-            ref = metrics(ref_dir)
-            r.update(
-                seconds=round(time.monotonic() - t0, 1),
-                steps=sorted(ref),
-                final_loss=ref[max(ref)]["loss"],
-                checkpoint=latest_step(ref_dir),
-                ok=sorted(ref) == list(range(1, steps + 1)),
-            )
-            # the first launch pays for imports, NCCL init and Triton's compile + autotune: its seconds
-            # against the resumed run's show that cost
-        r = row("kill -9 after the first save, resume: bitwise-equal losses")
-        with attempt(run, sec, r["item"]):
-            t0 = time.monotonic()
-            # a far max_steps, so the kill lands mid-run; the lr is constant, so steps are comparable
-            proc = launch(
-                run,
-                trainer_cmd("gpu_check", [*base, "trainer.max_steps=100000", f"trainer.run_dir={killed_dir}"]),
-                logs / "killed.log",
-            )
-            wait_for(run, proc, guard, logs / "killed.log", until=lambda: latest_step(killed_dir) is not None)
-            saved = latest_step(killed_dir)
-            r["killed_after_checkpoint"] = saved
-            r["steps_logged_before_kill"] = max(metrics(killed_dir), default=0)
-            if saved is None or saved >= steps:
-                raise RuntimeError(f"the kill came too late: checkpoint {saved} is not before step {steps}")
-            proc = launch(
-                run,
-                trainer_cmd(
-                    "gpu_check",
-                    [
-                        *base,
-                        f"trainer.max_steps={steps}",
-                        f"trainer.run_dir={killed_dir}",
-                        "trainer.resume=auto",
-                        "trainer.resume_changes=allow",
-                    ],
-                ),
-                logs / "resumed.log",
-            )
-            wait_for(run, proc, guard, logs / "resumed.log")
-            ref, got = metrics(ref_dir), metrics(killed_dir)
-            compared = list(range(saved + 1, steps + 1))
-            diffs = {s: (ref.get(s, {}).get("loss"), got.get(s, {}).get("loss")) for s in compared}
-            r.update(
-                seconds=round(time.monotonic() - t0, 1),
-                compared_steps=compared,
-                mismatches={s: d for s, d in diffs.items() if d[0] is None or repr(d[0]) != repr(d[1])},
-            )
-            r["ok"] = not r["mismatches"]
-        export = ref_dir / "checkpoints" / "final"
-        r = row("export + transformers generate")
-        with attempt(run, sec, r["item"]):
-            r.update(generate_export(export, torch.device("cpu" if dry else "cuda")))
-            r["ok"] = r["new_tokens"] > 0
-        for kind, recipe, extra in (
-            ("one SFT step from the export", "sft_tiny_cpu", [f"model.init_from={export}", *tiny]),
-            ("one RL step, sampling on the trainer's device", "rl_tiny_cpu", []),
-        ):
-            r = row(kind)
-            with attempt(run, sec, kind):
-                if not guard.ok(kind, 5):
-                    r["ok"] = None
-                    continue
-                t0 = time.monotonic()
-                run_dir = work / recipe
-                log = logs / f"{recipe}.log"
-                proc = launch(
-                    run,
-                    trainer_cmd(
-                        recipe,
-                        [
-                            *device,
-                            *COMMON,
-                            *extra,
-                            "trainer.max_steps=1",
-                            "trainer.log_every=1",
-                            f"trainer.run_dir={run_dir}",
-                        ],
-                    ),
-                    log,
-                )
-                wait_for(run, proc, guard, log)
-                got = metrics(run_dir)
-                r.update(seconds=round(time.monotonic() - t0, 1), loss=got.get(1, {}).get("loss"))
-                r["ok"] = 1 in got and math.isfinite(got[1]["loss"])
-        r = row("1.3B shape through the trainer")
-        with attempt(run, sec, r["item"]):
-            r.update(time_1p3b(run, guard, work, logs))
-            r["ok"] = bool(r.get("records"))
-        sec["skipped"] = guard.skipped
-
-
-def generate_export(path: Path, dev: torch.device) -> dict:
-    """The trainer's export as a user loads it in transformers: converted by orthros-convert's
-    library call into a remote-code directory, loaded with the auto classes, ``generate``d from."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from orthros_train.convert.to_hf import convert_to_hf
-
-    hf = path.parent / "final_hf"
-    convert_to_hf(path, hf, overwrite=True)
-    model = AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True).to(dev).eval()
-    tok = AutoTokenizer.from_pretrained(hf, trust_remote_code=False)  # the tokenizer runs no custom code
-    ids = tok("The most important thing about startups is", return_tensors="pt").input_ids.to(dev)
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    return {"model_class": type(model).__name__, "new_tokens": int(out.shape[1] - ids.shape[1]),
-            "text": tok.decode(out[0, ids.shape[1]:])}  # fmt: skip
+def tiny_base(run: Run) -> list[str]:
+    """Overrides of every tiny-model trainer run: device, the common switches, the size."""
+    return [*(DRY_DEVICE if run.dry else GPU_DEVICE), *COMMON, *(DRY_TINY if run.dry else GPU_TINY)]
 
 
 def layers_that_fit(device_bytes: int, seq_len: int = 4096) -> tuple[int, dict]:
@@ -477,81 +477,233 @@ def layers_that_fit(device_bytes: int, seq_len: int = 4096) -> tuple[int, dict]:
     return best, (est.as_gib() if est else {})
 
 
-def time_1p3b(run: Run, guard: Guard, work: Path, logs: Path) -> dict:
-    """The trainer's own plan (trainer.dry_run) for the layout, then steps timed by the trainer
-    itself (metrics.jsonl: tokens/s, MFU from the model's FLOPs, peak memory), killed once enough
-    steps are logged (its final save of a 1.3B-shape model is not what is measured)."""
-    dry = run.dry
+def item_train_1p3b(run: Run, sec: dict) -> dict:
+    """The 1.3B shape with as many layers as fit at 4K tokens: the trainer's own plan
+    (trainer.dry_run, whose launch measures what a launch costs here), then steps timed by the
+    trainer itself (metrics.jsonl: tokens/s, MFU from the model's FLOPs, peak memory), killed once
+    enough are logged (its final save of a 1.3B model is not what is measured)."""
     gib = 2**30
-    device_bytes = 80 * gib if dry else torch.cuda.get_device_properties(0).total_memory
+    device_bytes = 80 * gib if run.dry else torch.cuda.get_device_properties(0).total_memory
     layers, _ = layers_that_fit(device_bytes)
     layout = [f"model.num_hidden_layers={layers}", "trainer.seq_len=4096", "trainer.micro_batch_size=1"]
-    if dry:  # the same path at a size the interpreter can run; the plan is for the real layers
-        timed_shape, device = [*DRY_TINY, "model.num_attention_heads=4", "model.num_key_value_heads=4"], DRY_DEVICE
-    else:
-        timed_shape, device = layout, GPU_DEVICE
+    device = DRY_DEVICE if run.dry else GPU_DEVICE
     common = [*device, *COMMON, "parallel=single", "trainer.global_batch_size=null", "trainer.log_every=1",
               "trainer.save_every=0", "trainer.resume=none", "trainer.overwrite=true"]  # fmt: skip
-    out: dict = {"layers": layers, "seq_len": 4096, "device_gib": round(device_bytes / gib, 1)}
-    plan_dir = work / "plan_1p3b"
-    plan_cmd = trainer_cmd("pretrain_1p3b", [*common, *layout, "trainer.dry_run=true", f"trainer.run_dir={plan_dir}"])
-    log = logs / "plan_1p3b.log"
-    proc = launch(run, plan_cmd, log)
-    wait_for(run, proc, guard, log)
+    out: dict = {"item": "1.3B shape through the trainer", "layers": layers, "seq_len": 4096,
+                 "device_gib": round(device_bytes / gib, 1)}  # fmt: skip
+    sec["rows"].append(out)
+    t0 = time.monotonic()
+    plan_dir = run.scratch / "runs" / "plan_1p3b"
+    proc, log = launch(run, trainer_cmd("pretrain_1p3b", [*common, *layout, "trainer.dry_run=true",
+                                                          f"trainer.run_dir={plan_dir}"]), "plan_1p3b")  # fmt: skip
+    wait_for(run, proc, log)
+    run.costs["launch_s"] = round(time.monotonic() - t0, 1)  # imports + config + plan: one launch's cost
     text = log.read_text(errors="replace")
     plan = json.loads(text[text.index("{") : text.rindex("}") + 1])
     out["estimate_gib"] = plan.get("memory_per_gpu", {}).get("peak_gib")
-    out["estimate_terms_gib"] = (plan.get("memory_per_gpu", {}).get("stages") or [{}])[0]
     out["flops_per_token"] = plan.get("flops_per_token")
-    want = 4 if dry else 8
-    run_dir = work / "timed_1p3b"
-    log = logs / "timed_1p3b.log"
-    proc = launch(
-        run,
-        trainer_cmd("pretrain_1p3b", [*common, *timed_shape, "trainer.max_steps=100000", f"trainer.run_dir={run_dir}"]),
-        log,
-    )
-    wait_for(run, proc, guard, log, until=lambda: len(metrics(run_dir)) >= want, poll_s=0.2)
-    recs = [metrics(run_dir)[s] for s in sorted(metrics(run_dir))][2:]  # two warm-up steps
-    out["records"] = len(recs)
+    # the rehearsal: the same path at a size the interpreter can run; the plan is for the real layers
+    timed = [*DRY_TINY, "model.num_attention_heads=4", "model.num_key_value_heads=4"] if run.dry else layout
+    out.update(time_steps(run, [*common, *timed], want=4 if run.dry else 8))
+    run.state["kernels_warm"] = True  # compiled and tuned into the shared cache by that process
+    if out.get("peak_gib") and out["estimate_gib"]:
+        out["peak_over_estimate"] = out["peak_gib"] / out["estimate_gib"]
+    out["ok"] = bool(out.get("records"))
+    return out
+
+
+def time_steps(run: Run, overrides: list[str], want: int) -> dict:
+    """Launch pretrain_1p3b, let it log ``want`` steps, kill it; medians after two warm-up steps."""
+    run_dir = run.scratch / "runs" / "timed_1p3b"
+    proc, log = launch(run, trainer_cmd("pretrain_1p3b", [*overrides, "trainer.max_steps=100000",
+                                                          f"trainer.run_dir={run_dir}"]), "timed_1p3b")  # fmt: skip
+    wait_for(run, proc, log, until=lambda: len(metrics(run_dir)) >= want, poll_s=0.2)
+    recs = [metrics(run_dir)[s] for s in sorted(metrics(run_dir))][2:]
 
     def median(key: str) -> float | None:
         vals = sorted(r[key] for r in recs if r.get(key) is not None)
         return vals[len(vals) // 2] if vals else None
 
-    out.update(tokens_per_s=median("tokens_per_s"), mfu=median("mfu"), peak_gib=median("max_memory_gib"))
-    if out["peak_gib"] and out["estimate_gib"]:
-        out["peak_over_estimate"] = out["peak_gib"] / out["estimate_gib"]
-    if dry:
-        out["note"] = "dry run: the plan is the real layout's, the timed steps ran at the tiny size on CPU"
+    out = {"records": len(recs), "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"),
+           "peak_gib": median("max_memory_gib")}  # fmt: skip
+    if run.dry:
+        out["note"] = "rehearsal: the plan is the real layout's, the timed steps ran at the tiny size on CPU"
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. correctness
-# ---------------------------------------------------------------------------------------------
+def item_resume(run: Run, sec: dict) -> dict:
+    """recipes/gpu_check.yaml: a run with saves, then a second one killed with SIGKILL after its
+    first save and resumed in a new process; its losses must equal the first run's bit for bit
+    (the Triton autotune cache on disk gives the resumed process the first one's tiles)."""
+    steps, every = (4, 2) if run.dry else (12, 3)
+    base = [*tiny_base(run), "trainer.log_every=1", f"trainer.save_every={every}"]
+    ref_dir, killed_dir = run.scratch / "runs" / "reference", run.scratch / "runs" / "killed"
+    row = {"item": "kill -9 after the first save, resume: bitwise-equal losses", "recipe": "recipes/gpu_check.yaml"}
+    sec["rows"].append(row)
+    proc, log = launch(run, trainer_cmd("gpu_check", [*base, f"trainer.max_steps={steps}",
+                                                      f"trainer.run_dir={ref_dir}"]), "reference")  # fmt: skip
+    wait_for(run, proc, log)
+    run.state["reference"] = ref_dir
+    ref = metrics(ref_dir)
+    row.update(steps=sorted(ref), final_loss=ref[max(ref)]["loss"] if ref else None)
+    # a far max_steps, so the kill lands mid-run; the lr is constant, so steps are comparable
+    proc, log = launch(run, trainer_cmd("gpu_check", [*base, "trainer.max_steps=100000",
+                                                      f"trainer.run_dir={killed_dir}"]), "killed")  # fmt: skip
+    wait_for(run, proc, log, until=lambda: latest_step(killed_dir) is not None)
+    saved = latest_step(killed_dir)
+    row.update(killed_after_checkpoint=saved, steps_logged_before_kill=max(metrics(killed_dir), default=0))
+    if saved is None or saved >= steps:
+        raise RuntimeError(f"the kill came too late: checkpoint {saved} is not before step {steps}")
+    resume = [f"trainer.max_steps={steps}", f"trainer.run_dir={killed_dir}", "trainer.resume=auto",
+              "trainer.resume_changes=allow"]  # fmt: skip
+    proc, log = launch(run, trainer_cmd("gpu_check", [*base, *resume]), "resumed")
+    wait_for(run, proc, log)
+    got = metrics(killed_dir)
+    compared = list(range(saved + 1, steps + 1))
+    diffs = {s: (ref.get(s, {}).get("loss"), got.get(s, {}).get("loss")) for s in compared}
+    row.update(compared_steps=compared,
+               mismatches={s: d for s, d in diffs.items() if d[0] is None or repr(d[0]) != repr(d[1])})  # fmt: skip
+    row["ok"] = sorted(ref) == list(range(1, steps + 1)) and not row["mismatches"]
+    run.state["losses"] = {"reference": {s: r["loss"] for s, r in ref.items()},
+                           "resumed": {s: r["loss"] for s, r in got.items() if s > saved}}  # fmt: skip
+    _quietly(lambda: plot_losses(run))
+    return dict(row)
 
 
-def correctness_cases(dry: bool) -> list[dict]:
+def item_export_generate(run: Run, sec: dict) -> dict:
+    """The reference run's export as a user loads it in transformers: converted by
+    orthros-convert's library call into a remote-code directory, loaded with the auto classes,
+    ``generate``d from."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orthros_train.convert.to_hf import convert_to_hf
+
+    export = run.state.get("reference", run.scratch / "runs" / "reference") / "checkpoints" / "final"
+    if not export.exists():
+        return {"status": "skipped", "reason": "no export: the resume item's reference run did not finish"}
+    dev = torch.device("cpu" if run.dry else "cuda")
+    hf = export.parent / "final_hf"
+    convert_to_hf(export, hf, overwrite=True)
+    model = AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True).to(dev).eval()
+    tok = AutoTokenizer.from_pretrained(hf, trust_remote_code=False)  # the tokenizer runs no custom code
+    ids = tok("The most important thing about startups is", return_tensors="pt").input_ids.to(dev)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    row = {"item": "export + transformers generate", "model_class": type(model).__name__,
+           "new_tokens": int(out.shape[1] - ids.shape[1]), "text": tok.decode(out[0, ids.shape[1]:])}  # fmt: skip
+    row["ok"] = row["new_tokens"] > 0
+    sec["rows"].append(row)
+    return dict(row)
+
+
+def one_step_item(recipe: str, what: str, from_export: bool) -> Callable:
+    """An item that runs one step of ``recipe`` (SFT from the reference run's export, or RL)."""
+
+    def item(run: Run, sec: dict) -> dict:
+        extra = []
+        if from_export:
+            export = run.state.get("reference", run.scratch / "runs" / "reference") / "checkpoints" / "final"
+            if not export.exists():
+                return {"status": "skipped", "reason": "no export: the resume item's reference run did not finish"}
+            extra = [f"model.init_from={export}"]
+        run_dir = run.scratch / "runs" / recipe
+        size = tiny_base(run) if from_export else [*(DRY_DEVICE if run.dry else [*GPU_DEVICE, *GPU_RL]), *COMMON]
+        proc, log = launch(run, trainer_cmd(recipe, [*size, *extra, "trainer.max_steps=1", "trainer.log_every=1",
+                                                     f"trainer.run_dir={run_dir}"]), recipe)  # fmt: skip
+        wait_for(run, proc, log)
+        got = metrics(run_dir)
+        row = {"item": what, "loss": got.get(1, {}).get("loss"), "ok": 1 in got and math.isfinite(got[1]["loss"])}
+        sec["rows"].append(row)
+        return dict(row)
+
+    return item
+
+
+# ---------------------------------------------------------------------------------------------
+# preflight: what the node's items need is there
+# ---------------------------------------------------------------------------------------------
+
+# What the trainer, conversion and inference import beyond torch (the kit's and the image's), and
+# the corpora the recipes read (gpu_check.yaml and pretrain_1p3b: the essays; sft_tiny_cpu: the
+# dialogues, both data wheels of the kit).
+NODE_MODULES = ("megatron.core", "deepspeed", "hydra", "omegaconf", "antlr4", "datasets", "dill", "multiprocess",
+                "hjson", "pydantic", "transformers", "triton", "safetensors", "tokenizers", "yaml", "numpy")
+NODE_CORPORA = ("paul_graham", "chatterbot")
+
+
+def _found(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def item_preflight(run: Run, sec: dict) -> dict:
+    """Every module the items import and every corpus the recipes read is found, and the kit's
+    wheels installed (their versions as its requirements.txt pins them): one line per problem."""
+    from importlib import metadata
+
+    problems = [f"module {m} not found" for m in NODE_MODULES if not _found(m)]
+    kit = run.report.get("kit") or {}
+    if kit.get("error"):
+        problems.append(f"the kit's install failed: {kit['error']}")
+    pins = Path(kit["kit"]) / "requirements.txt" if kit.get("kit") else None
+    for line in pins.read_text().splitlines() if pins and pins.exists() else []:
+        spec = line.split("#", 1)[0].strip()
+        if "==" in spec:
+            name, version = spec.split("==", 1)
+            try:
+                have = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                have = None
+            if have != version:
+                problems.append(f"kit package {spec} is {'at ' + have if have else 'not installed'}")
+    corpora = {}
+    try:
+        from orthros_train.data.embedded import corpus_files
+
+        for name in NODE_CORPORA:
+            try:
+                corpora[name] = len(corpus_files(name))
+            except (FileNotFoundError, ValueError) as exc:
+                problems.append(f"corpus {name}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the package itself does not import: that is the finding
+        problems.append(f"orthros_train.data does not import: {type(exc).__name__}: {exc}")
+    row = {"check": "packages, kit and corpora", "modules": len(NODE_MODULES), "corpora": corpora,
+           "problems": problems, "ok": not problems}  # fmt: skip
+    sec["rows"].append(row)
+    return dict(row)
+
+
+# ---------------------------------------------------------------------------------------------
+# correctness of the kernels against the fp32 reference op
+# ---------------------------------------------------------------------------------------------
+
+ATTN_SHAPE = {"heads": 32, "kv_heads": 32, "head_dim": 64, "window": 128}  # the 1.3B's attention
+DRY_ATTN_SHAPE = {"heads": 2, "kv_heads": 1, "head_dim": 16, "window": 8}
+CORRECT_LAYOUTS = ("pretrain", "sft", "rl", "prefill", "packed")
+
+
+def correctness_case(layout: str, t: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_index, q_window, cu_seqlens) of a phase's layout: one document for pretrain / sft /
+    prefill (bench/attention.py's), several for rl (prompt + response rows, output tokens on the
+    responses) and packed (documents of uneven length, output tokens on every third position)."""
     import attention as attn_bench  # bench/attention.py: problems, FLOPs, timing
 
     from orthros_train.ops.reference import UNBOUNDED
 
-    t = 64 if dry else 4096
-    heads, kv, d, w = (2, 1, 16, 8) if dry else (32, 8, 128, 128)
-    cases = []
-    for layout in ("pretrain", "sft", "prefill"):
-        qi, qw, cu = attn_bench.make_queries(layout, t, w)
-        cases.append({"layout": layout, "q_index": qi, "q_window": qw, "cu": cu})
-    # packed: several documents in one sequence, sft-like output tokens on every 3rd position
+    if layout in attn_bench.LAYOUTS:
+        return attn_bench.make_queries(layout, t, w)
     cu = torch.tensor([0, t // 5, t // 2, t - t // 8, t], dtype=torch.int32)
-    out = torch.arange(0, t, 3)
+    if layout == "rl":  # the second 60% of each row is the response
+        out = torch.cat([torch.arange(int(a + 0.4 * (b - a)), int(b)) for a, b in zip(cu[:-1], cu[1:])])
+    else:
+        out = torch.arange(0, t, 3)
     qi = torch.cat([torch.arange(t), out])
     qw = torch.cat([torch.full((t,), w), torch.full((out.numel(),), UNBOUNDED)])
-    cases.append({"layout": "packed", "q_index": qi, "q_window": qw, "cu": cu})
-    for c in cases:
-        c.update(T=t, heads=heads, kv_heads=kv, head_dim=d)
-    return cases
+    return qi, qw, cu
 
 
 def max_errors(got: list[torch.Tensor], want: list[torch.Tensor], names: list[str]) -> dict[str, float]:
@@ -562,71 +714,76 @@ def max_errors(got: list[torch.Tensor], want: list[torch.Tensor], names: list[st
     }
 
 
-def run_correctness(run: Run) -> None:
-    with section(run, "correctness") as sec:
-        from orthros_train.ops import triton_attention as ta
-        from orthros_train.ops.reference import UNBOUNDED, attention_reference
-        from orthros_train.ops.triton_decode import decode_attention
+def correctness_item(layout: str) -> Callable:
+    """An item: bf16 forward + backward of the Triton kernels on ``layout`` against the fp32
+    reference on the same rounded inputs (fp32 and fixed small tiles on the interpreter)."""
 
-        dry = run.dry
-        dev = torch.device("cpu" if dry else "cuda")
-        guard = Guard(run, BUDGET_S["correctness"])
-        dtype = torch.float32 if dry else torch.bfloat16  # the interpreter's bf16 is not the GPU's
-        blocks = (16, 16) if dry else None  # the interpreter: small fixed tiles; a GPU: the autotuned ones
-        g = torch.Generator().manual_seed(0)
-        for c in correctness_cases(dry):
-            if not guard.ok(c["layout"]):
-                continue
-            with attempt(run, sec, f"{c['layout']} fwd+bwd"):
-                n_q, t = c["q_index"].numel(), c["T"]
-                q32 = torch.randn(n_q, c["heads"], c["head_dim"], generator=g)
-                k32 = torch.randn(t, c["kv_heads"], c["head_dim"], generator=g)
-                v32 = torch.randn(t, c["kv_heads"], c["head_dim"], generator=g)
-                dout = torch.randn(q32.shape, generator=g).to(dev)
-                qi, qw, cu = c["q_index"].to(dev), c["q_window"].to(dev), c["cu"].to(dev)
-                ins = [x.to(dev, dtype).requires_grad_() for x in (q32, k32, v32)]
-                out, lse = ta.attention_triton(*ins, qi, qw, cu, decode=False, blocks=blocks)
-                got = [out, lse, *torch.autograd.grad(out, ins, dout.to(out.dtype))]
-                ref_in = [x.detach().float().requires_grad_() for x in ins]  # same rounded inputs, fp32 math
-                r_out, r_lse = attention_reference(*ref_in, qi, qw, cu)
-                want = [r_out, r_lse, *torch.autograd.grad(r_out, ref_in, dout.float())]
-                errs = max_errors(got, want, ["out", "lse", "dq", "dk", "dv"])
-                sec["rows"].append(
-                    {
-                        "check": f"{c['layout']} fwd+bwd",
-                        "T": t,
-                        "dtype": str(dtype).split(".")[-1],
-                        "max_rel_err": errs,
-                        "ok": all(errs[n] <= TOL[n] for n in errs),
-                    }
-                )
-        if guard.ok("decode"):
-            with attempt(run, sec, "decode"):  # ragged cache lengths, one base + one output query per row
-                lens = [70, 17, 1] if dry else [32768, 4099, 1]
-                heads, kv, d = (2, 1, 16) if dry else (32, 8, 128)
-                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-                qi = (cu[1:] - 1).long().repeat_interleave(2)
-                qw = torch.tensor([128, UNBOUNDED]).repeat(len(lens))
-                n_k = int(cu[-1])
-                q, k, v = (torch.randn(n, hh, d, generator=g).to(dev, dtype)
-                           for n, hh in ((qi.numel(), heads), (n_k, kv), (n_k, kv)))  # fmt: skip
-                out, lse = decode_attention(q, k, v, qi.to(dev), qw.to(dev), cu.to(dev))
-                r_out, r_lse = attention_reference(q.float(), k.float(), v.float(), qi.to(dev), qw.to(dev),
-                                                   cu.to(dev))  # fmt: skip
-                errs = max_errors([out, lse], [r_out, r_lse], ["out", "lse"])
-                sec["rows"].append(
-                    {
-                        "check": f"decode ragged {lens}",
-                        "dtype": str(dtype).split(".")[-1],
-                        "max_rel_err": errs,
-                        "ok": all(errs[n] <= TOL[n] for n in errs),
-                    }
-                )
-        for backend in ("triton", "auto"):  # auto: what a recipe without attention_backend gets
-            if guard.ok(f"sync-free layers ({backend})"):
-                with attempt(run, sec, f"sync-free layers ({backend})"):
-                    sec["rows"].append(sync_free_check(dev, backend, dry))
-        sec["skipped"] = guard.skipped
+    def item(run: Run, sec: dict) -> dict:
+        from orthros_train.ops import triton_attention as ta
+        from orthros_train.ops.reference import attention_reference
+
+        dev, dtype = _dev_dtype(run)
+        shape = DRY_ATTN_SHAPE if run.dry else ATTN_SHAPE
+        t = 64 if run.dry else 4096
+        g = torch.Generator().manual_seed(CORRECT_LAYOUTS.index(layout))
+        qi, qw, cu = (x.to(dev) for x in correctness_case(layout, t, shape["window"]))
+        q32 = torch.randn(qi.numel(), shape["heads"], shape["head_dim"], generator=g)
+        k32, v32 = (torch.randn(t, shape["kv_heads"], shape["head_dim"], generator=g) for _ in range(2))
+        dout = torch.randn(q32.shape, generator=g).to(dev)
+        ins = [x.to(dev, dtype).requires_grad_() for x in (q32, k32, v32)]
+        blocks = (16, 16) if run.dry else None  # the interpreter: small fixed tiles; a GPU: the autotuned ones
+        out, lse = ta.attention_triton(*ins, qi, qw, cu, decode=False, blocks=blocks)
+        got = [out, lse, *torch.autograd.grad(out, ins, dout.to(out.dtype))]
+        ref_in = [x.detach().float().requires_grad_() for x in ins]  # same rounded inputs, fp32 math
+        r_out, r_lse = attention_reference(*ref_in, qi, qw, cu)
+        errs = max_errors(got, [r_out, r_lse, *torch.autograd.grad(r_out, ref_in, dout.float())],
+                          ["out", "lse", "dq", "dk", "dv"])  # fmt: skip
+        row = {"check": f"{layout} fwd+bwd", "T": t, "dtype": str(dtype).split(".")[-1], "max_rel_err": errs,
+               "ok": all(errs[n] <= TOL[n] for n in errs)}  # fmt: skip
+        sec["rows"].append(row)
+        return dict(row)
+
+    return item
+
+
+def _dev_dtype(run: Run) -> tuple[torch.device, torch.dtype]:
+    # the interpreter's bf16 is not the GPU's: fp32 there
+    return (torch.device("cpu"), torch.float32) if run.dry else (torch.device("cuda"), torch.bfloat16)
+
+
+def item_decode(run: Run, sec: dict) -> dict:
+    """The decode kernel on ragged cache lengths, one base + one output query per row."""
+    from orthros_train.ops.reference import UNBOUNDED, attention_reference
+    from orthros_train.ops.triton_decode import decode_attention
+
+    dev, dtype = _dev_dtype(run)
+    g = torch.Generator().manual_seed(7)
+    lens = [70, 17, 1] if run.dry else [32768, 4099, 1]
+    shape = DRY_ATTN_SHAPE if run.dry else ATTN_SHAPE
+    heads, kv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    qi = (cu[1:] - 1).long().repeat_interleave(2)
+    qw = torch.tensor([shape["window"], UNBOUNDED]).repeat(len(lens))
+    n_k = int(cu[-1])
+    q, k, v = (torch.randn(n, hh, d, generator=g).to(dev, dtype)
+               for n, hh in ((qi.numel(), heads), (n_k, kv), (n_k, kv)))  # fmt: skip
+    qi, qw, cu = qi.to(dev), qw.to(dev), cu.to(dev)
+    out, lse = decode_attention(q, k, v, qi, qw, cu)
+    r_out, r_lse = attention_reference(q.float(), k.float(), v.float(), qi, qw, cu)
+    errs = max_errors([out, lse], [r_out, r_lse], ["out", "lse"])
+    row = {"check": f"decode ragged {lens}", "dtype": str(dtype).split(".")[-1], "max_rel_err": errs,
+           "ok": all(errs[n] <= TOL[n] for n in errs)}  # fmt: skip
+    sec["rows"].append(row)
+    return dict(row)
+
+
+def sync_free_item(backend: str) -> Callable:
+    def item(run: Run, sec: dict) -> dict:
+        row = sync_free_check(_dev_dtype(run)[0], backend, run.dry)
+        sec["rows"].append(row)
+        return dict(row)
+
+    return item
 
 
 def sync_free_check(dev: torch.device, backend: str, dry: bool) -> dict:
@@ -638,9 +795,8 @@ def sync_free_check(dev: torch.device, backend: str, dry: bool) -> dict:
     from orthros_train.model.orthros import plan_for_layout
     from orthros_train.phase import pretrain_layout
 
-    shape = {**shape_1p3b(), "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-             "head_dim": 16, "intermediate_size": 128, "vocab_size": 256} if dry else shape_1p3b()  # fmt: skip
-    cfg = OrthrosConfig(**{**shape, "num_hidden_layers": 2, "attention_backend": backend})
+    cfg = OrthrosConfig(**{**(tiny_shape() if dry else shape_1p3b()), "num_hidden_layers": 2,
+                           "attention_backend": backend})  # fmt: skip
     model = OrthrosForCausalLM(cfg).to(dev, torch.float32 if dry else torch.bfloat16)
     layout = pretrain_layout(torch.randint(0, cfg.vocab_size, (1, 64 if dry else 2048))).to(dev)
     plan = plan_for_layout(cfg, layout)
@@ -655,11 +811,8 @@ def sync_free_check(dev: torch.device, backend: str, dry: bool) -> dict:
     step().backward()  # warm-up: autotuning synchronises, once; the plan's metadata is prepared
     _sync()
     if dry:  # no CUDA: the detector does not exist; the step ran
-        return {
-            "check": f"2 layers fwd+bwd, backend {backend} (dry run: no sync detector on CPU)",
-            "ok": True,
-            "error": None,
-        }
+        return {"check": f"2 layers fwd+bwd, backend {backend} (rehearsal: no sync detector on CPU)", "ok": True,
+                "error": None}  # fmt: skip
     torch.cuda.set_sync_debug_mode("error")
     try:
         step().backward()
@@ -672,13 +825,11 @@ def sync_free_check(dev: torch.device, backend: str, dry: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. kernel speed
+# kernel speed
 # ---------------------------------------------------------------------------------------------
 
-KERNEL_T = (4096, 8192, 16384, 32768)
-DRY_KERNEL_T = (64,)
-KERNEL_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "window": 128}
-DRY_KERNEL_SHAPE = {"heads": 2, "kv_heads": 1, "head_dim": 16, "window": 8}
+KERNEL_T = (4096, 16384, 32768)
+DRY_KERNEL_T = {4096: 64, 16384: 96, 32768: 128}  # the rehearsal's lengths for the node's
 STREAMS = (("pretrain", "output"), ("pretrain", "base"), ("sft", "both"), ("prefill", "both"))
 SDPA_BACKENDS = ("flash", "cudnn")
 
@@ -715,65 +866,69 @@ def _sdpa_fn(q, k, v, backend: str):
     return fn
 
 
-def run_kernels(run: Run) -> None:
-    with section(run, "kernels") as sec:
-        import attention as attn_bench
+def kernels_item(t: int) -> Callable:
+    """An item: every case of the table at sequence length ``t`` (the 1.3B's attention shape);
+    the autotuner's choices it made for this length, or that a shorter one's were reused."""
 
-
-        dry = run.dry
-        dev = torch.device("cpu" if dry else "cuda")
-        ts, shape = (DRY_KERNEL_T, DRY_KERNEL_SHAPE) if dry else (KERNEL_T, KERNEL_SHAPE)
-        rows = kernel_plan(ts, shape)
-        sec["rows"] = rows
-        sec["shape"] = {**shape, "dtype": "float32 (interpreter)" if dry else "bfloat16"}
+    def item(run: Run, sec: dict) -> dict:
+        shape = DRY_ATTN_SHAPE if run.dry else ATTN_SHAPE
+        sec["shape"] = {**shape, "dtype": "float32 (interpreter)" if run.dry else "bfloat16"}
         sec["deterministic_bwd_ceiling"] = (
             f"{DETERMINISTIC_BWD_CEILING:.3f}: the deterministic backward does 7 matrix products per tile to "
             "FlashAttention-2's 5 (dq recomputes S and dP), so at equal tensor-core efficiency it reaches 5/7 of "
             "SDPA's backward TFLOP/s counted on 5; the atomic row does 5"
         )
-        guard = Guard(run, BUDGET_S["kernels"])
-        h, hkv, d, w = (shape[k] for k in ("heads", "kv_heads", "head_dim", "window"))
-        dtype = torch.float32 if dry else torch.bfloat16
-        g = torch.Generator(device=dev).manual_seed(0)
-        sec["autotuned_by_T"] = {}
-        blocks = (16, 16) if dry else None  # the interpreter: small fixed tiles; a GPU: the autotuned ones
-        for t in ts:
-            if not guard.ok(f"T={t}"):
-                continue
-            known = set(chosen_configs())
-            k = torch.randn(t, hkv, d, device=dev, dtype=dtype, generator=g).requires_grad_()
-            v = torch.randn(t, hkv, d, device=dev, dtype=dtype, generator=g).requires_grad_()
-            for r in (r for r in rows if r["T"] == t):
-                if not guard.ok(f"T={t} {r['case']}"):
-                    continue
-                with attempt(run, sec, f"T={t} {r['case']}"):
-                    if r["case"].startswith("sdpa"):
-                        if dry:
-                            continue  # flash / cuDNN exist on CUDA only
-                        qs = torch.randn(1, h, t, d, device=dev, dtype=dtype, generator=g).requires_grad_()
-                        ks = k.detach().transpose(0, 1).repeat_interleave(h // hkv, 0)[None].requires_grad_()
-                        vs = v.detach().transpose(0, 1).repeat_interleave(h // hkv, 0)[None].requires_grad_()
-                        fn = _sdpa_fn(qs, ks, vs, r["case"].split()[1])
-                        f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (qs, ks, vs), True)
-                    else:
-                        layout, streams = r["case"].split()[1].rstrip("]").split("[")
-                        qi, qw, cu = (x.to(dev) for x in attn_bench.make_queries(layout, t, w, streams))
-                        q = torch.randn(qi.numel(), h, d, device=dev, dtype=dtype, generator=g).requires_grad_()
-                        det = not r["case"].endswith("atomic bwd")
-                        fn = attn_bench.orthros_fn(q, k, v, qi, qw, cu, deterministic=det, blocks=blocks)
-                        f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (q, k, v), not dry, reps=1 if dry else 3)
-                    r.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_tflops=r["fwd_gflop"] / f_ms,
-                             bwd_tflops=r["bwd_gflop"] / b_ms)  # fmt: skip
-                    if dry:  # interpreter timings are no measurement
-                        r.update(fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None, ran=True)
-            now = chosen_configs()
-            # the autotuner's key decides whether a length gets its own configs: say so per T
-            sec["autotuned_by_T"][str(t)] = {k_: c for k_, c in now.items() if k_ not in known} or (
-                "no new key: the configs tuned for a shorter T were reused"
-            )
-            if not dry:
-                torch.cuda.empty_cache()
-        sec["skipped"] = guard.skipped
+        t_run = DRY_KERNEL_T[t] if run.dry else t
+        rows = kernel_plan((t_run,), shape)
+        if run.dry and t != KERNEL_T[0]:  # the interpreter is slow: the first length walks every case
+            rows = [r for r in rows if r["case"] == "orthros pretrain[output]"]
+        sec["rows"] += rows
+        known = set(chosen_configs())
+        dev, dtype = _dev_dtype(run)
+        g = torch.Generator(device=dev).manual_seed(t)
+        k, v = (torch.randn(t_run, shape["kv_heads"], shape["head_dim"], device=dev, dtype=dtype, generator=g)
+                .requires_grad_() for _ in range(2))  # fmt: skip
+        done = 0
+        for r in rows:
+            if left_s(run) <= 0:
+                break
+            if r["case"].startswith("sdpa") and run.dry:
+                continue  # flash / cuDNN exist on CUDA only
+            time_case(run, r, shape, k, v, g)
+            done += 1
+        sec.setdefault("autotuned_by_T", {})[str(t_run)] = {k_: c for k_, c in chosen_configs().items()
+                                                         if k_ not in known} or "no new key: reused"  # fmt: skip
+        run.state["kernels_warm"] = True
+        if not run.dry:
+            torch.cuda.empty_cache()
+        _quietly(lambda: plot_kernels(run, sec))
+        return {"T": t_run, "cases": done, "of": len(rows), "ok": None if run.dry else done == len(rows)}
+
+    return item
+
+
+def time_case(run: Run, r: dict, shape: dict, k: torch.Tensor, v: torch.Tensor, g: torch.Generator) -> None:
+    """Fill one row's forward / backward ms and TFLOP/s (on the interpreter: ran, nothing timed)."""
+    import attention as attn_bench
+
+    dev, dtype = k.device, k.dtype
+    h, d, t = shape["heads"], shape["head_dim"], k.shape[0]
+    if r["case"].startswith("sdpa"):
+        qs = torch.randn(1, h, t, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+        ks, vs = (x.detach().transpose(0, 1).repeat_interleave(h // shape["kv_heads"], 0)[None].requires_grad_()
+                  for x in (k, v))  # fmt: skip
+        f_ms, b_ms = attn_bench.fwd_bwd_ms(_sdpa_fn(qs, ks, vs, r["case"].split()[1]), (qs, ks, vs), True)
+    else:
+        layout, streams = r["case"].split()[1].rstrip("]").split("[")
+        qi, qw, cu = (x.to(dev) for x in attn_bench.make_queries(layout, t, shape["window"], streams))
+        q = torch.randn(qi.numel(), h, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+        fn = attn_bench.orthros_fn(q, k, v, qi, qw, cu, deterministic=not r["case"].endswith("atomic bwd"),
+                                   blocks=(16, 16) if run.dry else None)  # fmt: skip
+        f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (q, k, v), not run.dry, reps=1 if run.dry else 3)
+    if run.dry:  # interpreter timings are no measurement
+        r["ran"] = True
+        return
+    r.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_tflops=r["fwd_gflop"] / f_ms, bwd_tflops=r["bwd_gflop"] / b_ms)
 
 
 def chosen_configs() -> dict[str, str]:
@@ -792,6 +947,8 @@ def kernel_targets(rows: list[dict]) -> list[dict]:
     out = []
     by = {(r["T"], r["case"]): r for r in rows}
     for t in sorted({r["T"] for r in rows}):
+        if (t, "orthros pretrain[base]") not in by or (t, "sdpa flash causal") not in by:
+            continue  # a rehearsal's shortened length
         o, b = by[t, "orthros pretrain[output]"], by[t, "orthros pretrain[base]"]
         atomic = by.get((t, "orthros pretrain[output] atomic bwd"), {})
         for ph in ("fwd", "bwd"):
@@ -818,83 +975,63 @@ def _target(what: str, value: float | None, op: str, key: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. prefill / decode
+# prefill / decode
 # ---------------------------------------------------------------------------------------------
 
-PROMPTS = (32768, 131072)
-DRY_PROMPTS = (64,)
+INFER_LAYERS = 4  # the 1.3B shape's width with few layers: a dense 128K prefill of 24 layers is ~1 min
 DECODE_STEPS = 32
 
 
-def run_inference(run: Run) -> None:
-    with section(run, "inference") as sec:
+def inference_item(t: int) -> Callable:
+    """An item: time to first token of one ``t``-token prompt and decode tokens/s after it, the
+    Orthros model (Triton) beside the dense one (SDPA), ``INFER_LAYERS`` layers of the 1.3B shape."""
+
+    def item(run: Run, sec: dict) -> dict:
         from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 
-        dry = run.dry
-        dev = torch.device("cpu" if dry else "cuda")
-        guard = Guard(run, BUDGET_S["inference"])
-        trainer_rows = run.report["sections"].get("trainer", {}).get("rows", [])
-        n_layers = next((r.get("layers") for r in trainer_rows if r.get("layers")), None) or 2
-        n_layers = 2 if dry else n_layers
-        sec["layers"] = n_layers
-        prompts = DRY_PROMPTS if dry else PROMPTS
-        shape = (
-            {
-                **shape_1p3b(),
-                "hidden_size": 64,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 4,
-                "head_dim": 16,
-                "intermediate_size": 128,
-                "vocab_size": 256,
-                "sliding_window": 8,
-            }
-            if dry
-            else shape_1p3b()
-        )
-        steps = 2 if dry else DECODE_STEPS
+        dev, dtype = _dev_dtype(run)
+        prompt = t // 1024 if run.dry else t  # the rehearsal: 16 and 128 tokens
+        sec["layers"] = 2 if run.dry else INFER_LAYERS
+        shape = tiny_shape(sliding_window=8) if run.dry else shape_1p3b()
         for kind, backend in (("orthros", "triton"), ("dense", "sdpa")):
-            with attempt(run, sec, f"{kind} model"):
-                cfg = OrthrosConfig(**{**shape, "num_hidden_layers": n_layers, "attention_type": kind,
-                                       "attention_backend": backend})  # fmt: skip
-                model = OrthrosForCausalLM(cfg).to(dev, torch.float32 if dry else torch.bfloat16).eval()
-                for t in prompts:
-                    row = {"model": kind, "prompt": t, "ttft_ms": None, "decode_tokens_per_s": None}
-                    sec["rows"].append(row)
-                    if not guard.ok(f"{kind} T={t}"):
-                        continue
-                    with attempt(run, sec, f"{kind} T={t}"):
-                        ids = torch.randint(0, cfg.vocab_size, (1, t), device=dev)
-                        with torch.no_grad():
-                            model.prefill(ids[:, : min(t, 1024)])  # warm-up (autotuning)
-                            _sync()
-                            t0 = time.perf_counter()
-                            logits, cache = model.prefill(ids)
-                            _sync()
-                            row["ttft_ms"] = (time.perf_counter() - t0) * 1e3
-                            logits, cache = model.decode_step(logits.argmax(-1), cache)  # warm-up
-                            _sync()
-                            t0 = time.perf_counter()
-                            for _ in range(steps):
-                                logits, cache = model.decode_step(logits.argmax(-1), cache)
-                            _sync()
-                            row["decode_tokens_per_s"] = steps / (time.perf_counter() - t0)
-                        del cache, logits
-                        if dry:
-                            row.update(ran=True, ttft_ms=None, decode_tokens_per_s=None)
-                        else:
-                            torch.cuda.empty_cache()
-                del model
-        by = {(r["model"], r["prompt"]): r for r in sec["rows"]}
-        sec["speedups"] = [
-            {"prompt": t,
-             "ttft_dense_over_orthros": _ratio(by.get(("dense", t), {}).get("ttft_ms"),
-                                               by.get(("orthros", t), {}).get("ttft_ms")),
-             "decode_orthros_over_dense": _ratio(by.get(("orthros", t), {}).get("decode_tokens_per_s"),
-                                                 by.get(("dense", t), {}).get("decode_tokens_per_s"))}
-            for t in prompts
-        ]  # fmt: skip
-        sec["skipped"] = guard.skipped
+            if left_s(run) <= 0:
+                break
+            cfg = OrthrosConfig(**{**shape, "num_hidden_layers": sec["layers"], "attention_type": kind,
+                                   "attention_backend": backend})  # fmt: skip
+            model = OrthrosForCausalLM(cfg).to(dev, dtype).eval()
+            row = {"model": kind, "prompt": prompt, **prefill_decode(model, prompt, 2 if run.dry else DECODE_STEPS)}
+            if run.dry:
+                row.update(ran=True, ttft_ms=None, decode_tokens_per_s=None)
+            sec["rows"].append(row)
+            del model
+            if not run.dry:
+                torch.cuda.empty_cache()
+        by = {r["model"]: r for r in sec["rows"] if r["prompt"] == prompt}
+        o, d = by.get("orthros", {}), by.get("dense", {})
+        return {"prompt": prompt, "ttft_dense_over_orthros": _ratio(d.get("ttft_ms"), o.get("ttft_ms")),
+                "decode_orthros_over_dense": _ratio(o.get("decode_tokens_per_s"), d.get("decode_tokens_per_s")),
+                "ok": None if run.dry else len(by) == 2}  # fmt: skip
+
+    return item
+
+
+def prefill_decode(model, t: int, steps: int) -> dict:
+    dev = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, t), device=dev)
+    with torch.no_grad():
+        model.prefill(ids[:, : min(t, 1024)])  # warm-up (autotuning)
+        _sync()
+        t0 = time.perf_counter()
+        logits, cache = model.prefill(ids)
+        _sync()
+        ttft_ms = (time.perf_counter() - t0) * 1e3
+        logits, cache = model.decode_step(logits.argmax(-1), cache)  # warm-up
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, cache = model.decode_step(logits.argmax(-1), cache)
+        _sync()
+    return {"ttft_ms": ttft_ms, "decode_tokens_per_s": steps / (time.perf_counter() - t0)}
 
 
 def _ratio(a, b):
@@ -902,7 +1039,7 @@ def _ratio(a, b):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. serving in vLLM with CUDA graphs
+# serving in vLLM with CUDA graphs
 # ---------------------------------------------------------------------------------------------
 
 SERVE_DECODE_BATCHES = (1, 16)
@@ -926,258 +1063,366 @@ def serving_models(root: Path, dry: bool) -> tuple[dict, Path, Path]:
     return shape, export, dense
 
 
-def run_serving(run: Run) -> None:
+def item_serving(run: Run, sec: dict) -> dict:
     """Both models in vLLM as users run them (compiled, CUDA graphs on): decode tokens/s of a batch
     at a 1K context and TTFT of one 16K / 128K prompt, the Orthros export beside its dense Llama twin,
     and the Orthros engine's greedy tokens against the project's ``generate``. Needs vLLM (the GPU
-    build) in the environment; without it the section says so and takes no time."""
+    build), which the GPU image lacks: without it the item says so and takes no time."""
     import importlib.util
-    import tempfile
 
-    with section(run, "serving") as sec:
-        if importlib.util.find_spec("vllm") is None:
-            sec["status_note"] = ("vllm is not installed here: nothing to measure (pip install vllm, then "
-                                  "--sections serving)")
-            sec["skipped"] = ["vllm not installed"]
-            return
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+    if importlib.util.find_spec("vllm") is None:
+        sec["status_note"] = "vllm is not installed here: nothing to measure (install vllm, then --sections serving)"
+        sec.setdefault("skipped", []).append("vllm not installed")
+        return {"status": "skipped", "reason": "vllm not installed"}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+    root = run.scratch / "serving"
+    shape, export, dense = serving_models(root, run.dry)
+    sec["shape"] = {k: shape[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim", "sliding_window")}  # fmt: skip
+    for name, path in (("orthros", export), ("llama", dense)):
+        if left_s(run) < 60:
+            sec.setdefault("skipped", []).append(f"{name} engine")
+            continue
+        try:
+            sec["rows"].append(serve_engine(run, name, path, shape, root))
+        except Exception as exc:  # noqa: BLE001 - one engine's failure is a result
+            sec["errors"].append({"item": f"{name} engine", "error": f"{type(exc).__name__}: {exc}"[:800]})
+    by = {r["model"]: r for r in sec["rows"]}
+    o, d = by.get("orthros", {}), by.get("llama", {})
+    batches, prompts = ((2,), (256,)) if run.dry else (SERVE_DECODE_BATCHES, SERVE_TTFT_PROMPTS)
+    sec["ratios"] = {
+        **{f"decode_orthros_over_llama_b{b}": _ratio(o.get(f"decode_tok_s_b{b}"), d.get(f"decode_tok_s_b{b}"))
+           for b in batches},
+        **{f"ttft_llama_over_orthros_{t}": _ratio(d.get(f"ttft_ms_{t}"), o.get(f"ttft_ms_{t}")) for t in prompts},
+    }  # fmt: skip
+    return {"engines": len(sec["rows"]), "ok": not sec["errors"]}
 
-        from orthros_train.infer.generate import generate
-        from orthros_train.model import OrthrosForCausalLM
 
-        dry = run.dry
-        guard = Guard(run, max(0.0, run.left()))  # what the other sections left (all of it with --sections serving)
-        batches = (2,) if dry else SERVE_DECODE_BATCHES
-        prompt_len, new = (64, 4) if dry else (SERVE_DECODE_PROMPT, SERVE_DECODE_TOKENS)
-        ttft_prompts = (256,) if dry else SERVE_TTFT_PROMPTS
-        g = torch.Generator().manual_seed(3)
-        with tempfile.TemporaryDirectory() as tmp:
-            shape, export, dense = serving_models(Path(tmp), dry)
-            sec["shape"] = {k: shape[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                 "num_key_value_heads", "head_dim", "sliding_window")}
-            max_len = max(ttft_prompts) + 64
-            vocab = shape["vocab_size"]
-            for name, path in (("orthros", export), ("llama", dense)):
-                if not guard.ok(f"{name} engine", need_s=60):
-                    continue
-                with attempt(run, sec, f"{name} engine"):
-                    llm = LLM(model=str(path), dtype="float32" if dry else "bfloat16", max_model_len=max_len,
-                              gpu_memory_utilization=0.4, skip_tokenizer_init=True, seed=0,
-                              enable_prefix_caching=False, enforce_eager=dry)
-                    mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
-                    row = {"model": name, "cudagraph_mode": str(mode)}
-                    sec["rows"].append(row)
-                    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
-                    for b in batches:
-                        if not guard.ok(f"{name} decode B={b}"):
-                            continue
-                        prompts = [TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (prompt_len,), generator=g)
-                                                .tolist()) for _ in range(b)]
-                        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-                        llm.generate(prompts, greedy, use_tqdm=False)  # warm-up
-                        _sync()
-                        t0 = time.perf_counter()
-                        llm.generate(prompts, one, use_tqdm=False)
-                        first = time.perf_counter() - t0
-                        t0 = time.perf_counter()
-                        outs = llm.generate(prompts, greedy, use_tqdm=False)
-                        total = time.perf_counter() - t0
-                        # Decode: the batch's tokens after the first, over the time after the prefill.
-                        row[f"decode_tok_s_b{b}"] = b * (new - 1) / max(total - first, 1e-9)
-                        if name == "orthros" and b == batches[0]:
-                            model = OrthrosForCausalLM.from_pretrained(Path(tmp) / "orthros").eval()
-                            model = model.to("cpu" if dry else "cuda", torch.float32 if dry else torch.bfloat16)
-                            with torch.no_grad():
-                                want = generate(model, [p["prompt_token_ids"] for p in prompts],
-                                                max_new_tokens=new).sequences
-                            got = [list(o.outputs[0].token_ids) for o in outs]
-                            row["greedy_equals_generate"] = sum(a == w for a, w in zip(got, want)) / len(want)
-                            del model
-                    for t in ttft_prompts:
-                        if not guard.ok(f"{name} TTFT T={t}"):
-                            continue
-                        prompt = [TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (t,), generator=g).tolist())]
-                        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-                        llm.generate(prompt, one, use_tqdm=False)  # warm-up at this length
-                        _sync()
-                        t0 = time.perf_counter()
-                        llm.generate([TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (t,), generator=g)
-                                                   .tolist())], one, use_tqdm=False)
-                        row[f"ttft_ms_{t}"] = (time.perf_counter() - t0) * 1e3
-                    llm.llm_engine.engine_core.shutdown()
-                    del llm
-                    if not dry:
-                        torch.cuda.empty_cache()
-                    if dry:  # nothing timed means anything on CPU
-                        for k in list(row):
-                            if k.startswith(("decode_tok_s", "ttft_ms")):
-                                row[k] = None
-        by = {r["model"]: r for r in sec["rows"]}
-        o, d = by.get("orthros", {}), by.get("llama", {})
-        sec["ratios"] = {
-            **{f"decode_orthros_over_llama_b{b}": _ratio(o.get(f"decode_tok_s_b{b}"), d.get(f"decode_tok_s_b{b}"))
-               for b in batches},
-            **{f"ttft_llama_over_orthros_{t}": _ratio(d.get(f"ttft_ms_{t}"), o.get(f"ttft_ms_{t}"))
-               for t in ttft_prompts},
-        }
-        sec["skipped"] = guard.skipped
+def serve_engine(run: Run, name: str, path: Path, shape: dict, root: Path) -> dict:
+    """One engine: decode tokens/s per batch (and greedy == generate for Orthros), TTFT per prompt."""
+    from vllm import LLM, SamplingParams
+
+    dry = run.dry
+    batches = (2,) if dry else SERVE_DECODE_BATCHES
+    prompt_len, new = (64, 4) if dry else (SERVE_DECODE_PROMPT, SERVE_DECODE_TOKENS)
+    ttft_prompts = (256,) if dry else SERVE_TTFT_PROMPTS
+    g = torch.Generator().manual_seed(3)
+    llm = LLM(model=str(path), dtype="float32" if dry else "bfloat16", max_model_len=max(ttft_prompts) + 64,
+              gpu_memory_utilization=0.4, skip_tokenizer_init=True, seed=0, enable_prefix_caching=False,
+              enforce_eager=dry)  # fmt: skip
+    row = {"model": name, "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    for b in batches:
+        if left_s(run) <= 0:
+            break
+        prompts = _token_prompts(b, prompt_len, shape["vocab_size"], g)
+        llm.generate(prompts, greedy, use_tqdm=False)  # warm-up
+        _sync()
+        t0 = time.perf_counter()
+        llm.generate(prompts, one, use_tqdm=False)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        # Decode: the batch's tokens after the first, over the time after the prefill.
+        row[f"decode_tok_s_b{b}"] = b * (new - 1) / max(time.perf_counter() - t0 - first, 1e-9)
+        if name == "orthros" and b == batches[0]:
+            row["greedy_equals_generate"] = greedy_agreement(root, prompts, outs, new, dry)
+    for t in ttft_prompts:
+        if left_s(run) <= 0:
+            break
+        llm.generate(_token_prompts(1, t, shape["vocab_size"], g), one, use_tqdm=False)  # warm-up at this length
+        _sync()
+        t0 = time.perf_counter()
+        llm.generate(_token_prompts(1, t, shape["vocab_size"], g), one, use_tqdm=False)
+        row[f"ttft_ms_{t}"] = (time.perf_counter() - t0) * 1e3
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    if dry:  # nothing timed means anything on CPU
+        row.update({k: None for k in row if k.startswith(("decode_tok_s", "ttft_ms"))})
+    else:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _token_prompts(n: int, length: int, vocab: int, g: torch.Generator) -> list:
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (length,), generator=g).tolist()) for _ in range(n)]
+
+
+def greedy_agreement(root: Path, prompts: list, outs: list, new: int, dry: bool) -> float:
+    from orthros_train.infer.generate import generate
+    from orthros_train.model import OrthrosForCausalLM
+
+    model = OrthrosForCausalLM.from_pretrained(root / "orthros").eval()
+    model = model.to("cpu" if dry else "cuda", torch.float32 if dry else torch.bfloat16)
+    with torch.no_grad():
+        want = generate(model, [p["prompt_token_ids"] for p in prompts], max_new_tokens=new).sequences
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    return sum(a == w for a, w in zip(got, want)) / len(want)
 
 
 # ---------------------------------------------------------------------------------------------
-# report
+# the plan: value order
 # ---------------------------------------------------------------------------------------------
 
-RUNNERS = {"trainer": run_trainer_section, "correctness": run_correctness, "kernels": run_kernels,
-           "inference": run_inference, "serving": run_serving}  # fmt: skip
+PLAN: tuple[Item, ...] = (
+    Item("preflight", "setup", 5, 0, 0, item_preflight,
+         "every module the items import, the kit's wheels at their pins, the corpora the recipes read"),
+    Item("train_1p3b", "training", 120, 2, 20, item_train_1p3b,
+         "1.3B shape, as many layers as fit at 4K tokens, through the trainer: MFU, tokens/s, peak memory "
+         "next to the trainer's own estimate"),
+    *(Item(f"kernels_T{t}", "kernels", 25, 0, 10, kernels_item(t),
+           f"attention TFLOP/s at T={t}: output/base stream, sft, prefill, atomic bwd; SDPA flash and cuDNN")
+      for t in KERNEL_T),
+    *(Item(f"correct_{layout}", "correctness", 8, 0, 3, correctness_item(layout),
+           f"bf16 Triton fwd+bwd vs the fp32 reference, {layout} layout") for layout in CORRECT_LAYOUTS),
+    Item("correct_decode", "correctness", 8, 0, 3, item_decode, "the decode kernel, ragged caches up to 32K"),
+    *(Item(f"sync_free_{b}", "correctness", 15, 0, 5, sync_free_item(b),
+           f"two 1.3B layers fwd+bwd under set_sync_debug_mode('error'), backend {b}") for b in ("triton", "auto")),
+    Item("resume", "training", 100, 3, 20, item_resume,
+         "gpu_check.yaml with saves; a run killed with SIGKILL after its first save and resumed: bitwise-equal "
+         "losses (shared Triton autotune cache)"),
+    *(Item(f"ttft_{t // 1024}k", "inference", 40, 0, 10 if t < 65536 else 25, inference_item(t),
+           f"prefill TTFT and decode tokens/s at {t // 1024}K, Orthros vs dense, {INFER_LAYERS} layers")
+      for t in (16384, 131072)),
+    Item("export_generate", "training", 25, 0, 10, item_export_generate,
+         "the reference run's export through transformers: AutoModelForCausalLM + generate"),
+    Item("sft_step", "training", 40, 1, 5, one_step_item("sft_tiny_cpu", "one SFT step from the export", True),
+         "one SFT step (chatterbot dialogues) from the export"),
+    Item("rl_step", "training", 40, 1, 5, one_step_item("rl_tiny_cpu", "one RL step, sampling on the device", False),
+         "one RL step, sampling on the trainer's device"),
+    Item("serving", "serving", 120, 0, 60, item_serving,
+         "vLLM with CUDA graphs: decode tokens/s, TTFT 16K/128K, greedy tokens vs generate (needs vllm)"),
+)
+SECTIONS = tuple(dict.fromkeys(i.section for i in PLAN))
+
+
+def run_serving(run: Run) -> None:
+    """The serving section alone (tests/serve/test_gpu_check_serving.py, where vLLM is)."""
+    start(run, [i for i in PLAN if i.section == "serving"])
+
+
+# ---------------------------------------------------------------------------------------------
+# report: markdown and plots
+# ---------------------------------------------------------------------------------------------
 
 
 def _f(x, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _cell(x) -> str:
+    return json.dumps(x, default=str)[:300].replace("|", "/")
+
+
 def markdown(report: dict) -> str:
     lines = [f"# GPU check: {report['device']}", "",
-             f"{report['date']}, torch {report['torch']}, triton {report['triton']}, "
+             f"{report['date']}, Python {report['python']}, torch {report['torch']}, triton {report['triton']}, "
              f"{report.get('elapsed_s', 0):.0f} s of {report['budget_s']} s"
-             + (" — **dry run: nothing was measured**" if report["dry_run"] else ""), ""]  # fmt: skip
+             + (" — **rehearsal: nothing was measured**" if report["dry_run"] else ""), ""]  # fmt: skip
     if report.get("interrupted"):
         lines += [f"**Interrupted: {report['interrupted']}** (what finished before is below)", ""]
     elif not report.get("complete"):
         lines += ["**Running** (this report is rewritten after every item)", ""]
+    lines += ["## Items, in the order they run", "", "| item | status | seconds | result |",
+              "| --- | --- | --- | --- |"]  # fmt: skip
+    for e in report["items"]:
+        shown = e.get("error") or e.get("reason") or {k: v for k, v in (e.get("result") or {}).items()
+                                                      if k not in ("item", "check", "ok")}  # fmt: skip
+        lines.append(f"| {e['name']} | {e['status']} | {_f(e.get('seconds'), '.1f')} | {_cell(shown)} |")
+    lines += ["", f"Costs: {_cell(report.get('costs'))}; Triton cache: {_cell(report.get('triton_cache'))}", ""]
     s = report["sections"]
-    lines += ["## Sections", "", "| section | status | seconds | errors | skipped (time) |",
-              "| --- | --- | --- | --- | --- |"]  # fmt: skip
-    for name, sec in s.items():
-        errors = len(sec.get("errors", [])) + bool(sec.get("error"))
-        lines.append(f"| {name} | {sec.get('status')} | {sec.get('seconds', '-')} | {errors} | "
-                     f"{len(sec.get('skipped', []))} |")  # fmt: skip
-    lines.append("")
-    if "trainer" in s:
-        lines += ["## The real trainer (torchrun, one process)", "", "| item | ok | seconds | details |",
-                  "| --- | --- | --- | --- |"]  # fmt: skip
-        for r in s["trainer"]["rows"]:
-            details = {k: v for k, v in r.items() if k not in ("item", "ok", "seconds")}
-            ok = "-" if r["ok"] is None else ("yes" if r["ok"] else "NO")
-            lines.append(f"| {r['item']} | {ok} | {_f(r['seconds'], '.1f')} | "
-                         f"{json.dumps(details, default=str)[:400].replace('|', '/')} |")  # fmt: skip
-        lines.append("")
-    if "correctness" in s:
-        lines += ["## Correctness (max abs error / max |reference|)", "",
-                  "| check | errors | ok |", "| --- | --- | --- |"]  # fmt: skip
-        for r in s["correctness"]["rows"]:
-            errs = ", ".join(f"{k} {v:.1e}" for k, v in r.get("max_rel_err", {}).items()) or r.get("error") or ""
-            lines.append(f"| {r['check']} | {errs} | {'yes' if r['ok'] else 'NO'} |")
-        lines.append("")
-    if "kernels" in s:
-        k = s["kernels"]
-        lines += [f"## Kernels ({k.get('shape')})", "",
-                  "| T | case | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s |",
-                  "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-        for r in k["rows"]:
-            lines.append(f"| T={r['T']} | {r['case']} | {_f(r['fwd_ms'], '.3f')} | {_f(r['fwd_tflops'], '.1f')} | "
-                         f"{_f(r['bwd_ms'], '.3f')} | {_f(r['bwd_tflops'], '.1f')} |")  # fmt: skip
-        if k.get("deterministic_bwd_ceiling"):
-            lines += ["", f"Deterministic backward ceiling: {k['deterministic_bwd_ceiling']}."]
-        lines.append("")
-    if "serving" in s:
-        sv = s["serving"]
-        lines += [f"## Serving in vLLM ({sv.get('shape')})", ""]
-        if sv.get("status_note"):
-            lines += [sv["status_note"], ""]
-        for r in sv.get("rows", []):
-            lines.append(f"- {r['model']}: " + ", ".join(f"{k} {_f(v) if isinstance(v, float) else v}"
-                                                       for k, v in r.items() if k != "model"))
-        for k, v in sv.get("ratios", {}).items():
-            lines.append(f"- {k}: {_f(v)}")
-        lines.append("")
-    if "inference" in s:
-        lines += [f"## Prefill / decode ({s['inference'].get('layers')} layers)", "",
-                  "| model | prompt | TTFT ms | decode tokens/s |", "| --- | --- | --- | --- |"]  # fmt: skip
-        for r in s["inference"]["rows"]:
-            lines.append(f"| {r['model']} | {r['prompt']} | {_f(r['ttft_ms'], '.0f')} | "
-                         f"{_f(r['decode_tokens_per_s'], '.1f')} |")  # fmt: skip
-        lines.append("")
+    lines += _md_kernels(s.get("kernels")) + _md_inference(s.get("inference")) + _md_serving(s.get("serving"))
     lines += ["## Targets", "", "| target | value | goal | met |", "| --- | --- | --- | --- |"]
     for t in report.get("targets", []):
         met = "-" if t["met"] is None else ("yes" if t["met"] else "NO")
         lines.append(f"| {t['target']} | {_f(t['value'], '.3f')} | {t['goal']} | {met} |")
-    for name, sec in s.items():
-        for e in sec.get("errors", []):
-            lines.append(f"\n{name} / {e['item']}: {e['error']}")
-        if sec.get("error"):
-            lines.append(f"\n{name}: section failed: {sec['error']}")
-        if sec.get("skipped"):
-            lines.append(f"\n{name}: skipped for time: {', '.join(sec['skipped'])}")
+    if report.get("dropped"):
+        lines += ["", "## Dropped for time", ""] + [f"- {d['item']}: {d['reason']}" for d in report["dropped"]]
+    errors = [(e["name"], e["error"]) for e in report["items"] if e.get("error")]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {n}: {err}" for n, err in errors]
     return "\n".join(lines) + "\n"
+
+
+def _md_kernels(k: dict | None) -> list[str]:
+    if not k or not k.get("rows"):
+        return []
+    lines = [f"## Kernels ({k.get('shape')})", "", "| T | case | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in k["rows"]:
+        lines.append(f"| T={r['T']} | {r['case']} | {_f(r['fwd_ms'], '.3f')} | {_f(r['fwd_tflops'], '.1f')} | "
+                     f"{_f(r['bwd_ms'], '.3f')} | {_f(r['bwd_tflops'], '.1f')} |")  # fmt: skip
+    if k.get("deterministic_bwd_ceiling"):
+        lines += ["", f"Deterministic backward ceiling: {k['deterministic_bwd_ceiling']}."]
+    return lines + [""]
+
+
+def _md_inference(s: dict | None) -> list[str]:
+    if not s or not s.get("rows"):
+        return []
+    lines = [f"## Prefill / decode ({s.get('layers')} layers)", "", "| model | prompt | TTFT ms | decode tokens/s |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for r in s["rows"]:
+        lines.append(f"| {r['model']} | {r['prompt']} | {_f(r['ttft_ms'], '.0f')} | "
+                     f"{_f(r['decode_tokens_per_s'], '.1f')} |")  # fmt: skip
+    return lines + [""]
+
+
+def _md_serving(sv: dict | None) -> list[str]:
+    if not sv:
+        return []
+    lines = [f"## Serving in vLLM ({sv.get('shape')})", ""]
+    if sv.get("status_note"):
+        lines += [sv["status_note"], ""]
+    for r in sv.get("rows", []):
+        lines.append(f"- {r['model']}: " + ", ".join(f"{k} {_f(v) if isinstance(v, float) else v}"
+                                                   for k, v in r.items() if k != "model"))  # fmt: skip
+    lines += [f"- {k}: {_f(v)}" for k, v in sv.get("ratios", {}).items()]
+    return lines + [""]
 
 
 def all_targets(report: dict) -> list[dict]:
     s = report["sections"]
     out = kernel_targets(s["kernels"]["rows"]) if s.get("kernels", {}).get("rows") else []
-    for r in s.get("trainer", {}).get("rows", []):
-        if r["item"].startswith("1.3B"):
+    for r in s.get("training", {}).get("rows", []):
+        if r.get("item", "").startswith("1.3B"):
             out.append(_target("1.3B-shape training MFU (the real trainer)", r.get("mfu"), ">=", "mfu"))
     return out
 
 
-def plan_text(sections: list[str], dry: bool) -> str:
-    lines = [f"gpu_check plan ({'dry run on CPU, tiny sizes' if dry else 'one GPU'}; "
-             f"{TOTAL_BUDGET_S} s from process start, SIGALRM at +{ALARM_MARGIN_S} s):"]  # fmt: skip
-    what = {
-        "trainer": "orthros-train via torchrun: steps + saves, kill -9 + resume (bitwise losses), SFT step, RL step, "
-        "export + transformers generate, 1.3B shape timed",
-        "correctness": "Triton fwd/bwd/decode vs the fp32 reference; two layers under the sync detector",
-        "kernels": "TFLOP/s per layout and T, deterministic and atomic backward, SDPA flash and cuDNN",
-        "inference": "prefill TTFT and decode tokens/s, Orthros vs dense",
-        "serving": "vLLM with CUDA graphs: decode tokens/s and TTFT 16K/128K, the Orthros export vs its Llama twin; "
-        "greedy tokens vs generate",
-    }
-    for name in sections:
-        share = f"<= {BUDGET_S[name]:>3d} s" if BUDGET_S[name] else "  the rest"
-        lines.append(f"  {name:<12} {share}  {what[name]}")
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_kernels(run: Run, sec: dict) -> None:
+    """gpu_check_kernels.png: fwd / bwd TFLOP/s of every case at each measured T."""
+    rows = [r for r in sec["rows"] if r.get("fwd_tflops")]
+    if not rows:
+        return
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, ph in zip(axes, ("fwd", "bwd")):
+        for case in dict.fromkeys(r["case"] for r in rows):
+            pts = [(r["T"], r[f"{ph}_tflops"]) for r in rows if r["case"] == case and r[f"{ph}_tflops"]]
+            ax.plot(*zip(*pts), marker="o", label=case) if pts else None
+        ax.set(title=f"{ph} TFLOP/s", xscale="log", xlabel="T")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(run.out_dir / "gpu_check_kernels.png", dpi=90)
+    plt.close(fig)
+
+
+def plot_losses(run: Run) -> None:
+    """gpu_check_loss.png: the reference run's losses and the resumed run's on top."""
+    losses = run.state.get("losses")
+    if not losses:
+        return
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, style in (("reference", "-o"), ("resumed", "x")):
+        pts = sorted(losses[name].items())
+        if pts:
+            ax.plot(*zip(*pts), style, label=name)
+    ax.set(xlabel="step", ylabel="loss", title="kill -9 + resume vs uninterrupted")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run.out_dir / "gpu_check_loss.png", dpi=90)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_text(items: list[Item], dry: bool) -> str:
+    lines = [f"gpu_check plan ({'rehearsal on CPU, tiny sizes' if dry else 'one GPU'}; "
+             f"{TOTAL_BUDGET_S} s from the command's start, SIGALRM at +{ALARM_MARGIN_S} s), "
+             "in value order:"]  # fmt: skip
+    for item in items:
+        lines.append(f"  {item.name:<16} <= {item.budget_s:>4.0f} s  {item.what}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def start(run: Run, items: list[Item]) -> None:
+    """Run ``items`` in order with the report kept current (the entry point below and tests)."""
+    known = {e["name"] for e in run.report["items"]}
+    run.report["items"] += [{"name": i.name, "section": i.section, "status": "pending", "budget_s": i.budget_s}
+                            for i in items if i.name not in known]  # fmt: skip
+    for item in items:
+        section_entry(run, item.section)
+    run.write()
+    for item in items:
+        run_item(run, item)
+
+
+def triton_cache(scratch: Path) -> None:
+    """One on-disk Triton cache for this process and every trainer it starts, autotune results
+    included (``TRITON_CACHE_AUTOTUNING``); a TRITON_CACHE_DIR already set (a kept folder) wins."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(scratch / "triton_cache"))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
-    p.add_argument("--dry-run", action="store_true", help="CPU: every section at tiny sizes, nothing timed")
-    p.add_argument("--sections", default=",".join(RUNNERS), help=f"comma-separated, from {list(RUNNERS)}")
+    p.add_argument("--out", required=True, help=f"folder for the report: at most {len(OUT_FILES)} files, flat")
+    p.add_argument("--rehearse", "--dry-run", dest="rehearse", action="store_true",
+                   help="CPU: every item in the node's order at tiny sizes, nothing timed")  # fmt: skip
+    p.add_argument("--kit", help="install this kit folder's wheels first (the node: --kit build/gpu_kit)")
+    p.add_argument("--scratch", type=Path, help="working files (default: a new temporary folder)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {list(SECTIONS)}")
+    p.add_argument("--items", default="", help="comma-separated item names (default: every item of --sections)")
     args = p.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        p.error("no CUDA device: run on a GPU, or pass --dry-run to check every section on CPU")
-    sections = [x for x in args.sections.split(",") if x]
-    unknown = sorted(set(sections) - set(RUNNERS))
+    if args.kit:
+        p.error("--kit installs the kit and starts again: give it on the command line (python3 bench/gpu_check.py)")
+    if why := check_out(args.out):
+        print(f"gpu_check: error: {why}", file=sys.stderr)
+        raise SystemExit(2)
+    if not args.rehearse and not torch.cuda.is_available():
+        p.error("no CUDA device: run on a GPU, or pass --rehearse to walk every item on CPU")
+    unknown = sorted(set(filter(None, args.sections.split(","))) - set(SECTIONS))
+    unknown += sorted(set(filter(None, args.items.split(","))) - {i.name for i in PLAN})
     if unknown:
-        p.error(f"unknown sections {unknown}; choose from {list(RUNNERS)}")
-    run = Run(Path(args.out), args.dry_run)
-    if args.dry_run:
-        run.deadline = math.inf  # a dry run checks every item, however slow the interpreter is
-    print(plan_text(sections, args.dry_run), flush=True)
+        p.error(f"unknown sections or items {unknown}; choose from {list(SECTIONS)} or {[i.name for i in PLAN]}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    chosen = set(filter(None, args.items.split(",")))
+    items = [i for i in PLAN if (i.name in chosen if chosen else i.section in args.sections.split(","))]
+    if args.scratch:
+        args.scratch.mkdir(parents=True, exist_ok=True)
+    run = Run(Path(args.out), args.rehearse, args.scratch)
+    triton_cache(run.scratch)
+    run.report["triton_cache"] = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")}
+    run.report["scratch"] = str(run.scratch)
+    if args.rehearse:
+        run.deadline = math.inf  # a rehearsal walks every item, however slow the interpreter is
+    print(plan_text(items, args.rehearse), flush=True)
     previous = {sig: signal.signal(sig, run.on_signal) for sig in (signal.SIGTERM, signal.SIGALRM)}
-    if not args.dry_run:
+    if not args.rehearse:
         signal.alarm(max(1, int(run.left() + ALARM_MARGIN_S)))
     try:
-        run.write()
-        for name in sections:
-            if run.left() <= 0:
-                run.report["sections"][name] = {"status": "skipped (time)", "rows": [], "errors": []}
-                run.write()
-                continue
-            RUNNERS[name](run)
+        start(run, items)
         run.report["complete"] = True
         run.write()
+        _quietly(run.bundle)
     finally:
         signal.alarm(0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print(markdown(run.report))
-    r = run.report
-    failed = [x for sec in r["sections"].values() for x in sec.get("rows", []) if x.get("ok") is False]
-    errors = [x for sec in r["sections"].values() for x in sec.get("errors", [])]
-    return 1 if failed or errors or any(sec.get("error") for sec in r["sections"].values()) else 0
+    bad = [e["name"] for e in run.report["items"] if e["status"] in ("failed", "error")]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

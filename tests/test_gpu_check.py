@@ -1,15 +1,19 @@
-"""bench/gpu_check.py on CPU: ``--dry-run`` runs every section at tiny sizes (the real trainer
-through torchrun on gloo, the kernels on the interpreter) and the report survives failures and
-signals."""
+"""bench/gpu_check.py on CPU: its plan (value order, budgets that fit), the report it leaves in
+``--out`` (at most 8 files, none deeper than 2 folders, also when an item fails or a signal
+ends it), the preflight that fails when a package or corpus is missing, the kit's install by
+``--kit``, and ``--rehearse`` walking every item through the same code paths at tiny sizes."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,20 @@ from fixtures import REPO, cli_env
 
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402
+
+NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def assert_out_comes_back(out: Path) -> list[str]:
+    """What the GPU node returns: at most 8 files, no deeper than OUT/a/b/file, plain names."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8, files
+    for f in files:
+        rel = f.relative_to(out)
+        assert len(rel.parts) <= 3 and all(NAME.match(part) for part in rel.parts), rel
+        assert f.stat().st_size <= 16 * 2**20, rel
+    assert not [p for p in out.rglob("*") if p.is_dir() and not any(p.iterdir())]
+    return sorted(str(f.relative_to(out)) for f in files)
 
 
 def test_without_cuda_it_refuses_a_real_run(tmp_path):
@@ -26,23 +44,71 @@ def test_without_cuda_it_refuses_a_real_run(tmp_path):
         gpu_check.main(["--out", str(tmp_path)])
 
 
-def test_unknown_section_is_named(tmp_path, capsys):
+def test_unknown_section_or_item_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        gpu_check.main(["--out", str(tmp_path), "--dry-run", "--sections", "kernels,bogus"])
+        gpu_check.main(["--out", str(tmp_path), "--rehearse", "--sections", "kernels,bogus"])
     assert "bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path), "--rehearse", "--items", "preflight,nope"])
+    assert "nope" in capsys.readouterr().err
 
 
-def test_the_plan_names_every_section_and_the_budget():
-    text = gpu_check.plan_text(list(gpu_check.RUNNERS), dry=False)
-    assert f"{gpu_check.TOTAL_BUDGET_S} s from process start" in text
-    for name in gpu_check.RUNNERS:
-        assert name in text
-    # the sections fit the whole budget with room for imports and the interpreter-free JIT
-    assert sum(gpu_check.BUDGET_S.values()) < gpu_check.TOTAL_BUDGET_S <= 7 * 60
+def test_out_naming_a_file_or_a_read_only_place_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    target = tmp_path / "report.txt"
+    target.write_text("mine")
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--out", str(target), "--rehearse"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"gpu_check: error: --out {target}: exists and is not a folder\n"
+    assert target.read_text() == "mine"
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "write_text", refuse)  # what a read-only mount answers
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path / "ro"), "--rehearse"])
+    want = f"gpu_check: error: --out {tmp_path / 'ro'}: cannot write there (Permission denied)\n"
+    assert capsys.readouterr().err == want
+
+
+def test_the_plan_runs_in_value_order_and_fits_the_node():
+    names = [i.name for i in gpu_check.PLAN]
+    assert names[:2] == ["preflight", "train_1p3b"]  # 1.3B MFU and memory first
+    first = {sec: min(names.index(i.name) for i in gpu_check.PLAN if i.section == sec) for sec in gpu_check.SECTIONS}
+    assert first["kernels"] < first["correctness"] < names.index("resume") < first["inference"]
+    assert names.index("ttft_128k") < min(names.index(n) for n in ("export_generate", "sft_step", "rl_step", "serving"))
+    assert {f"correct_{p}" for p in ("pretrain", "sft", "rl", "prefill", "packed", "decode")} <= set(names)
+    assert {"sync_free_triton", "sync_free_auto"} <= set(names)
+    # the node command ends inside 9 minutes: budget + alarm, and the caps of everything up to the
+    # 16K TTFT fit the budget with the imports' and the kit install's time to spare
+    assert gpu_check.TOTAL_BUDGET_S + gpu_check.ALARM_MARGIN_S <= 8 * 60
+    caps = sum(i.budget_s for i in gpu_check.PLAN[: names.index("ttft_16k") + 1])
+    assert caps <= gpu_check.TOTAL_BUDGET_S - 30
+    text = gpu_check.plan_text(list(gpu_check.PLAN), dry=False)
+    assert f"{gpu_check.TOTAL_BUDGET_S} s from the command's start" in text and all(n in text for n in names)
+
+
+def test_an_item_starts_only_with_the_time_it_needs(tmp_path):
+    run = gpu_check.Run(tmp_path / "out", dry=False, scratch=tmp_path / "scratch")
+    resume = next(i for i in gpu_check.PLAN if i.name == "resume")
+    cold = run.need_s(resume)
+    run.state["kernels_warm"] = True  # the shared cache holds the tuned kernels
+    warm = run.need_s(resume)
+    assert warm < cold and warm == 3 * gpu_check.PRIOR_LAUNCH_S + resume.work_s
+    run.costs["launch_s"] = 25.0  # measured by the 1.3B item's first launch
+    assert run.need_s(resume) == 3 * 25.0 + resume.work_s
+    run.deadline = time.monotonic() + 5
+    run.report["items"] = [{"name": "resume", "section": "training", "status": "pending"}]
+    gpu_check.run_item(run, resume)
+    entry = run.report["items"][0]
+    assert entry["status"] == "dropped" and "needs ~" in entry["reason"]
+    assert run.report["dropped"] == [{"item": "resume", "reason": entry["reason"]}]
+    assert "Dropped for time" in (tmp_path / "out" / "gpu_check.md").read_text()
 
 
 def test_kernel_targets_hold_the_output_stream_to_the_faster_sdpa_backend():
-    rows = gpu_check.kernel_plan((64,), gpu_check.DRY_KERNEL_SHAPE)
+    rows = gpu_check.kernel_plan((64,), gpu_check.DRY_ATTN_SHAPE)
     for r in rows:
         if r["case"] == "sdpa flash causal":
             r.update(fwd_tflops=400.0, bwd_tflops=300.0)
@@ -60,51 +126,110 @@ def test_kernel_targets_hold_the_output_stream_to_the_faster_sdpa_backend():
     assert by["T=64 output stream bwd (atomic) TFLOP/s / faster SDPA"]["value"] == pytest.approx(260 / 300)
 
 
-@pytest.mark.slow
-def test_an_item_failing_alone_is_recorded_and_the_rest_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("hidden", ["needlehaystack", "chatterbot_corpus", "deepspeed"])
+def test_a_missing_package_fails_the_preflight(tmp_path, monkeypatch, hidden):
+    """What the kit or the image lacks fails the first item, by name (make test-gpu-node runs the
+    preflight in a venv of exactly the image's packages plus the kit: CI fails, not the node)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == hidden else real(name, *a))
+    code = gpu_check.main(["--out", str(tmp_path / "out"), "--rehearse", "--items", "preflight",
+                           "--scratch", str(tmp_path / "scratch")])  # fmt: skip
+    assert code == 1
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    (entry,) = report["items"]
+    assert entry["status"] == "failed" and report["complete"]
+    assert any(hidden.split("_")[0] in p for p in entry["result"]["problems"]), entry
+    assert_out_comes_back(tmp_path / "out")
+
+
+def test_the_preflight_checks_the_kit_pins(tmp_path, monkeypatch):
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "requirements.txt").write_text("# orthros-train GPU-node kit\nhjson==0.0.1  # needed by deepspeed\n")
+    monkeypatch.setenv("GPU_CHECK_KIT", json.dumps({"kit": str(kit), "site": "", "wheels": 1, "seconds": 0.1,
+                                                    "error": None}))  # fmt: skip
+    run = gpu_check.Run(tmp_path / "out", dry=True, scratch=tmp_path / "scratch")
+    result = gpu_check.item_preflight(run, gpu_check.section_entry(run, "setup"))
+    assert result["ok"] is False and any(p.startswith("kit package hjson==0.0.1 is at ") for p in result["problems"])
+
+
+def _tiny_wheel(folder: Path) -> Path:
+    path = folder / "gpucheckprobe-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("gpucheckprobe/__init__.py", "VALUE = 7\n")
+        zf.writestr("gpucheckprobe-1.0.dist-info/METADATA",
+                    "Metadata-Version: 2.1\nName: gpucheckprobe\nVersion: 1.0\n")
+        zf.writestr("gpucheckprobe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nTag: py3-none-any\n")
+        zf.writestr("gpucheckprobe-1.0.dist-info/RECORD", "")
+    return path
+
+
+def test_kit_is_installed_the_node_way_and_the_check_starts_again(tmp_path):
+    """``--kit``: pip --no-index --no-deps --target SCRATCH/site, then the check with it on PYTHONPATH."""
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    _tiny_wheel(kit)
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--kit", str(kit), "--rehearse",
+                           "--items", "preflight", "--out", str(out), "--scratch", str(scratch)],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["kit"]["wheels"] == 1 and report["kit"]["error"] is None
+    assert "--no-index --no-deps --no-compile" in report["kit"]["command"]
+    assert (scratch / "site" / "gpucheckprobe" / "__init__.py").exists()
+    assert report["items"][0]["status"] == "ok"
+    assert assert_out_comes_back(out) == ["gpu_check.json", "gpu_check.md", "gpu_check_logs.tar.gz"]
+
+
+def test_a_failing_item_still_leaves_a_report_that_comes_back(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(gpu_check, "sync_free_check", boom)
-    assert gpu_check.main(["--out", str(tmp_path), "--dry-run", "--sections", "correctness"]) == 1
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    sec = report["sections"]["correctness"]
-    assert sec["status"] == "done" and report["complete"]
-    assert [e["item"] for e in sec["errors"]] == ["sync-free layers (triton)", "sync-free layers (auto)"]
-    assert all("injected failure" in e["error"] for e in sec["errors"])
-    checks = [r["check"].split()[0] for r in sec["rows"]]
-    assert checks == ["pretrain", "sft", "prefill", "packed", "decode"] and all(r["ok"] for r in sec["rows"])
-    assert "injected failure" in (tmp_path / "gpu_check.md").read_text()
+    code = gpu_check.main(["--out", str(tmp_path / "out"), "--rehearse", "--items", "preflight,sync_free_triton",
+                           "--scratch", str(tmp_path / "scratch")])  # fmt: skip
+    assert code == 1
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert [(e["name"], e["status"]) for e in report["items"]] == [("preflight", "ok"), ("sync_free_triton", "error")]
+    assert "injected failure" in report["items"][1]["error"]
+    assert "injected failure" in (tmp_path / "out" / "gpu_check.md").read_text()
+    assert_out_comes_back(tmp_path / "out")
 
 
 @pytest.mark.slow
 def test_sigterm_mid_run_leaves_a_valid_report_and_no_trainer(tmp_path):
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--out", str(tmp_path), "--dry-run"],
+        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--out", str(out), "--rehearse", "--items", "resume",
+         "--scratch", str(scratch)],
         cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    log = tmp_path / "trainer_logs" / "reference.log"
+    log = scratch / "logs" / "reference.log"
     deadline = time.monotonic() + 300
     while not (log.exists() and "step" in log.read_text(errors="replace")):  # the trainer is mid-run
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, out
-    assert out.startswith("gpu_check plan")  # the plan is printed first
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout
+    assert stdout.startswith("gpu_check plan")  # the plan is printed first
+    report = json.loads((out / "gpu_check.json").read_text())
     assert report["interrupted"].startswith("SIGTERM") and not report["complete"]
-    assert report["sections"]["trainer"]["status"] == "running"
-    assert "Interrupted: SIGTERM" in (tmp_path / "gpu_check.md").read_text()
+    assert report["items"][0]["status"] == "interrupted"
+    assert "Interrupted: SIGTERM" in (out / "gpu_check.md").read_text()
+    assert "gpu_check_logs.tar.gz" in assert_out_comes_back(out)
     # the torchrun child went with it: nothing writes to its run directory any more
-    metrics = tmp_path / "trainer_runs" / "reference" / "metrics.jsonl"
+    metrics = scratch / "runs" / "reference" / "metrics.jsonl"
     before = metrics.read_text() if metrics.exists() else ""
     time.sleep(3)
     assert (metrics.read_text() if metrics.exists() else "") == before
 
 
 @pytest.mark.slow
-def test_dry_run_exercises_every_section_and_reports_after_each(tmp_path, monkeypatch):
+def test_rehearsal_walks_every_item_in_order_and_reports_after_each(tmp_path, monkeypatch):
     snapshots: list[dict] = []
     original = gpu_check.Run.write
 
@@ -113,43 +238,33 @@ def test_dry_run_exercises_every_section_and_reports_after_each(tmp_path, monkey
         snapshots.append(copy.deepcopy(self.report))
 
     monkeypatch.setattr(gpu_check.Run, "write", write)
-    code = gpu_check.main(["--out", str(tmp_path), "--dry-run"])
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    sections = report["sections"]
-    assert list(sections) == list(gpu_check.RUNNERS) and report["complete"]
-    errors = {name: s.get("errors") or s.get("error") for name, s in sections.items()}
-    assert not any(errors.values()), errors
+    out = tmp_path / "out"
+    code = gpu_check.main(["--out", str(out), "--rehearse", "--scratch", str(tmp_path / "scratch")])
+    report = json.loads((out / "gpu_check.json").read_text())
+    items = {e["name"]: e for e in report["items"]}
+    assert list(items) == [i.name for i in gpu_check.PLAN] and report["complete"]
+    bad = {n: e.get("error") or e.get("result") for n, e in items.items() if e["status"] not in ("ok", "skipped")}
+    assert not bad, bad
     assert code == 0
-    # a report on disk after every section, with that section done and the next not yet started
-    names = list(gpu_check.RUNNERS)
+    assert items["serving"]["status"] == "skipped" and items["serving"]["seconds"] < 5  # no vLLM here
+    # a report on disk after every item, with the later ones still pending
+    names = list(items)
     for i, name in enumerate(names):
-        done = [s for s in snapshots if s["sections"].get(name, {}).get("status") == "done"]
-        assert done, name
-        first = done[0]
-        assert all(n not in first["sections"] for n in names[i + 1 :]), name
-    # the real trainer: steps with saves, kill -9 + resume with bitwise-equal losses, SFT, RL,
-    # the export generated from with transformers, the 1.3B plan with a timed tiny run
-    rows = {r["item"].split()[0]: r for r in sections["trainer"]["rows"]}
-    assert all(r["ok"] for r in sections["trainer"]["rows"]), sections["trainer"]["rows"]
-    kill = rows["kill"]
-    assert kill["killed_after_checkpoint"] >= 1 and kill["compared_steps"] and not kill["mismatches"]
-    assert rows["export"]["new_tokens"] > 0
-    big = rows["1.3B"]
+        done = [s for s in snapshots if s["items"][i]["status"] not in ("pending", "running")]
+        assert done and all(e["status"] == "pending" for e in done[0]["items"][i + 1 :]), name
+    resume = items["resume"]["result"]
+    assert resume["killed_after_checkpoint"] >= 1 and resume["compared_steps"] and not resume["mismatches"]
+    assert items["export_generate"]["result"]["new_tokens"] > 0
+    big = items["train_1p3b"]["result"]
     assert big["layers"] >= 1 and big["estimate_gib"] > 0 and big["records"] >= 1
-    # correctness ran for real (interpreter, fp32): every layout, decode, the two layer checks
-    checks = [r["check"].split()[0] for r in sections["correctness"]["rows"]]
-    assert checks == ["pretrain", "sft", "prefill", "packed", "decode", "2", "2"]
-    # kernels: the Orthros cases ran under the interpreter; nothing is reported as a timing
-    kernels = sections["kernels"]["rows"]
+    assert report["costs"]["launch_s"] > 0  # measured by the 1.3B item's plan launch
+    kernels = report["sections"]["kernels"]["rows"]
     assert all(r.get("ran") for r in kernels if r["case"].startswith("orthros"))
     assert all(r["fwd_ms"] is None for r in kernels)
-    assert "5/7" in sections["kernels"]["deterministic_bwd_ceiling"]
-    assert all(r.get("ran") for r in sections["inference"]["rows"])
-    # serving needs vLLM, which this environment lacks: it says so and takes no time
-    # (tests/serve/test_gpu_check_serving.py runs it where vLLM is)
-    assert sections["serving"]["skipped"] == ["vllm not installed"] and sections["serving"]["seconds"] < 5
     assert all(t["met"] is None for t in report["targets"])
-    assert "dry run: nothing was measured" in (tmp_path / "gpu_check.md").read_text()
+    assert "rehearsal: nothing was measured" in (out / "gpu_check.md").read_text()
+    files = assert_out_comes_back(out)
+    assert files == ["gpu_check.json", "gpu_check.md", "gpu_check_logs.tar.gz", "gpu_check_loss.png"]
 
 
 def test_bf16_model_keeps_fp32_rope_phases_at_position_131071():
