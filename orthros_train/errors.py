@@ -11,6 +11,7 @@ Imports nothing of the project, so every layer may raise it.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 from collections.abc import Iterator
@@ -52,4 +53,8 @@ def exit_on_ctrl_c(prog: str, what: str = "while starting up; nothing was done")
         yield
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (Ctrl-C) {what}", file=sys.stderr, flush=True)
-        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+        sys.stdout.flush()
+        # os._exit, not SystemExit: a Ctrl-C that landed inside a C extension's import (code it
+        # runs through PyRun_String) marks the interpreter "interrupted", and a normal exit then
+        # re-raises SIGINT on itself (exit status -2 instead of 130). Nothing is held yet.
+        os._exit(INTERRUPTED_EXIT_CODE)
