@@ -67,3 +67,80 @@ def test_engine_with_cuda_graphs_equals_generate(tmp_path):
             assert [list(o.outputs[0].token_ids) for o in outs] == want, lengths
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_paged_window_kernel_with_sinks_equals_the_plain_gather():
+    """The base stream's call with sink tokens on CUDA (bf16, the cache as the model views vLLM's):
+    rows of several requests, a decode row and padding rows."""
+    from orthros_train.serve.output_rows import every_row
+    from orthros_train.serve.paged_attention import paged_output_attention_reference, paged_window_attention
+
+    g = torch.Generator().manual_seed(2)
+    blocks, block_size, h_kv, h_q, d = 64, 16, 2, 8, 128
+    kv = torch.randn(blocks, h_kv, block_size, 2 * d, generator=g).to("cuda", torch.bfloat16)
+    key_cache, value_cache = kv.transpose(1, 2).split(d, dim=-1)
+    seq = torch.tensor([300, 17, 129], dtype=torch.int32, device="cuda")
+    table = torch.randperm(blocks, generator=g)[:3 * 20].view(3, 20).to(torch.int32).cuda()
+    qsl = torch.tensor([0, 40, 57, 58], dtype=torch.int32, device="cuda")  # a chunk, a whole prompt, a decode row
+    request, keys = every_row(qsl, 64, 58, 40).row_requests(seq)
+    q = torch.randn(64, h_q, d, generator=g).to("cuda", torch.bfloat16)
+    out = paged_window_attention(q, key_cache, value_cache, table, request, keys, window=32, sink_tokens=4)
+    want = paged_output_attention_reference(q, key_cache, value_cache, table, keys, None, row_request=request,
+                                            window=32, sink_tokens=4)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.count_nonzero(out[58:]) == 0
+
+
+def _compiled_variants(kernel) -> int | None:
+    """How many compiled variants a Triton kernel holds (None where this Triton keeps them elsewhere)."""
+    caches = getattr(kernel, "device_caches", None)
+    if not caches:
+        return None
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.parametrize("runner_v2", [False, True], ids=["v1-runner", "model-runner-v2"])
+def test_engine_with_sink_tokens_and_cuda_graphs_equals_generate(tmp_path, monkeypatch, runner_v2):
+    """Sink tokens on GPU: the base stream on the Triton kernel (piecewise graphs: between pieces;
+    full decode graphs: captured), the layout checked and the kernels compiled when the model loads,
+    none compiled later (no compile inside a capture). Decode batches of 3 and 5 requests are padded
+    to captured sizes (Model Runner V2 pads requests too: their rows go to the scratch row)."""
+    from exports import make_orthros
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from orthros_train.infer.generate import generate
+    from orthros_train.model.orthros import OrthrosForCausalLM
+    from orthros_train.serve import paged_attention
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner_v2 else "0")
+    ckpt, export = make_orthros(tmp_path, head_dim=64, sink_tokens=4)
+    model = OrthrosForCausalLM.from_pretrained(ckpt).eval().cuda()
+    g = torch.Generator().manual_seed(3)
+    llm = LLM(model=str(export), dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3, seed=0)
+    try:
+        assert paged_attention.is_compiled(torch.device("cuda", torch.cuda.current_device()), torch.float32, 4, 2, 64)
+        variants = _compiled_variants(paged_attention._paged_split_kernel)
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for lengths in ([40], [40, 300, 17], [5] * 5, [600, 3, 3, 3]):
+            prompts = [torch.randint(1, 384, (n,), generator=g).tolist() for n in lengths]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
+            with torch.no_grad():
+                want = generate(model, prompts, max_new_tokens=8).sequences
+            assert [list(o.outputs[0].token_ids) for o in outs] == want, lengths
+        if variants is not None:
+            assert _compiled_variants(paged_attention._paged_split_kernel) == variants
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_a_cache_layout_the_model_does_not_read_is_refused_at_load(tmp_path):
+    """An fp8 cache (the Triton kernels have no scales) stops the engine when the model loads, with
+    the fix, instead of serving wrong tokens."""
+    from exports import make_orthros
+    from vllm import LLM
+
+    _, export = make_orthros(tmp_path, head_dim=64)
+    with pytest.raises(Exception, match="--kv-cache-dtype auto"):
+        LLM(model=str(export), dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+            kv_cache_dtype="fp8", enforce_eager=True)
