@@ -376,163 +376,187 @@ def stale_reports(opts: ConversionOptions) -> list[Path]:
 def run_conversion_study(opts: ConversionOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
     """Teacher, conversion, sweep, seeds, curve, long context (and SmolLM2 if asked); writes
     ``<out>/conversion.json`` and the report."""
-    from orthros_train.train.cli import git_commit
-
-    out = Path(opts.out)
-    base, recipe, seq_len, window = check_options(opts)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("orthros-study conversion\n")
-    if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
-        remove_stale(stale_reports(opts), log)
-    started = time.perf_counter()
-    results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "git_commit": git_commit(),
-        "command": opts.command,
-        "quick": opts.quick,
-        "overrides": base,
-        "window": window,
-        "seq_len": seq_len,
-        "steps": opts.steps,
-        "seeds": list(opts.seeds),
-        "cpu_count": os.cpu_count(),
-        "load_average_start": load_average(),
-    }
-
-    def train(arch: str, run_dir: Path, overrides: list[str]) -> float:
-        return train_run(arch, run_dir, merge_overrides(base, overrides), log, opts.train_threads,
-                         overwrite=opts.overwrite)
-
-    # 1. The teacher, and the model conversion makes of it.
-    if opts.teacher is None:
-        teacher_dir = out / "teacher"
-        extra = [f"optim.lr={TEACHER_LR:g}", f"optim.min_lr={TEACHER_LR:g}", f"trainer.seed={TEACHER_SEED}"]
-        if opts.teacher_steps:
-            extra.append(f"trainer.max_steps={opts.teacher_steps}")
-        seconds = train("dense", teacher_dir, extra)
-        teacher = teacher_dir / "checkpoints" / "final"
-        results["teacher"] = _run_facts(teacher_dir, seconds, "trained by this study")
-    else:
-        teacher = Path(opts.teacher)
-        results["teacher"] = {"checkpoint": "given with --teacher", "source": teacher.name}
-    converted = convert_dense_checkpoint(teacher, out / "converted", window)
-    results["conversion_check"] = equality_within_window(teacher, converted, seq_len)
-    log(f"converted: max |logit difference| to the teacher inside W {results['conversion_check']['within_w']:.2e}")
-    inits = {0.0: converted}
-    if opts.affine_noise > 0:  # made before any run starts: the runs train in parallel threads
-        inits[opts.affine_noise] = convert_dense_checkpoint(teacher, out / f"converted-affine{opts.affine_noise:g}",
-                                                            window, opts.affine_noise)
-    every = save_every(opts.steps, opts.fractions)
-
-    def continue_run(arm: str, setting: Setting, seed: int, run_dir: Path) -> float:
-        arch = CONTINUED[arm]
-        init = inits[setting.affine_noise] if arch == "orthros" else teacher
-        extra = [f"model.init_from={init}", *setting.overrides(opts.steps, seed, arch == "orthros")]
-        if every:  # the curves' checkpoints (every arm: dense and sliding are the curve's references)
-            extra += [f"trainer.save_every={every}", "trainer.keep_last_k=0"]
-        return train(arch, run_dir, extra)
-
-    def in_parallel(jobs: list[tuple[str, Setting, int, Path]]) -> list[float]:
-        """``opts.jobs`` training processes at a time; the first failure stops the study."""
-        return run_parallel(continue_run, jobs, opts.jobs)
-
-    # 2. The sweep (first seed, Orthros): the peak rate at the first warm-up, then, one at a time at
-    # the kept rate, the other warm-ups, gamma/beta started off the identity, and the early freeze.
-    first = opts.seeds[0]
-    sweep: dict[str, dict[str, Any]] = {}
-
-    def sweep_runs(settings: list[Setting]) -> dict[Setting, float | None]:
-        todo = [s for s in settings if s.name not in sweep]
-        dirs = [out / "sweep" / f"{s.name}-seed{first}" for s in todo]
-        times = in_parallel([("orthros_continued", s, first, d) for s, d in zip(todo, dirs)])
-        for s, d, t in zip(todo, dirs, times):
-            sweep[s.name] = {"setting": s.__dict__, "run_dir": d, "seconds": t, "blend_valid_loss": _final_eval_loss(d)}
-        return {s: sweep[s.name]["blend_valid_loss"] for s in settings}
-
-    scores = sweep_runs([Setting(lr, opts.warmups[0]) for lr in opts.lrs])
-    best: Setting = pick_lr(scores)
-    log(f"sweep: rate {best.lr:g} (held-out blend loss {scores[best]:.4f})")
-    variants = [best, *(replace(best, warmup=w) for w in opts.warmups[1:])]
-    if opts.affine_noise > 0:
-        variants.append(replace(best, affine_noise=opts.affine_noise))
-    if opts.frozen > 0:
-        variants.append(replace(best, frozen=opts.frozen))
-    chosen: Setting = pick_lr(sweep_runs(variants))
-    log(f"sweep: kept {chosen.name}")
-    results["sweep"] = {"criterion": "the trainer's held-out blend loss at the end of the run, seed "
-                        f"{first}", "chosen": chosen.__dict__,
-                        "runs": [{**row["setting"], "name": name, "seconds": row["seconds"],
-                                  "blend_valid_loss": row["blend_valid_loss"]} for name, row in sweep.items()]}
-
-    # 3. The seeds: every continued arm with the kept rate and warm-up (Orthros with all of it).
-    plain = replace(chosen, affine_noise=0.0, frozen=0.0)
-    jobs = [(arm, chosen if arm == "orthros_continued" else plain, seed, out / arm / f"seed{seed}")
-            for arm in CONTINUED for seed in opts.seeds if not (arm == "orthros_continued" and seed == first)]
-    times = in_parallel(jobs)
-    runs: dict[str, list[Path]] = {arm: [] for arm in CONTINUED}
-    seconds: dict[str, list[float]] = {arm: [] for arm in CONTINUED}
-    runs["orthros_continued"].append(sweep[chosen.name]["run_dir"])
-    seconds["orthros_continued"].append(sweep[chosen.name]["seconds"])
-    for (arm, _, _, run_dir), t in zip(jobs, times):
-        runs[arm].append(run_dir)
-        seconds[arm].append(t)
-    facts = _run_facts(runs["orthros_continued"][0], 0.0, "")
-    results["tokens_per_step"] = facts["tokens"] // facts["steps"]
-    results["train_wall_seconds"] = time.perf_counter() - started
-    results["load_average_after_training"] = load_average()
-
-    # 4. Evaluation: the table, the curve, the sweep's runs.
+    study = _Study(opts, log)
+    study.teacher_and_conversion()
+    chosen = study.sweep()
+    runs, seconds = study.seeds(chosen)
     threads = torch.get_num_threads()
     torch.set_num_threads(opts.eval_threads)
     try:
-        def evaluate(ckpt: Path, **config_overrides: Any) -> dict[str, Any]:
-            return evaluate_checkpoint(ckpt, recipe["data"], seq_len, opts.recall_documents, opts.passkey_documents,
-                                       opts.valid_tokens, **config_overrides)
+        study.evaluate(runs, seconds, chosen)
+    finally:
+        torch.set_num_threads(threads)
+    results = study.results
+    results["load_average_end"] = load_average()
+    results["study_wall_seconds"] = time.perf_counter() - study.started
+    _check_finite(results)
+    write_results(opts, results, log)
+    return results
 
-        log("evaluate: teacher, converted, continued arms")
-        evals = {"teacher": [evaluate(teacher)], "converted": [evaluate(converted)]}
+
+class _Study:
+    """One conversion study's state: its options, the composed recipe, the teacher, the converted
+    checkpoints and the results as they fill in (each method is one stage)."""
+
+    def __init__(self, opts: ConversionOptions, log: Callable[[str], None]) -> None:
+        from orthros_train.train.cli import git_commit
+
+        self.opts, self.log, self.out = opts, log, Path(opts.out)
+        self.base, self.recipe, self.seq_len, self.window = check_options(opts)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / MARKER).write_text("orthros-study conversion\n")
+        if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
+            remove_stale(stale_reports(opts), log)
+        self.started = time.perf_counter()
+        self.results: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "git_commit": git_commit(),
+            "command": opts.command, "quick": opts.quick, "overrides": self.base, "window": self.window,
+            "seq_len": self.seq_len, "steps": opts.steps, "seeds": list(opts.seeds), "cpu_count": os.cpu_count(),
+            "load_average_start": load_average(),
+        }
+        self.every = save_every(opts.steps, opts.fractions)
+        self.sweep_rows: dict[str, dict[str, Any]] = {}
+
+    def train(self, arch: str, run_dir: Path, overrides: list[str]) -> float:
+        return train_run(arch, run_dir, merge_overrides(self.base, overrides), self.log, self.opts.train_threads,
+                         overwrite=self.opts.overwrite)
+
+    def teacher_and_conversion(self) -> None:
+        """1. The teacher (trained here unless given), and the models conversion makes of it."""
+        opts, results = self.opts, self.results
+        if opts.teacher is None:
+            teacher_dir = self.out / "teacher"
+            extra = [f"optim.lr={TEACHER_LR:g}", f"optim.min_lr={TEACHER_LR:g}", f"trainer.seed={TEACHER_SEED}"]
+            if opts.teacher_steps:
+                extra.append(f"trainer.max_steps={opts.teacher_steps}")
+            seconds = self.train("dense", teacher_dir, extra)
+            self.teacher = teacher_dir / "checkpoints" / "final"
+            results["teacher"] = _run_facts(teacher_dir, seconds, "trained by this study")
+        else:
+            self.teacher = Path(opts.teacher)
+            results["teacher"] = {"checkpoint": "given with --teacher", "source": self.teacher.name}
+        self.converted = convert_dense_checkpoint(self.teacher, self.out / "converted", self.window)
+        results["conversion_check"] = equality_within_window(self.teacher, self.converted, self.seq_len)
+        self.log(f"converted: max |logit difference| to the teacher inside W "
+                 f"{results['conversion_check']['within_w']:.2e}")
+        self.inits = {0.0: self.converted}
+        if opts.affine_noise > 0:  # made before any run starts: the runs train in parallel threads
+            self.inits[opts.affine_noise] = convert_dense_checkpoint(
+                self.teacher, self.out / f"converted-affine{opts.affine_noise:g}", self.window, opts.affine_noise)
+
+    def continue_run(self, arm: str, setting: Setting, seed: int, run_dir: Path) -> float:
+        arch = CONTINUED[arm]
+        init = self.inits[setting.affine_noise] if arch == "orthros" else self.teacher
+        extra = [f"model.init_from={init}", *setting.overrides(self.opts.steps, seed, arch == "orthros")]
+        if self.every:  # the curves' checkpoints (every arm: dense and sliding are the curve's references)
+            extra += [f"trainer.save_every={self.every}", "trainer.keep_last_k=0"]
+        return self.train(arch, run_dir, extra)
+
+    def in_parallel(self, jobs: list[tuple[str, Setting, int, Path]]) -> list[float]:
+        """``opts.jobs`` training processes at a time; the first failure stops the study."""
+        return run_parallel(self.continue_run, jobs, self.opts.jobs)
+
+    def sweep_runs(self, settings: list[Setting]) -> dict[Setting, float | None]:
+        first = self.opts.seeds[0]
+        todo = [s for s in settings if s.name not in self.sweep_rows]
+        dirs = [self.out / "sweep" / f"{s.name}-seed{first}" for s in todo]
+        times = self.in_parallel([("orthros_continued", s, first, d) for s, d in zip(todo, dirs)])
+        for s, d, t in zip(todo, dirs, times):
+            self.sweep_rows[s.name] = {"setting": s.__dict__, "run_dir": d, "seconds": t,
+                                       "blend_valid_loss": _final_eval_loss(d)}
+        return {s: self.sweep_rows[s.name]["blend_valid_loss"] for s in settings}
+
+    def sweep(self) -> Setting:
+        """2. The sweep (first seed, Orthros): the peak rate at the first warm-up, then, one at a time at
+        the kept rate, the other warm-ups, gamma/beta started off the identity, and the early freeze."""
+        opts = self.opts
+        scores = self.sweep_runs([Setting(lr, opts.warmups[0]) for lr in opts.lrs])
+        best: Setting = pick_lr(scores)
+        self.log(f"sweep: rate {best.lr:g} (held-out blend loss {scores[best]:.4f})")
+        variants = [best, *(replace(best, warmup=w) for w in opts.warmups[1:])]
+        if opts.affine_noise > 0:
+            variants.append(replace(best, affine_noise=opts.affine_noise))
+        if opts.frozen > 0:
+            variants.append(replace(best, frozen=opts.frozen))
+        chosen: Setting = pick_lr(self.sweep_runs(variants))
+        self.log(f"sweep: kept {chosen.name}")
+        self.results["sweep"] = {
+            "criterion": f"the trainer's held-out blend loss at the end of the run, seed {opts.seeds[0]}",
+            "chosen": chosen.__dict__,
+            "runs": [{**row["setting"], "name": name, "seconds": row["seconds"],
+                      "blend_valid_loss": row["blend_valid_loss"]} for name, row in self.sweep_rows.items()]}
+        return chosen
+
+    def seeds(self, chosen: Setting) -> tuple[dict[str, list[Path]], dict[str, list[float]]]:
+        """3. The seeds: every continued arm with the kept rate and warm-up (Orthros with all of it)."""
+        first, plain = self.opts.seeds[0], replace(chosen, affine_noise=0.0, frozen=0.0)
+        jobs = [(arm, chosen if arm == "orthros_continued" else plain, seed, self.out / arm / f"seed{seed}")
+                for arm in CONTINUED for seed in self.opts.seeds
+                if not (arm == "orthros_continued" and seed == first)]
+        times = self.in_parallel(jobs)
+        runs: dict[str, list[Path]] = {arm: [] for arm in CONTINUED}
+        seconds: dict[str, list[float]] = {arm: [] for arm in CONTINUED}
+        runs["orthros_continued"].append(self.sweep_rows[chosen.name]["run_dir"])
+        seconds["orthros_continued"].append(self.sweep_rows[chosen.name]["seconds"])
+        for (arm, _, _, run_dir), t in zip(jobs, times):
+            runs[arm].append(run_dir)
+            seconds[arm].append(t)
+        facts = _run_facts(runs["orthros_continued"][0], 0.0, "")
+        self.results["tokens_per_step"] = facts["tokens"] // facts["steps"]
+        self.results["train_wall_seconds"] = time.perf_counter() - self.started
+        self.results["load_average_after_training"] = load_average()
+        return runs, seconds
+
+    def measure(self, ckpt: Path, **config_overrides: Any) -> dict[str, Any]:
+        o = self.opts
+        return evaluate_checkpoint(ckpt, self.recipe["data"], self.seq_len, o.recall_documents, o.passkey_documents,
+                                   o.valid_tokens, **config_overrides)
+
+    def evaluate(self, runs: dict[str, list[Path]], seconds: dict[str, list[float]], chosen: Setting) -> None:
+        """4. Evaluation: the table, the curves, the sweep's runs, the long-context section."""
+        results = self.results
+        self.log("evaluate: teacher, converted, continued arms")
+        evals = {"teacher": [self.measure(self.teacher)], "converted": [self.measure(self.converted)]}
         for arm, dirs in runs.items():
-            evals[arm] = [evaluate(d / "checkpoints" / "final") for d in dirs]
+            evals[arm] = [self.measure(d / "checkpoints" / "final") for d in dirs]
         results["arms"] = {arm: summarize_arm(evals[arm]) for arm in ARMS}
         for arm in CONTINUED:
             results["arms"][arm]["train_seconds"] = spread(seconds[arm])["mean"]
-        results["runs"] = {arm: [measures(e) | {"seed": s} for e, s in zip(evals[arm], opts.seeds)]
+        results["runs"] = {arm: [measures(e) | {"seed": s} for e, s in zip(evals[arm], self.opts.seeds)]
                            for arm in CONTINUED}
         results["recall_buckets"] = {arm: _bucket_means(evals[arm]) for arm in ARMS}
         results["position_buckets"] = {arm: _position_means(evals[arm]) for arm in ARMS}
         results["chance"] = evals["teacher"][0]["recall"]["chance"]
-        log("evaluate: the recovery curves")
-        # Step 0 of each arm: the model it starts from, with its own attention.
-        starts = {"orthros_continued": (evaluate(inits[chosen.affine_noise]) if chosen.affine_noise
+        self.curves(runs, evals, chosen)
+        for row in results["sweep"]["runs"]:
+            m = measures(self.measure(Path(self.sweep_rows[row["name"]]["run_dir"]) / "checkpoints" / "final"))
+            row.update({k: m[k] for k in ("loss", "loss_beyond_w", "recall_beyond_w")})
+        if self.opts.longctx:
+            results["longctx"] = longctx_section(self.opts, runs["orthros_continued"][0], chosen, self.base,
+                                                 self.recipe, self.window, self.log)
+
+    def curves(self, runs: dict[str, list[Path]], evals: dict[str, list[dict[str, Any]]], chosen: Setting) -> None:
+        """Every continued arm at the curve's steps; step 0 is the model it starts from, with its own attention."""
+        self.log("evaluate: the recovery curves")
+        steps = self.opts.steps
+        starts = {"orthros_continued": (self.measure(self.inits[chosen.affine_noise]) if chosen.affine_noise
                                         else evals["converted"][0]),
                   "dense_continued": evals["teacher"][0],
-                  "sliding_continued": evaluate(teacher, attention_type="sliding", sliding_window=window)}
-        results["curves"] = {}
+                  "sliding_continued": self.measure(self.teacher, attention_type="sliding",
+                                                    sliding_window=self.window)}
+        self.results["curves"] = {}
         for arm in CONTINUED:
             curve = []
-            for fraction, step in curve_steps(opts.steps, opts.fractions):
+            for fraction, step in curve_steps(steps, self.opts.fractions):
                 if step == 0:
                     point = [starts[arm]]
-                elif step == opts.steps:
+                elif step == steps:
                     point = evals[arm]
                 else:
-                    point = [evaluate(checkpoint_at(d, step, opts.steps)) for d in runs[arm]]
+                    point = [self.measure(checkpoint_at(d, step, steps)) for d in runs[arm]]
                 curve.append(curve_point(fraction, step, point))
-            results["curves"][arm] = curve
-        results["curve"] = results["curves"]["orthros_continued"]
-        for row in results["sweep"]["runs"]:
-            m = measures(evaluate(Path(sweep[row["name"]]["run_dir"]) / "checkpoints" / "final"))
-            row.update({k: m[k] for k in ("loss", "loss_beyond_w", "recall_beyond_w")})
-        if opts.longctx:
-            results["longctx"] = longctx_section(opts, runs["orthros_continued"][0], chosen, base, recipe, window,
-                                                 log)
-    finally:
-        torch.set_num_threads(threads)
-    results["load_average_end"] = load_average()
-    results["study_wall_seconds"] = time.perf_counter() - started
-    _check_finite(results)
-    write_results(opts, results, log)
-    return results
+            self.results["curves"][arm] = curve
+        self.results["curve"] = self.results["curves"]["orthros_continued"]
 
 
 def write_results(opts: ConversionOptions, results: dict[str, Any], log: Callable[[str], None] = _log) -> None:

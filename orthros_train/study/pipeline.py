@@ -410,9 +410,9 @@ def _train_archs(opts: StudyOptions) -> tuple[str, ...]:
 
 def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
     """Sweep, train the seeds (unless ``skip_train``), evaluate, write ``study.json`` and the report."""
-    out = Path(opts.out)
     from orthros_train.train.cli import git_commit
 
+    out = Path(opts.out)
     overrides = list(QUICK_OVERRIDES if opts.quick else [])
     if opts.steps is not None:
         overrides.append(f"trainer.max_steps={opts.steps}")
@@ -420,19 +420,11 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "git_commit": git_commit(),  # the commit the study's code ran from (the runs record theirs too)
-        "command": opts.command,
-        "quick": opts.quick,
-        "overrides": overrides,
-        "seeds": list(opts.seeds),
-        "lrs": list(opts.lrs),
-        "cpu_count": os.cpu_count(),
-        "load_average_start": load_average(),
-        "sweep": {},
-        "runs": {},
-        "summary": {},
+        "command": opts.command, "quick": opts.quick, "overrides": overrides, "seeds": list(opts.seeds),
+        "lrs": list(opts.lrs), "cpu_count": os.cpu_count(), "load_average_start": load_average(),
+        "sweep": {}, "runs": {}, "summary": {},
     }
     started = time.perf_counter()
-    train = _train_archs(opts)
     if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
         from orthros_train.study.runs import remove_stale
 
@@ -440,38 +432,8 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
         if opts.report is not None:
             stale += [Path(opts.report), Path(opts.report).parent / Path(opts.report).stem]
         remove_stale(stale, log)
-
-    def train_all(jobs: list[tuple[str, float, int]]) -> None:
-        """(arch, lr, seed) runs, ``opts.jobs`` processes at a time; the first failure stops the study."""
-        from orthros_train.study.runs import run_parallel
-
-        def one(arch: str, lr: float, seed: int) -> float:
-            recipe, extra = EXTRA_ARCHS.get(arch, (arch, []))
-            return train_run(recipe, out / arch / run_name(lr, seed), overrides + extra + run_overrides(lr, seed),
-                             log, opts.train_threads, overwrite=opts.overwrite)
-
-        run_parallel(one, jobs, opts.jobs)
-
-    # What is read but not trained must exist before anything trains (a study takes hours).
-    reused = [a for a in opts.archs if a not in train]
-    why = "--skip-train evaluates existing runs" if opts.skip_train else f"--train-archs leaves {reused} to --out"
-    check_trained([out / arch / run_name(lr, opts.seeds[0]) for arch in reused for lr in opts.lrs], why)
-    # The sweep of every model first (its runs are independent), then the other seeds at the kept rates.
-    train_all([(arch, lr, opts.seeds[0]) for arch in train for lr in opts.lrs])
-    for arch in opts.archs:
-        sweep: dict[float, float | None] = {}
-        for lr in opts.lrs:
-            evals = [m["eval_loss"] for m in read_metrics(out / arch / run_name(lr, opts.seeds[0]))
-                     if m.get("eval_loss") is not None]
-            sweep[lr] = evals[-1] if evals else None
-        best = pick_lr(sweep)
-        results["sweep"][arch] = {"seed": opts.seeds[0], "best_lr": best,
-                                  "blend_valid_loss": {f"{lr:g}": loss for lr, loss in sweep.items()}}
-        log(f"{arch}: learning rate {best:g} (held-out blend loss {sweep[best]:.3f})")
-    check_trained([out / arch / run_name(results["sweep"][arch]["best_lr"], seed)
-                   for arch in reused for seed in opts.seeds[1:]], why)
-    train_all([(arch, results["sweep"][arch]["best_lr"], seed) for arch in train for seed in opts.seeds[1:]])
-    results["train_wall_seconds"] = time.perf_counter() - started if train else None
+    trained = _train_sweep_and_seeds(opts, overrides, results, log)
+    results["train_wall_seconds"] = time.perf_counter() - started if trained else None
     results["load_average_after_training"] = load_average()
     threads = torch.get_num_threads()
     torch.set_num_threads(opts.eval_threads)
@@ -498,6 +460,41 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
         write_report(results, Path(opts.report), notes)
         log(f"report: {opts.report}")
     return results
+
+
+def _train_sweep_and_seeds(opts: StudyOptions, overrides: list[str], results: dict[str, Any],
+                           log: Callable[[str], None]) -> tuple[str, ...]:
+    """The sweep of every model first (its runs are independent), then the other seeds at the kept
+    rates; fills ``results["sweep"]``; returns the models it trained."""
+    from orthros_train.study.runs import run_parallel
+
+    out, train = Path(opts.out), _train_archs(opts)
+
+    def one(arch: str, lr: float, seed: int) -> float:
+        recipe, extra = EXTRA_ARCHS.get(arch, (arch, []))
+        return train_run(recipe, out / arch / run_name(lr, seed), overrides + extra + run_overrides(lr, seed),
+                         log, opts.train_threads, overwrite=opts.overwrite)
+
+    # What is read but not trained must exist before anything trains (a study takes hours).
+    reused = [a for a in opts.archs if a not in train]
+    why = "--skip-train evaluates existing runs" if opts.skip_train else f"--train-archs leaves {reused} to --out"
+    check_trained([out / arch / run_name(lr, opts.seeds[0]) for arch in reused for lr in opts.lrs], why)
+    run_parallel(one, [(arch, lr, opts.seeds[0]) for arch in train for lr in opts.lrs], opts.jobs)
+    for arch in opts.archs:
+        sweep: dict[float, float | None] = {}
+        for lr in opts.lrs:
+            evals = [m["eval_loss"] for m in read_metrics(out / arch / run_name(lr, opts.seeds[0]))
+                     if m.get("eval_loss") is not None]
+            sweep[lr] = evals[-1] if evals else None
+        best = pick_lr(sweep)
+        results["sweep"][arch] = {"seed": opts.seeds[0], "best_lr": best,
+                                  "blend_valid_loss": {f"{lr:g}": loss for lr, loss in sweep.items()}}
+        log(f"{arch}: learning rate {best:g} (held-out blend loss {sweep[best]:.3f})")
+    check_trained([out / arch / run_name(results["sweep"][arch]["best_lr"], seed)
+                   for arch in reused for seed in opts.seeds[1:]], why)
+    run_parallel(one, [(arch, results["sweep"][arch]["best_lr"], seed) for arch in train for seed in opts.seeds[1:]],
+                 opts.jobs)
+    return train
 
 
 def _evaluate_all(results: dict[str, Any], opts: StudyOptions, log: Callable[[str], None]) -> None:
