@@ -409,7 +409,7 @@ def convert_from_hf(
     if not src.is_dir():
         raise ConversionError(f"source {src} is not a directory: {SRC_FIX}")
     hf = read_json(src / CONFIG_NAME, SRC_FIX)
-    check_sink_tokens_flag(sink_tokens, sliding_window)  # before anything is read or written
+    sink_tokens = check_sink_tokens_flag(sink_tokens, sliding_window)  # before anything is read or written
     config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME), sink_tokens=sink_tokens)
     cast = parse_dtype(dtype)
     shard_bytes = parse_byte_size(max_shard_size)  # before anything is created

@@ -57,8 +57,18 @@ def main() -> None:
     }
 
     def average_over_context_ranks(model) -> None:  # what DeepSpeed does over the data x context group
+        from orthros_train.parallel.engine import is_expert_parameter
+
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         for p in model.parameters():
-            if p.grad is not None:
+            if p.grad is None:
+                continue
+            if is_expert_parameter(p):
+                # DeepSpeed's MoE reduction: summed over the expert-data-parallel group (with TP+SP
+                # every TP rank routes its own tokens through its copy of the experts), / dp
+                dist.all_reduce(p.grad, group=parallel_state.get_expert_data_parallel_group())
+                p.grad /= dp
+            else:
                 dist.all_reduce(p.grad, group=parallel_state.get_context_parallel_group())
                 p.grad /= cp
 
