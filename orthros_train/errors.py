@@ -58,3 +58,17 @@ def exit_on_ctrl_c(prog: str, what: str = "while starting up; nothing was done")
         # runs through PyRun_String) marks the interpreter "interrupted", and a normal exit then
         # re-raises SIGINT on itself (exit status -2 instead of 130). Nothing is held yet.
         os._exit(INTERRUPTED_EXIT_CODE)
+
+
+def raised_by_project(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by the project's own code (its innermost frame is under the
+    repository's packages), not inside torch, numpy or another library: for callers that still
+    catch a plain ValueError as a refusal while their code moves to UserError."""
+    tb = exc.__traceback__
+    if tb is None:
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    here = os.path.dirname(os.path.abspath(__file__))  # orthros_train/
+    filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return filename.startswith(here + os.sep) or filename.startswith(os.path.join(os.path.dirname(here), "data_tools"))

@@ -278,8 +278,22 @@ def load_summary(path: str) -> dict | None:
         found = find_summary(re.sub(r"_\d{5}(\.bin|\.idx)?$", "", path))
     if found is None:
         return None
-    with open(found) as f:
-        return json.load(f)
+    return _read_summary(found)
+
+
+def _read_summary(found: str) -> dict:
+    """A summary JSON, refused naming the file when it is not one (malformed, or another JSON)."""
+    try:
+        with open(found, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{found}: not valid JSON ({e}); run the orthros-data command that writes it again") from e
+    if not isinstance(summary, dict) or "shards" not in summary:
+        raise DataError(
+            f"{found}: not a summary written by orthros-data (no 'shards'); pass an orthros-data output "
+            "prefix, its PREFIX.json, a directory of .bin/.idx shards or a shard prefix"
+        )
+    return summary
 
 
 def resolve_prefixes(path: str) -> list[str]:
@@ -287,8 +301,7 @@ def resolve_prefixes(path: str) -> list[str]:
     path = os.path.expanduser(str(path))
     found = find_summary(path)
     if found is not None:
-        with open(found) as f:
-            summary = json.load(f)
+        summary = _read_summary(found)
         if not summary.get("complete", False):
             raise DataError(f"{found}: the orthros-data run that writes it did not finish; run it again to resume")
         base = os.path.dirname(found)

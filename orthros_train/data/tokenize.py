@@ -42,6 +42,13 @@ def tokenizer_from_path(path: str):
         return PreTrainedTokenizerFast(tokenizer_file=path)
     if not os.path.exists(path):
         raise DataError(f"{path}: no such tokenizer (give a local directory or a tokenizer.json file)")
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        # transformers would answer with advice to install sentencepiece or tiktoken
+        raise DataError(
+            f"{path}: the folder holds no tokenizer files ({', '.join(files[:3])}, ...): point --tokenizer at the "
+            "folder a tokenizer was saved to (tokenizer.save_pretrained), e.g. a checkpoint's model/ folder"
+        )
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types for a bad folder; name it

@@ -370,8 +370,35 @@ def _f(x: float | None) -> str:
 COMMANDS = {"niah": cmd_niah, "recall": cmd_recall, "ppl": cmd_ppl, "lm-eval": cmd_lm_eval, "bench-prefill": cmd_bench}
 
 
+def attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--lengths -1k`` -> ``--lengths=-1k``: argparse takes a value starting with '-' for an
+    option (and answers "expected one argument"); attached, the value reaches the flag's own check,
+    which names the problem (lengths must be >= 1)."""
+    takes_value: set[str] = set()
+    for action in parser._actions:  # the subcommands' flags too
+        for sub in getattr(action, "choices", None) or {}:
+            sub_parser = action.choices[sub]
+            if isinstance(sub_parser, argparse.ArgumentParser):
+                takes_value |= {o for a in sub_parser._actions if a.nargs is None and a.option_strings
+                                and not isinstance(a, argparse._StoreConstAction) for o in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        negative = nxt is not None and len(nxt) > 1 and nxt[0] == "-" and (nxt[1].isdigit() or nxt[1] == ".")
+        if arg in takes_value and negative:
+            out.append(f"{arg}={nxt}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(attach_dash_values(parser, sys.argv[1:] if argv is None else list(argv)))
     if args.threads:
         import torch
 

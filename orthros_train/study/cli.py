@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from orthros_train.errors import UserError, raised_by_project, report_bug
 from orthros_train.eval.common import nonnegative_int, parse_lengths, positive_int
 from orthros_train.logging_setup import configure_logging
 from orthros_train.study.pipeline import ARCHS, EXTRA_ARCHS, StudyOptions, rerender_report, run_study
@@ -78,8 +79,14 @@ def run_owned(prog: str, out: Path, what: str, work: Callable[[], Any]) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:
+        if not (isinstance(exc, UserError) or raised_by_project(exc)):
+            report_bug(prog, exc)  # from inside torch/numpy: a bug, its traceback shows where
+            return 1
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # anything else is a bug: its traceback, and where to report it
+        report_bug(prog, exc)
+        return 1
     return 0
 
 

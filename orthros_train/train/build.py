@@ -138,8 +138,33 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
     except ValueError as exc:  # a truncated or corrupt weights file, named with its size
         raise UserError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
     model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
-    load_reference_shards(model, weights, cfg.model)
+    try:
+        load_reference_shards(model, weights, cfg.model)
+    except ValueError as exc:  # tensors of another shape or name: name the model.* keys that differ
+        differ = _config_difference(cfg)
+        if not differ:
+            raise
+        raise UserError(
+            f"model.init_from={cfg.init.init_from} holds another model than the recipe's: {'; '.join(differ)}. "
+            f"Set these model.* keys to the checkpoint's values (or start from a checkpoint of this shape) ({exc})"
+        ) from exc
     return model.to(device)
+
+
+def _config_difference(cfg: RunConfig) -> list[str]:
+    """``model.KEY=recipe value, X in init_from/config.json`` for every field that differs."""
+    import json
+
+    try:
+        saved = json.loads((Path(cfg.init.init_from) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    ours = cfg.model.to_dict()
+    ignored = {"attention_backend", "init_from", "max_position_embeddings", "extra"}  # no effect on the weights
+    return [
+        f"model.{k}={ours[k]} in the recipe, {saved[k]} in {Path(cfg.init.init_from) / 'config.json'}"
+        for k in sorted(set(saved) & set(ours)) if k not in ignored and saved[k] != ours[k]
+    ][:6]
 
 
 def build_objective(
