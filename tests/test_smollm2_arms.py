@@ -158,3 +158,15 @@ def test_quick_smollm2_section_end_to_end(tmp_path) -> None:
     recipe = json.loads((out / "smollm2" / "sinks_align_kd" / "recipe.json").read_text())
     assert recipe["model"]["sink_tokens"] == 4 and recipe["distill"]["align"] == "mse"
     assert (out / "conversion.md").is_file() and Path(out / "conversion" / "smollm2_recovery.png").is_file()
+
+
+def test_overwrite_drops_the_stale_section_before_retraining(tmp_path) -> None:
+    from orthros_train.study.smollm2 import drop_stale_section
+
+    out = tmp_path / "out"
+    (out / "conversion").mkdir(parents=True)
+    for name in ("smollm2.json", "conversion.md", "conversion/smollm2_recovery.png"):
+        (out / name).write_text("old")
+    (out / "smollm2" / "ce").mkdir(parents=True)  # the runs themselves go one by one as they retrain
+    drop_stale_section(ConversionOptions(out=out, report=out / "conversion.md", overwrite=True), lambda m: None)
+    assert sorted(p.name for p in out.iterdir()) == ["smollm2"]

@@ -344,7 +344,11 @@ def write_report(results: dict[str, Any], path: Path, notes: str | None = None) 
         "orthros-study                       # sweep + seeds of the three models (runs/study/), writes this file",
         "orthros-study --skip-train          # re-evaluate existing runs",
         "orthros-study --quick --out /tmp/s --report /tmp/s/study.md   # the reduced pipeline check",
+        "orthros-study --archs orthros,orthros_sinks  # Orthros from scratch with 4 sink tokens beside 0",
         "```",
+        "",
+        "A rerun into the same --out reuses every finished run, resumes a partial one (a study stopped by Ctrl-C or "
+        "SIGTERM saves its runs) and refuses a run trained with another command; --overwrite starts over.",
         "",
         f"Every number above (and the loss curves) is in `{folder.name}/study.json`.",
         "",

@@ -49,6 +49,7 @@ from orthros_train.study.conversion import (
     checkpoint_at,
     curve_steps,
     save_every,
+    write_results,
     write_smollm2_results,
 )
 from orthros_train.study.pipeline import _log, load_average, read_metrics, train_run
@@ -381,6 +382,21 @@ def _point(step: int, tokens: int, m: dict[str, Any]) -> dict[str, Any]:
             **{k: m[k] for k in ("loss", "loss_within_w", "loss_beyond_w", "kl_beyond_w")}}
 
 
+def drop_stale_section(opts: ConversionOptions, log: Callable[[str], None]) -> None:
+    """--overwrite: the section of the runs about to be replaced leaves ``smollm2.json``, the small study's
+    ``conversion.json`` (where it was merged) and the report before any run is retrained."""
+    from orthros_train.study.runs import remove_stale
+
+    out = Path(opts.out)
+    remove_stale([out / SMOLLM2_RESULTS], log)
+    if (out / "conversion.json").is_file():
+        results = json.loads((out / "conversion.json").read_text())
+        if results.pop("smollm2", None) is not None:
+            write_results(opts, results, log)  # smollm2.json is gone: the report is written without the section
+    elif opts.report is not None:
+        remove_stale([Path(opts.report), Path(opts.report).parent / Path(opts.report).stem], log)
+
+
 def _section(opts: ConversionOptions, p: Prepared, recipe: dict[str, Any], steps: int, warmup: int,
              rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The JSON of the section: how it ran, what the probes were, every row."""
@@ -413,6 +429,8 @@ def run_smollm2_section(opts: ConversionOptions, log: Callable[[str], None] = _l
     check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("orthros-study conversion\n")
+    if opts.overwrite:
+        drop_stale_section(opts, log)
     started = time.perf_counter()
     recipe = _recipe()
     arms = [a for k, a in ARMS.items() if k in opts.smollm2_arms]  # "sinks" first: the sink arms' start
