@@ -493,3 +493,49 @@ def test_torchrun_launcher_refuses_a_bad_recipe_once_before_starting_ranks(tmp_p
     assert proc.returncode == 1
     assert proc.stderr.count("optim.lr=nan: must be a finite number") == 1, proc.stderr[-3000:]
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("content", [None, "{}"], ids=["empty", "config_only"])
+def test_a_tokenizer_folder_without_tokenizer_files_is_named(tmp_path, content):
+    from orthros_train.data.indexed import DataError
+    from orthros_train.data.tokenize import tokenizer_from_path
+
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    with pytest.raises(DataError, match=r"the folder holds no tokenizer files \(tokenizer.json"):
+        tokenizer_from_path(str(tmp_path))
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"hello": [1, 2, 3]}', r"notsum.json: not a summary written by orthros-data \(no 'shards'\)"),
+    ("[1, 2]", r"notsum.json: not a summary written by orthros-data"),
+    ("{oops", r"notsum.json: not valid JSON"),
+])
+def test_inspect_names_a_json_that_is_not_a_summary(tmp_path, capsys, content, message):
+    from data_tools.cli import main
+
+    (tmp_path / "notsum.json").write_text(content)
+    assert main(["inspect", str(tmp_path / "notsum.json")]) == 2
+    err = capsys.readouterr().err
+    assert __import__("re").search(message, err) and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["niah", "ckpt", "--lengths", "-1k"], "not a token count: '-1k'"),
+    (["niah", "ckpt", "--depths", "-5"], "depth -5"),
+])
+def test_eval_flags_given_a_negative_value_reach_their_own_check(tmp_path, capsys, argv, message):
+    from orthros_train.eval.cli import main
+
+    assert main([*argv, "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "expected one argument" not in err, err
+
+
+def test_init_from_of_another_model_names_the_model_keys(tmp_path):
+    from orthros_train.train.build import _config_difference
+
+    tiny_model(vocab_size=2048, num_hidden_layers=3).save_pretrained(tmp_path / "ckpt")
+    recipe = resolved_recipe("tiny_cpu", f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={tmp_path / 'ckpt'}")
+    differ = " ".join(_config_difference(run_config_from_dict(recipe)))
+    assert "model.num_hidden_layers=" in differ and "3 in " in differ and "ckpt/config.json" in differ
