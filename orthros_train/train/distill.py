@@ -37,8 +37,10 @@ How it runs, without a second loop and without touching the model:
 * vocab-parallel logits: the log-softmax over the whole vocabulary is the local one shifted by
   the TP-wide max (detached) and log-sum-exp (a differentiable sum, megatron-core's
   ``reduce_from_tensor_model_parallel_region``), and the KL's sum over the vocabulary is the same
-  differentiable sum of the per-rank partial sums; the CE keeps the LM head's own
-  ``token_losses``.
+  differentiable sum of the per-rank partial sums (``token_kl`` says why the log-sum-exp's
+  gradient is all-reduced); the CE keeps the LM head's own ``token_losses``;
+* the KL is computed in blocks of rows, each recomputed in the backward (``chunked_token_kl``):
+  several fp32 copies of an 8B model's logits at 32K tokens would not fit beside the training step.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from torch.utils.checkpoint import checkpoint
 
 from orthros_train.errors import UserError
 from orthros_train.logging_setup import RANK_ZERO
@@ -64,6 +67,7 @@ from orthros_train.options import AttentionType, DistillAlign, Recompute
 from orthros_train.parallel import collectives
 from orthros_train.parallel.streams import StreamShards
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
+from orthros_train.train.memory import KL_BLOCK_BYTES
 from orthros_train.train.metrics import layout_flops
 
 log = logging.getLogger(__name__)
@@ -255,8 +259,9 @@ def _tp_split() -> bool:
 
 def vocab_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log_softmax(logits / T)`` over the whole vocabulary in fp32, of logits that may be split
-    over the vocabulary (TP): the max is TP-wide (detached: any shift gives the same value and
-    gradient), the log-sum-exp a differentiable sum over the TP ranks."""
+    over the vocabulary (TP): shifted by the TP-wide max and log-sum-exp. For the teacher, without
+    gradient (a loss of this rank's shard of it would weigh the log-sum-exp's gradient by the
+    shard's share; ``token_kl`` takes the student's log-sum-exp once)."""
     z = logits.float() / temperature
     shift = z.detach().max(dim=-1, keepdim=True).values
     if _tp_split():
@@ -268,12 +273,43 @@ def vocab_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per output token ``KL(softmax(t / T) || softmax(s / T))`` ``[N]`` in fp32 (vocab-split
-    logits on each TP rank give the whole-vocabulary KL on every rank)."""
+    """Per output token ``KL(softmax(t / T) || softmax(s / T))`` ``[N]`` in fp32, of logits that may
+    be split over the vocabulary (TP: every rank gets the whole-vocabulary KL).
+
+    Each rank sums ``p (log p - log q)`` over its vocabulary shard and the partial sums are added
+    by megatron-core's differentiable reduction (forward all-reduce, backward identity). The
+    student's log-sum-exp is one TP-wide value that every shard's partial uses, weighted by that
+    shard's share of the teacher's mass; its gradient must be the sum of those shares' (1), hence
+    ``copy_to_tensor_model_parallel_region`` (forward identity, backward all-reduce) on it."""
     log_p = vocab_log_softmax(teacher_logits, temperature)
-    log_q = vocab_log_softmax(student_logits, temperature)
-    partial = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    z = student_logits.float() / temperature
+    shift = z.detach().max(dim=-1, keepdim=True).values
+    if _tp_split():
+        shift = collectives.all_reduce(shift, "max", group=parallel_state.get_tensor_model_parallel_group())
+    sum_exp = (z - shift).exp().sum(dim=-1, keepdim=True)
+    if _tp_split():
+        sum_exp = reduce_from_tensor_model_parallel_region(sum_exp)
+    lse = shift + sum_exp.log()
+    if _tp_split():
+        lse = copy_to_tensor_model_parallel_region(lse)
+    partial = (log_p.exp() * (log_p - (z - lse))).sum(dim=-1)
     return reduce_from_tensor_model_parallel_region(partial) if _tp_split() else partial
+
+
+def chunked_token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``token_kl`` over blocks of rows, each checkpointed: autograd keeps only the logits (which
+    exist anyway) and recomputes one block's fp32 log-softmaxes in the backward, so the KL's working
+    set is one block (``KL_BLOCK_BYTES`` per fp32 tensor) instead of several fp32 copies of the logits
+    (an 8B model at 32K tokens: ~7 GiB per rank at TP 8). Every TP rank has the same rows, so the
+    recomputed blocks' collectives run in the same order on all of them."""
+    rows = max(1, KL_BLOCK_BYTES // (4 * max(student_logits.shape[-1], 1)))
+    if student_logits.shape[0] <= rows or not torch.is_grad_enabled():
+        return token_kl(teacher_logits, student_logits, temperature)
+    return torch.cat([
+        checkpoint(token_kl, teacher_logits[i : i + rows], student_logits[i : i + rows], temperature,
+                   use_reentrant=False)
+        for i in range(0, student_logits.shape[0], rows)
+    ])  # fmt: skip
 
 
 def hidden_distance(student: torch.Tensor, teacher: torch.Tensor, kind: DistillAlign) -> torch.Tensor:
@@ -400,7 +436,7 @@ class Distillation:
         sums.ce += (loss.detach() - router).double()
         t = cfg.temperature
         if cfg.alpha > 0:
-            kl = token_kl(teacher_logits, logits, t)
+            kl = chunked_token_kl(teacher_logits, logits, t)
             kd = plan.whole_loss((kl * kd_weight).sum() / normalizer)
             loss = (1 - cfg.alpha) * loss + cfg.alpha * t * t * kd
             kl_t = kl.detach()
@@ -486,6 +522,7 @@ __all__ = [
     "check_teacher",
     "check_teacher_tokenizer",
     "check_teacher_unchanged",
+    "chunked_token_kl",
     "hidden_distance",
     "planned_teacher_config",
     "teacher_config",

@@ -21,8 +21,8 @@ has run once), in bytes:
 * **teacher** (distillation, ``train/distill.py``): the frozen dense teacher's shard in the
   training dtype, replicated under every ZeRO stage (it is outside DeepSpeed); its activations
   under ``no_grad`` (one layer's working set: nothing is kept for a backward); its logits, held
-  through the student's forward, and the KL's fp32 working set (teacher log-probs and probs, the
-  student's tempered log-softmax kept for the backward); in an alignment stage also its base
+  through the student's forward, and the KL's fp32 working set (computed block by block of rows,
+  recomputed in the backward: four fp32 tensors of one block); in an alignment stage also its base
   stream after every layer but the last.
 
 Sink tokens (``model.sink_tokens``) add no KV memory (the sinks are the cache's first entries);
@@ -58,6 +58,8 @@ GIB = 1024**3
 # Share of device memory the estimate may use: the rest is for what the model leaves out
 # (allocator fragmentation, CUDA/NCCL workspaces, kernels' temporary buffers).
 HEADROOM_FRACTION = 0.9
+# The KL of distillation is computed in blocks of rows of this many bytes per fp32 tensor (train/distill.py).
+KL_BLOCK_BYTES = 256 << 20
 
 
 @dataclass
@@ -289,9 +291,10 @@ def teacher_memory(
 ) -> int:
     """Bytes of distillation's frozen teacher on one rank: its weights (TP shard, replicated over
     ZeRO: outside DeepSpeed), the peak working set of one layer of its no-grad forward plus the
-    residual stream, its logits (held through the student's forward) with the KL's fp32 working
-    set (3 fp32 tensors of the logits' shape), and in an alignment stage its base stream after
-    every layer but the last."""
+    residual stream, its logits (held through the student's forward), the KL's fp32 working set
+    (4 fp32 tensors of one block of rows: ``train/distill.py`` computes it block by block and
+    recomputes it in the backward), and in an alignment stage its base stream after every layer
+    but the last."""
     tp = parallel.tensor_parallel
     sp = tp if parallel.sequence_parallel else 1
     a, d = act_bytes, teacher.hidden_size
@@ -301,7 +304,7 @@ def teacher_memory(
         for i in range(teacher.num_hidden_layers)
     )
     forward = layer + n_base * d * a // sp
-    logits = n_out * (teacher.vocab_size // tp) * (a + 3 * 4)
+    logits = n_out * (teacher.vocab_size // tp) * a + 4 * min(KL_BLOCK_BYTES, n_out * (teacher.vocab_size // tp) * 4)
     states = (teacher.num_hidden_layers - 1) * n_base * d * a // sp if align else 0
     return weights + forward + logits + states
 
