@@ -57,17 +57,18 @@ $(IMAGE_VENV)/.installed: pyproject.toml Makefile
 test-image-versions: $(IMAGE_VENV)/.installed
 	$(TEST_ENV) $(IMAGE_VENV)/bin/python -m pytest -p no:xdist -q $(IMAGE_TESTS) $(PYTEST_ARGS)
 
-# The GPU node without a GPU. A venv of CPython 3.12 (the image's Python) holding exactly the
-# image's package list and nothing else (--no-deps; torch is the CPU 2.13 wheel and numpy 2.4.6,
-# as 2.11+cu130 has no CPU build and numpy 2.5 is not on PyPI; rebuilt from scratch when the list
-# changes). The kit is built for it, then the node's own command runs: gpu_check installs the kit
-# (pip --no-index --no-deps --target) and rehearses every section in the node's order at tiny sizes
-# (gloo, the Triton interpreter). A package or corpus the kit lacks fails here, not on the node.
-NODE_PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
-	$$p -c '' 2>/dev/null && { echo $$p; break; }; done)
+# The GPU node without a GPU. A venv holding exactly the image's package list and nothing else
+# (--no-deps; torch is the CPU 2.13 wheel and numpy 2.4.6, as 2.11+cu130 has no CPU build and
+# numpy 2.5 is not on PyPI; rebuilt from scratch when the list changes). Its Python is NODE_PYTHON:
+# the node's CPython 3.12 where a CPU torch wheel for it is at hand (make test-gpu-node
+# NODE_PYTHON=python3.12), else this machine's python3. The kit the node gets (CPython 3.12, checked
+# against the image, <= 48 MiB) is built into build/gpu_kit; the same kit for the venv's Python is
+# then installed by the node's own command: gpu_check --kit (pip --no-index --no-deps --target),
+# which rehearses every item in the node's order at tiny sizes (gloo, the Triton interpreter). A
+# package or corpus the kit lacks fails here, not on the node.
+NODE_PYTHON ?= python3
 NODE_VENV ?= .venv-node
 $(NODE_VENV)/.installed: docker/gpu_image_packages.txt
-	@test -n "$(NODE_PYTHON)" || { echo "no CPython 3.12 (the node's) found: make test-gpu-node NODE_PYTHON=/path/to/python3.12"; exit 1; }
 	rm -rf $(NODE_VENV)
 	$(NODE_PYTHON) -m venv $(NODE_VENV)
 	grep -vE '^(#|$$|torch==|numpy==)' docker/gpu_image_packages.txt > $(NODE_VENV)/image_pins.txt
@@ -75,6 +76,7 @@ $(NODE_VENV)/.installed: docker/gpu_image_packages.txt
 	touch $@
 
 test-gpu-node: $(STAMP) $(NODE_VENV)/.installed
+	$(PY) launch/gpu_kit.py --out build/gpu_kit
 	$(PY) launch/gpu_kit.py --out build/gpu_kit_node \
 		--python $$($(NODE_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 	rm -rf build/node_check
