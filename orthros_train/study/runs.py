@@ -56,7 +56,8 @@ class _Children:
     """The live training processes, and whether the study is stopping."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Re-entrant: the signal handler takes it in the main thread, which may already hold it.
+        self.lock = threading.RLock()
         self.procs: set[subprocess.Popen] = set()
         self.stopping: int = 0  # the signal that stops the study (0: running)
         self.aborting = False  # a run failed: the others stop, nothing new starts
