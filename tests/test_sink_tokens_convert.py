@@ -14,7 +14,9 @@ from fixtures import TINY_HF_SHAPE, spread_hf_norms
 from orthros_train.convert.cli import main as convert_main
 from orthros_train.convert.from_hf import convert_from_hf
 from orthros_train.convert.to_hf import convert_to_hf
+from orthros_train.errors import UserError
 from orthros_train.eval.common import parse_overrides
+from orthros_train.infer.loading import load_model
 from orthros_train.model import OrthrosForCausalLM
 
 transformers = pytest.importorskip("transformers")
@@ -189,13 +191,17 @@ def test_eval_overrides_switch_sinks_off(trained_sinks):
     """``--override sink_tokens=0`` (alone, or with a wider window) loads the same weights as
     the paper's layer; a window at or below the sinks is refused by the config."""
     src, _ = trained_sinks
+    ids = torch.randint(0, VOCAB, (1, 3 * W), generator=torch.Generator().manual_seed(6))
     for items, want in (
         (["sink_tokens=0"], {"sink_tokens": 0}),
         (["sliding_window=1024", "sink_tokens=0"], {"sliding_window": 1024, "sink_tokens": 0}),
     ):
         overrides = parse_overrides(items)
         assert overrides == want
-        model = OrthrosForCausalLM.from_pretrained(src, **overrides)
+        model = load_model(src, device="cpu", **overrides)  # what orthros-eval loads
         assert model.config.sink_tokens == 0 and model.config.sliding_window == want.get("sliding_window", W)
-    with pytest.raises(ValueError, match="sink_tokens"):
-        OrthrosForCausalLM.from_pretrained(src, **parse_overrides([f"sliding_window={S}"]))
+        ref = OrthrosForCausalLM.from_pretrained(src, **want).eval()
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+    with pytest.raises(UserError, match="sink_tokens"):
+        load_model(src, device="cpu", **parse_overrides([f"sliding_window={S}"]))
