@@ -103,6 +103,7 @@ def test_sweep_keeps_the_lowest_finite_loss_and_seeds_aggregate() -> None:
     assert spread([None])["mean"] is None and spread([0.3])["std"] == 0.0
 
 
+@pytest.mark.slow  # 12 trainer runs: minutes on the shared CPU
 def test_study_pipeline_end_to_end(tmp_path) -> None:
     """Sweep (two rates) and two seeds of the three models through the real CLI, evaluated and reported."""
     from orthros_train.study import ARCHS, StudyOptions, run_study
