@@ -40,7 +40,7 @@ _BACKENDS: dict[str, AttentionFn] = {"reference": attention_reference, "sdpa": a
 _OUTPUT_ONLY: dict[str, AttentionFn] = {"sdpa": attention_sdpa_output}
 # Output-only variants that take ``sink_tokens`` themselves; every other backend runs sinks as a
 # second partial attention merged by its log-sum-exp (``reference.attention_with_sinks``).
-_NATIVE_SINKS: set[AttentionFn] = set()
+_NATIVE_SINKS: set[AttentionFn] = {attention_sdpa_output}
 
 
 def _triton_backend(deterministic: bool) -> AttentionFn:
@@ -84,25 +84,46 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, **hints):
+def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, sink_tokens: int = 0, **hints):
     """GPU ``auto``'s choice for these queries: ``("sdpa", segments)`` when flash attention
-    needs no mask for any of them, else ``("triton", its prepared plan or None)``."""
+    needs no mask for any of them, else ``("triton", its prepared plan or None)``. With sink
+    tokens the Triton side is the window partial plus the sink partial merged by LSE, and its
+    payload is ``(sink_queries result, (window plan, sink plan))``; the SDPA side serves sinks
+    itself (a single windowed query gets the sinks it lacks; a causal segment has them)."""
     segments = query_segments(q_index, q_window, cu_seqlens)
     if not any(needs_mask(seg) for seg in segments):
         return "sdpa", segments
-    return "triton", None if n_k is None else _prepare_triton(q_index, q_window, cu_seqlens, n_k, **hints)
+    if not sink_tokens:
+        return "triton", None if n_k is None else _prepare_triton(q_index, q_window, cu_seqlens, n_k, **hints)
+    sinks = sink_queries(q_index, q_window, cu_seqlens, sink_tokens)
+    if n_k is None:
+        return "triton", (sinks, (None, None))
+    return "triton", (sinks, _prepare_sink_partials(_prepare_triton, q_index, q_window, cu_seqlens, n_k, sinks,
+                                                    sink_tokens, **hints))
 
 
-def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, prepared=None, **extra):
+def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, prepared=None, sink_tokens=0, **extra):
     """GPU ``auto`` for output-only callers: flash attention through SDPA where it needs no
     mask, the Triton kernel elsewhere (sliding windows, packed output streams). ``prepared``
-    (``_choose_cuda``, once per forward) saves the choice's host sync in every layer."""
-    kind, payload = _choose_cuda(q_index, q_window, cu_seqlens) if prepared is None else prepared
+    (``_choose_cuda``, once per forward) saves the choice's host sync in every layer. Sink
+    tokens: never a path that ignores them (the Triton side merges a sink partial)."""
+    if prepared is None:
+        prepared = _choose_cuda(q_index, q_window, cu_seqlens, sink_tokens=sink_tokens)
+    kind, payload = prepared
     if kind == "sdpa":
-        return attention_sdpa_output(q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=payload)
-    return _BACKENDS["triton"](q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=payload)
+        return attention_sdpa_output(
+            q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=payload, sink_tokens=sink_tokens
+        )
+    triton = _BACKENDS["triton"]
+    if not sink_tokens:
+        return triton(q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=payload)
+    sinks, payloads = payload
+    return attention_with_sinks(
+        triton, q, k, v, q_index, q_window, cu_seqlens, sink_tokens, scale=scale, sinks=sinks, prepared=payloads
+    )
 
 
+_NATIVE_SINKS.add(_auto_cuda_output)
 _PREPARERS[_auto_cuda_output] = _choose_cuda
 
 
@@ -119,6 +140,17 @@ def resolve_backend(backend: str, device: torch.device, need_lse: bool = True) -
     if not need_lse and backend in _OUTPUT_ONLY:
         return _OUTPUT_ONLY[backend]
     return _BACKENDS[backend]
+
+
+def _prepare_sink_partials(prepare, q_index, q_window, cu_seqlens, n_k: int, sinks, sink_tokens: int, **hints):
+    """``(window payload, sink payload)`` of ``prepare`` for a backend that merges a sink partial.
+    The sink partial's queries each see at most ``sink_tokens`` keys: all of them are band
+    queries, and ``sink_tokens`` bounds their key range (a decode step's grid, no device sync)."""
+    rows, s_index, s_window = sinks
+    main = prepare(q_index, q_window, cu_seqlens, n_k, **hints)
+    if not rows.numel():
+        return main, None
+    return main, prepare(s_index, s_window, cu_seqlens, n_k, n_band=rows.numel(), max_range=sink_tokens)
 
 
 @dataclass(frozen=True)
@@ -165,11 +197,10 @@ def prepare_attention(
             return PreparedAttention(fn, payload, sink_tokens)
         fn = resolve_backend(backend, q_index.device, need_lse=True)
         sinks = sink_queries(q_index, q_window, cu_seqlens, sink_tokens)
-        rows, s_index, s_window = sinks
-        main = _prepare(fn, q_index, q_window, cu_seqlens, n_k, **hints)
-        # the sink partial's queries each see at most ``sink_tokens`` keys
-        extra = _prepare(fn, s_index, s_window, cu_seqlens, n_k, n_band=rows.numel()) if rows.numel() else None
-        return PreparedAttention(fn, (sinks, (main, extra)), sink_tokens)
+        payloads = _prepare_sink_partials(
+            lambda *a, **kw: _prepare(fn, *a, **kw), q_index, q_window, cu_seqlens, n_k, sinks, sink_tokens, **hints
+        )
+        return PreparedAttention(fn, (sinks, payloads), sink_tokens)
     fn = resolve_backend(backend, q_index.device, need_lse=need_lse)
     payload = _prepare(fn, q_index, q_window, cu_seqlens, n_k, **hints)
     return None if payload is None else PreparedAttention(fn, payload)
