@@ -351,8 +351,14 @@ def test_parallel_distillation_equals_one_process(one_process_distillation, teac
                           cwd=tmp_path, nproc=2)  # fmt: skip
     rc, _, err = finish(proc)
     assert rc == 0, err[-3000:]
+    # The KL terms are small differences of fp32 log-probabilities (~1e-6..1e-4 here): another
+    # summation order moves them by ~1e-8 absolute. A wrong gradient shows in step 2's losses.
+    tolerance = {"kd_loss": 1e-7, "kl_beyond_w": 1e-7}
+    bad = []
     for key in ("loss", "ce_loss", "kd_loss", "kl_beyond_w", "align_loss"):
         a = {r["step"]: r[key] for r in metrics(one_process_distillation) if key in r}
         b = {r["step"]: r[key] for r in metrics(run) if key in r}
         assert a.keys() == b.keys() and a, key
-        assert all(b[s] == pytest.approx(a[s], rel=1e-5, abs=1e-8) for s in a), (key, a, b)
+        if not all(b[s] == pytest.approx(a[s], rel=1e-5, abs=tolerance.get(key, 0)) for s in a):
+            bad.append((key, a, b))
+    assert not bad, bad
