@@ -9,7 +9,9 @@ maps onto that as follows:
 * **base stream** ``x``: every scheduled token. Its attention is vLLM's own ``Attention`` with
   ``per_layer_sliding_window=W``, which writes the K/V. Its KV spec is reported as full
   attention (``BaseStreamAttention.get_kv_cache_spec``): with vLLM's sliding-window spec the KV
-  manager frees blocks that fall out of the window, but the output stream still reads them.
+  manager frees blocks that fall out of the window, but the output stream still reads them. With
+  sink tokens (``sink_tokens > 0`` in config.json) vLLM only writes the K/V and the window plus the
+  request's first ``S`` keys is the model's own op (``torch.ops.orthros.base_attention``).
 * **output stream** ``y``: an output token at every row whose logits vLLM reads (``output_rows.py``
   plans them per step: the last row of each request; the last ``1 + k`` under speculative
   decoding; every prompt row of a request that asks for prompt logprobs; every row of a step that
