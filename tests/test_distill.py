@@ -34,7 +34,8 @@ from orthros_train.model import OrthrosForCausalLM
 from orthros_train.options import DistillAlign
 from orthros_train.phase.builders import pretrain_layout
 from orthros_train.phase.layout import IGNORE_INDEX
-from orthros_train.train.distill import Distillation, Teacher, teacher_identity
+from orthros_train.train.distill import Distillation, Teacher
+from orthros_train.train.teacher import teacher_identity
 
 # tiny_cpu at test size with a window of 16 in sequences of 64: three quarters of the positions
 # lie beyond the window, where the student and its dense teacher differ.

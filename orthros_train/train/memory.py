@@ -317,7 +317,7 @@ def memory_summary(cfg: RunConfig) -> dict[str, Any]:
     backend = "reference" if cfg.model.attention_backend == "reference" else "flash"
     teacher, align = None, False
     if cfg.distill.enabled:
-        from orthros_train.train.distill import planned_teacher_config
+        from orthros_train.train.teacher import planned_teacher_config
 
         teacher, _ = planned_teacher_config(cfg)
         align = cfg.distill.align != "none" and cfg.distill.align_steps > 0

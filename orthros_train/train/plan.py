@@ -86,7 +86,7 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
 def _distill_plan(cfg: RunConfig) -> dict[str, Any]:
     """What distillation adds to a run: the teacher, its size and the FLOPs of its forward."""
     from orthros_train.phase.builders import pretrain_layout
-    from orthros_train.train.distill import planned_teacher_config
+    from orthros_train.train.teacher import planned_teacher_config
 
     d = cfg.distill
     teacher, source = planned_teacher_config(cfg)

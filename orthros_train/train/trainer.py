@@ -46,7 +46,6 @@ from orthros_train.train.checkpoint import (
 )
 from orthros_train.train.checkpointing import Checkpointing
 from orthros_train.train.config import RunConfig
-from orthros_train.train.distill import check_teacher, check_teacher_unchanged
 from orthros_train.train.evaluation import Evaluator
 from orthros_train.train.health import LossSpikeDetector, NonFiniteGuard, NonFiniteTrainingError
 from orthros_train.train.metrics import peak_tflops
@@ -56,6 +55,7 @@ from orthros_train.train.run_dir import publish_directory
 from orthros_train.train.step import StepStats, TrainStep
 from orthros_train.train.step_log import StepLog, start_wandb
 from orthros_train.train.stop_signals import StopSignals
+from orthros_train.train.teacher import check_teacher, check_teacher_unchanged
 
 log = logging.getLogger(__name__)
 
