@@ -170,6 +170,7 @@ CONVERSION_REFUSALS = [
     (["--affine-noise", "-0.1"], "--affine-noise must be a finite number >= 0"),
     (["--lrs", "inf"], "every rate must be a finite number > 0"),
     (["--lrs", "0"], "every rate must be a finite number > 0"),
+    (["--lrs", "3e3"], "and at most 1 (3000 is not)"),
     (["--seeds", "2,3,2"], "repeats a seed"),
     (["--smollm2-minutes", "nan"], "--smollm2-minutes must be a finite number > 0"),
 ]

@@ -101,10 +101,10 @@ def check_seeds_and_rates(seeds: Sequence[int], lrs: Sequence[float]) -> None:
         raise ValueError(f"--seeds {','.join(map(str, seeds))} repeats a seed; give each seed once")
     if not lrs:
         raise ValueError("--lrs needs at least one learning rate (one: no sweep)")
-    bad = [lr for lr in lrs if not (math.isfinite(lr) and lr > 0)]
-    if bad:
+    bad = [lr for lr in lrs if not (math.isfinite(lr) and 0 < lr <= 1)]
+    if bad:  # above 1 is a typo (3e3 for 3e-3) the trainer would refuse only after the study started
         raise ValueError(f"--lrs {','.join(f'{lr:g}' for lr in lrs)}: every rate must be a finite number > 0 "
-                         f"({', '.join(f'{lr:g}' for lr in bad)} is not)")
+                         f"and at most 1 ({', '.join(f'{lr:g}' for lr in bad)} is not)")
     if len(set(lrs)) != len(lrs):
         raise ValueError(f"--lrs {','.join(f'{lr:g}' for lr in lrs)} repeats a rate; give each rate once")
 
