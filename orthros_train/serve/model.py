@@ -188,13 +188,12 @@ class BaseStreamAttention(Attention):
         ``out [T, heads * head_dim]``; padding rows are zeroed."""
         queries = self.output_queries
         md = queries.metadata
-        if md is None or queries.base_request is None:  # vLLM's profiling / warm-up run: no cache yet
+        if md is None:  # vLLM's profiling / warm-up run: no cache yet
             out.zero_()
             return
         m = q.shape[0]
         if q.device.type == "cpu":
-            self._base_attention_cpu(q, out, md.block_table, queries.base_request, queries.base_keys,
-                                     md.num_actual_tokens)
+            self._base_attention_cpu(q, out, md.block_table, md.query_start_loc, md.seq_lens, md.num_actual_tokens)
             return
         from orthros_train.serve.paged_attention import paged_window_attention
 
@@ -203,36 +202,36 @@ class BaseStreamAttention(Attention):
                                queries.base_request[:m], queries.base_keys[:m], self.window, self.sink_tokens,
                                scale=self.impl.scale, out=out.view(m, self.num_heads, self.head_size))
 
-    # Rows per gathered chunk of the CPU path, times the keys a row sees: bounds its scratch memory.
-    CPU_CHUNK_KEYS = 1 << 16
+    # Query rows per chunk of the CPU path: a chunk scores its rows against the keys they span
+    # (at most rows + W - 1 of them, plus the S sinks), one batched matmul per chunk.
+    CPU_CHUNK_ROWS = 256
 
     def _base_attention_cpu(self, q: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
-                            request: torch.Tensor, keys: torch.Tensor, n: int) -> None:
-        """The CPU path: each row's window and sink keys gathered from the CPU backend's cache
-        (``kv_layout.gather_cpu``; layout checked at load), softmax in fp32."""
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, n: int) -> None:
+        """The CPU path: for each chunk of a request's rows, the keys they span (their windows'
+        union and the request's sinks) gathered once from the CPU backend's cache
+        (``kv_layout.gather_cpu``; layout checked at load), masked per row by the definition (key
+        ``j`` below the row's key end ``e``, and ``j >= e - W`` or ``j < S``), softmax in fp32."""
         out[n:].zero_()
         window, sinks = self.window, self.sink_tokens
-        width = window + sinks
         block_size = self.kv_cache.shape[2]
         h_kv, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
-        j = torch.arange(width)
-        step = max(1, self.CPU_CHUNK_KEYS // width)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            req, n_keys = request[r0:r1].long(), keys[r0:r1].long()
-            win_lo = (n_keys - window).clamp(min=0)
-            n_sink = win_lo.clamp(max=sinks)
-            valid = j[None, :] < (n_sink + n_keys - win_lo)[:, None]
-            # Sinks first, then the window: key position of each of a row's (at most W + S) keys.
-            pos = torch.where(j[None, :] < n_sink[:, None], j[None, :], j[None, :] + (win_lo - n_sink)[:, None])
-            pos = torch.where(valid, pos, 0)
-            blocks = block_table[req[:, None], pos // block_size].long()
-            k, v = kv_layout.gather_cpu(self.kv_cache, blocks, pos % block_size)  # [m, W + S, Hkv, D]
-            qc = q[r0:r1].reshape(r1 - r0, h_kv, group, d).float()
-            scores = torch.einsum("mhgd,mlhd->mhgl", qc, k.float()) * self.impl.scale
-            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-            o = torch.einsum("mhgl,mlhd->mhgd", torch.softmax(scores, dim=-1), v.float())
-            out[r0:r1] = o.reshape(r1 - r0, -1).to(out.dtype)
+        starts, ends, lengths = query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), seq_lens.tolist()
+        for r, (a, b, n_keys) in enumerate(zip(starts, ends, lengths)):
+            for t0 in range(a, b, self.CPU_CHUNK_ROWS):
+                t1 = min(b, t0 + self.CPU_CHUNK_ROWS)
+                # Key end (exclusive) of each row: the request's last row sees all n_keys keys.
+                end = torch.arange(n_keys - (b - t0) + 1, n_keys - (b - t1) + 1)
+                band = max(0, int(end[0]) - window)
+                pos = torch.cat([torch.arange(min(sinks, band)), torch.arange(band, int(end[-1]))])
+                k, v = kv_layout.gather_cpu(self.kv_cache, block_table[r, pos // block_size].long(), pos % block_size)
+                key, row_end = pos[None, :], end[:, None]
+                seen = (key < row_end) & ((key >= row_end - window) | (key < sinks))
+                qc = q[t0:t1].reshape(t1 - t0, h_kv, group, d).float()
+                scores = torch.einsum("chgd,phd->hgcp", qc, k.float()) * self.impl.scale
+                scores = scores.masked_fill(~seen, float("-inf"))
+                o = torch.einsum("hgcp,phd->chgd", torch.softmax(scores, dim=-1), v.float())
+                out[t0:t1] = o.reshape(t1 - t0, -1).to(out.dtype)
 
     def output_attention(self, q_out: torch.Tensor, out: torch.Tensor) -> None:
         """Each output query against its request's cached keys, causal from the request's end (one
@@ -611,8 +610,9 @@ class OrthrosForCausalLM(nn.Module):
         )
         queries.plan = plan
         queries.base_request = queries.base_keys = None
-        if attn.attn.sink_tokens:
-            # Every row of the step is a base query: its request and key count, on the device.
+        if attn.attn.sink_tokens and device.type != "cpu":
+            # Every row of the step is a base query: its request and key count, on the device (the
+            # CPU path reads them per request from the host metadata).
             queries.base_request, queries.base_keys = every_row(
                 md.query_start_loc, num_tokens, md.num_actual_tokens, md.max_query_len).row_requests(md.seq_lens)
         if device.type == "cpu":

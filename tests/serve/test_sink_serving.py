@@ -102,12 +102,11 @@ def test_cpu_base_attention_over_the_cpu_cache_equals_the_definition(block_size)
     case = requests_case(LENGTHS, NEW, block_size=block_size, seed=1)
     kv = cpu_cache(case)
     m = int(case["qsl"][-1])
-    request, keys = every_row(case["qsl"], m + 2, m, max(NEW)).row_requests(case["seq"])
     layer = SimpleNamespace(window=W, sink_tokens=S, kv_cache=kv, num_kv_heads=2, num_heads=4, head_size=32,
-                            impl=SimpleNamespace(scale=32**-0.5), CPU_CHUNK_KEYS=5 * (W + S))  # chunks of 5 rows
+                            impl=SimpleNamespace(scale=32**-0.5), CPU_CHUNK_ROWS=4)  # a 7-row chunk in two
     q = torch.cat([case["q"], torch.randn(2, 4, 32)]).view(m + 2, -1)
     out = torch.full((m + 2, 4 * 32), float("nan"))
-    BaseStreamAttention._base_attention_cpu(layer, q, out, case["table"], request, keys, m)
+    BaseStreamAttention._base_attention_cpu(layer, q, out, case["table"], case["qsl"], case["seq"], m)
     torch.testing.assert_close(out[:m].view(m, 4, 32), naive(case, W, S), atol=2e-5, rtol=2e-5)
     assert torch.count_nonzero(out[m:]) == 0
 
