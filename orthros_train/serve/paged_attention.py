@@ -247,13 +247,20 @@ def paged_window_attention(
 _COMPILED: set[tuple] = set()
 
 
-def kernel_key(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+def kernel_key(device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                head_dim: int) -> tuple:
-    """What selects a compiled variant of the kernels besides sizes they are not specialised on."""
-    return (str(device), dtype, num_heads, num_kv_heads, head_dim)
+    """What selects a compiled variant of the kernels besides sizes they are not specialised on
+    (``cuda`` and ``cuda:<current>`` are one device)."""
+    device = torch.device(device)
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
+    return (device.type, index, dtype, num_heads, num_kv_heads, head_dim)
 
 
-def is_compiled(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+def is_compiled(device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                head_dim: int) -> bool:
+    """Whether ``compile_paged_kernels`` ran for this device and shape."""
     return kernel_key(device, dtype, num_heads, num_kv_heads, head_dim) in _COMPILED
 
 
