@@ -2,7 +2,10 @@
 
 Only the base stream writes K/V, so the cache is exactly the per-layer base K/V of every token
 seen so far (the output stream reads all of it; the base stream itself would only need the last
-``W``). Rows may have different lengths.
+``W``, and with sink tokens its document's first ``S``). Rows may have different lengths. Nothing
+is ever evicted: a row's sink keys are simply its first ``S`` slots (the start of its document in
+the key layout below), so sinks cost no memory; a cache trimmed to the window would have to keep
+them.
 
 Storage: one preallocated buffer per layer for K and one for V, ``[rows * capacity, Hkv, D]``,
 row ``r`` owning slots ``[r * capacity, (r + 1) * capacity)``. Appending writes in place (no

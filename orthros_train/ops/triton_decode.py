@@ -12,6 +12,11 @@ Same contract as ``reference.attention_reference`` (which is the ground truth fo
 any ``q_index``/``q_window``/``cu_seqlens``; it is just fast when queries are few and ranges
 long. Forward only (inference). Chunks past a query's range exit at once, so a ragged batch
 costs the sum of its ranges, not ``batch * max_len``.
+
+Sink tokens are not this kernel's business: ``ops/attention.py`` runs a decode step with sinks as
+this kernel over the windows plus a second call over the sink keys the base queries lack (each
+row's first ``S`` cache slots, a grid sized by ``max_range = S`` with no device sync), merged by
+their log-sum-exps (``reference.attention_with_sinks``).
 """
 
 from __future__ import annotations
