@@ -89,7 +89,7 @@ def _install_kit_and_reexec(argv: list[str]) -> None:
     error = (f"{args.kit} holds no wheels" if proc is None else
              None if proc.returncode == 0 else f"pip exit {proc.returncode}: {proc.stderr.strip()[-600:]}")  # fmt: skip
     info = {"kit": args.kit, "site": str(site), "wheels": len(wheels), "seconds": round(time.monotonic() - t0, 1),
-            "command": " ".join(cmd[:10]) + " KIT/*.whl", "error": error}  # fmt: skip
+            "command": " ".join(cmd[:11]) + f" {args.kit}/*.whl", "error": error}  # fmt: skip
     env = {**os.environ, "GPU_CHECK_T0": repr(_T0_WALL), "GPU_CHECK_KIT": json.dumps(info),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     again = [sys.executable, os.path.abspath(__file__), *rest, "--scratch", str(scratch)]
