@@ -279,7 +279,8 @@ def test_the_8b_conversion_dry_run_plans_the_teacher_and_still_fits():
     from orthros_train.train.plan import plan_summary
 
     plain = plan_summary(compose_recipe("convert_llama31_8b"))
-    planned = plan_summary(compose_recipe("convert_llama31_8b", *distill("align=mse", "align_steps=200")))
+    planned = plan_summary(compose_recipe("convert_llama31_8b", "distill=dense_twin", "distill.align=mse",
+                                          "distill.align_steps=200"))  # fmt: skip
     memory = planned["memory_per_gpu"]
     assert memory["stages"][0]["teacher"] > 0 and memory["device"]["fits_with_headroom"]
     assert planned["distill"]["teacher"] == "checkpoints/llama31_8b-orthros-w128"  # model.init_from
