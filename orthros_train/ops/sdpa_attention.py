@@ -210,13 +210,14 @@ class _BodyWithSinks(torch.autograd.Function):
         out.mul_(torch.exp(lse - lse_m)[..., None].to(out.dtype))
         for h in range(h_q):
             out[:, h].addmm_(p_sink[h].t().to(out.dtype), sink_v[:, h // group].to(out.dtype))
-        ctx.save_for_backward(body, ks, vs, sink_k, sink_v, band, out, lse_m.contiguous())
+        # p_sink is small (S / D of the queries' size): kept, not recomputed
+        ctx.save_for_backward(body, ks, vs, sink_k, sink_v, band, out, lse_m.contiguous(), p_sink)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        body, ks, vs, sink_k, sink_v, band, out, lse_m = ctx.saved_tensors
+        body, ks, vs, sink_k, sink_v, band, out, lse_m, p_sink = ctx.saved_tensors
         scale = ctx.scale
         n, h_q, d = body.shape
         n_blocks = ks.shape[0]
@@ -232,7 +233,6 @@ class _BodyWithSinks(torch.autograd.Function):
             attn_mask=band, scale=scale,
         )
         dq = dq.transpose(1, 2).reshape(n, h_q, d)
-        p_sink = _sink_scores(body, sink_k, scale).sub_(lse_m.t()[:, None]).exp_()  # [Hq, S, n]
         delta = (dout.float() * out.float()).sum(-1).t()  # [Hq, n]: rowsum(dO * O) of the merged softmax
         d_sink_k = torch.zeros(sink_k.shape, dtype=torch.float32, device=sink_k.device)
         d_sink_v = torch.zeros(sink_v.shape, dtype=torch.float32, device=sink_v.device)
