@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -40,8 +41,20 @@ class OptimConfig:
     frozen_steps: int = 0
     # A learning rate above 1 is almost always a typo (3e3 for 3e-3): refused unless this is true.
     allow_large_lr: bool = False
+    # A regular expression on parameter names (re.search): only the weights it matches train; the
+    # rest are frozen (no weight gradient, no optimizer state). Cheap continued training of a
+    # converted model, e.g. "self_attn|gamma|beta". None: every weight trains.
+    trainable: str | None = None
 
     def __post_init__(self) -> None:
+        if self.trainable is not None:
+            try:
+                re.compile(self.trainable)
+            except (re.error, TypeError) as exc:
+                raise UserError(
+                    f"optim.trainable={self.trainable!r} is not a regular expression ({exc}); e.g. "
+                    "optim.trainable='self_attn|gamma|beta', or leave it unset to train every weight"
+                ) from None
         if self.frozen_steps < 0:
             raise UserError(f"optim.frozen_steps must be >= 0, got {self.frozen_steps}")
         if not 0 < self.lr <= 1 and not (self.allow_large_lr and self.lr > 0):
@@ -306,11 +319,11 @@ class RunConfig:
             self.parallel, bool(self.model.num_experts), self.trainer.precision == Precision.bf16
         )
         if problem:
-            raise ValueError(problem)
+            raise UserError(problem)
         if self.rl is not None and self.parallel.expert_parallel > 1:
             # Every forward of a sparse layer is an all-to-all over the EP ranks, and each
             # data-parallel rank decodes its own rollouts until its own end of sequence.
-            raise ValueError(
+            raise UserError(
                 f"rl with parallel.expert_parallel={self.parallel.expert_parallel} is not supported: the "
                 "data-parallel ranks generate their rollouts for different numbers of decode steps, and every "
                 "expert-parallel rank must join each forward's all-to-all; use parallel.expert_parallel=1"
