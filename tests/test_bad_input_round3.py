@@ -539,3 +539,19 @@ def test_init_from_of_another_model_names_the_model_keys(tmp_path):
     recipe = resolved_recipe("tiny_cpu", f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={tmp_path / 'ckpt'}")
     differ = " ".join(_config_difference(run_config_from_dict(recipe)))
     assert "model.num_hidden_layers=" in differ and "3 in " in differ and "ckpt/config.json" in differ
+
+
+def test_a_clean_resume_leaves_a_long_metrics_log_alone(tmp_path, monkeypatch):
+    from orthros_train.train import metrics as metrics_module
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 5001)))
+    before = path.stat().st_mtime_ns
+
+    def no_whole_read(self, *args, **kwargs):
+        raise AssertionError("the whole log was read")
+
+    monkeypatch.setattr(Path, "read_text", no_whole_read)
+    assert metrics_module.set_aside_rows_after(path, 5000) is None
+    monkeypatch.undo()
+    assert path.stat().st_mtime_ns == before

@@ -91,7 +91,7 @@ def set_aside_rows_after(path: Path, step: int) -> Path | None:
     (written after the checkpoint it resumes, before it died) move to a file of their own, named in
     the log, so ``metrics.jsonl`` holds each step once. A row cut short by the crash goes with them.
     Returns the file the rows went to (None when nothing was past ``step``)."""
-    if not path.is_file():
+    if not path.is_file() or _ends_at_or_before(path, step):
         return None
     kept, moved = [], []
     for line in path.read_text(errors="replace").splitlines(keepends=True):
@@ -117,6 +117,27 @@ def set_aside_rows_after(path: Path, step: int) -> Path | None:
         "metrics.jsonl holds each step once", step, len(moved), aside,
     )
     return aside
+
+
+def _ends_at_or_before(path: Path, step: int) -> bool:
+    """Whether the log's last row is whole and at most ``step`` (the usual resume: nothing to move),
+    read from the file's end only, so a long run's log is not read whole at every resume."""
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size == 0:
+            return True
+        f.seek(max(0, size - 65536))
+        tail = f.read()
+    if not tail.endswith(b"\n"):
+        return False  # a row cut short by the crash
+    last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    try:
+        row_step = json.loads(last).get("step")
+    except (ValueError, AttributeError):
+        return False
+    # Rows are appended in step order, so the last one bounds them all.
+    return isinstance(row_step, int) and row_step <= step
 
 
 class MetricsLog:
