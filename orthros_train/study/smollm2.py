@@ -237,8 +237,8 @@ def arm_overrides(arm: Arm, p: Prepared, opts: ConversionOptions, steps: int, wa
         out.append(f"++optim.trainable={TRAINABLE}")
     if arm.dense:
         out.append("model.attention_type=dense")
-    if arm.sinks:
-        out.append(f"++model.sink_tokens={opts.sink_tokens}")
+    # Always explicit: the recipe's own sink_tokens must not leak into the arms without sinks.
+    out.append(f"++model.sink_tokens={opts.sink_tokens if arm.sinks else 0}")
     if arm.objective in ("kd", "align_kd"):
         # The teacher defaults to model.init_from run as the dense model: the original's weights.
         out += ["++distill.enabled=true", f"++distill.alpha={opts.smollm2_alpha:g}"]
