@@ -349,6 +349,8 @@ DRY_TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.intermed
 # heads, one query head per KV head), so they reuse the kernels compiled and tuned for it.
 GPU_TINY = ["model.num_key_value_heads=4"]
 GPU_RL = ["model.hidden_size=256", "model.num_key_value_heads=4"]  # rl_tiny_cpu's 64 wide model, likewise
+# The rehearsal's RL step: 4 rollouts instead of 64 (sampling on the interpreter is the slow part).
+DRY_RL = ["rl.group_size=2", "rl.prompts_per_step=2", "trainer.micro_batch_size=4"]
 
 
 def trainer_cmd(recipe: str, overrides: list[str]) -> list[str]:
@@ -607,7 +609,8 @@ def one_step_item(recipe: str, what: str, from_export: bool) -> Callable:
                 return {"status": "skipped", "reason": "no export: the resume item's reference run did not finish"}
             extra = [f"model.init_from={export}"]
         run_dir = run.scratch / "runs" / recipe
-        size = tiny_base(run) if from_export else [*(DRY_DEVICE if run.dry else [*GPU_DEVICE, *GPU_RL]), *COMMON]
+        size = tiny_base(run) if from_export else [*([*DRY_DEVICE, *DRY_RL] if run.dry else [*GPU_DEVICE, *GPU_RL]),
+                                                   *COMMON]  # fmt: skip
         proc, log = launch(run, trainer_cmd(recipe, [*size, *extra, "trainer.max_steps=1", "trainer.log_every=1",
                                                      f"trainer.run_dir={run_dir}"]), recipe)  # fmt: skip
         wait_for(run, proc, log)
