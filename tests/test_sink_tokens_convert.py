@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import TINY_HF_SHAPE, spread_hf_norms
+from fixtures import TINY_HF_SHAPE, spread_hf_norms, tiny_model
 
 from orthros_train.convert.cli import main as convert_main
 from orthros_train.convert.from_hf import convert_from_hf
@@ -205,3 +205,29 @@ def test_eval_overrides_switch_sinks_off(trained_sinks):
             assert torch.equal(model(ids).logits, ref(ids).logits)
     with pytest.raises(UserError, match="sink_tokens"):
         load_model(src, device="cpu", **parse_overrides([f"sliding_window={S}"]))
+
+
+def test_a_recipe_that_drops_the_checkpoints_sinks_is_warned_about(tmp_path, caplog, monkeypatch):
+    """Same weights, other attention: the run goes ahead (a study's arm may mean it) but says which
+    model.* attention keys differ from init_from's config.json."""
+    import logging
+
+    import torch
+
+    from fixtures import compose_recipe  # noqa: I001 - beside the other test-local imports
+    from orthros_train.train.build import build_model
+
+    from orthros_train.train import build
+
+    # One process without megatron's groups: the plain model stands in for the parallel one.
+    monkeypatch.setattr(build, "build_parallel_model", lambda cfg, pcfg, seed=None: OrthrosForCausalLM(cfg))
+    monkeypatch.setattr(build, "load_reference_shards", lambda model, weights, cfg: None)
+    ckpt = tmp_path / "ckpt"
+    tiny_model(vocab_size=2048, sliding_window=8, sink_tokens=2).save_pretrained(ckpt)
+    common = (f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={ckpt}", "model.sliding_window=8")
+    with caplog.at_level(logging.WARNING, logger="orthros_train.train.build"):
+        build_model(compose_recipe("tiny_cpu", *common, "+model.sink_tokens=2"), torch.device("cpu"))
+        assert not [r for r in caplog.records if "init_from" in r.getMessage()]
+        build_model(compose_recipe("tiny_cpu", *common), torch.device("cpu"))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "model.sink_tokens=0 in the recipe, 2 in" in said and "config.json" in said, said

@@ -148,11 +148,21 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
             f"model.init_from={cfg.init.init_from} holds another model than the recipe's: {'; '.join(differ)}. "
             f"Set these model.* keys to the checkpoint's values (or start from a checkpoint of this shape) ({exc})"
         ) from exc
+    for line in _config_difference(cfg, ATTENTION_SHAPE):
+        # Same weights, another attention: legitimate (a study's arm, a context extension), but a
+        # recipe that forgot the converted checkpoint's sinks or window trains another model than
+        # the one converted, so it is said once, loudly.
+        log.warning("model.init_from: %s; the run trains the recipe's setting", line)
     return model.to(device)
 
 
-def _config_difference(cfg: RunConfig) -> list[str]:
-    """``model.KEY=recipe value, X in init_from/config.json`` for every field that differs."""
+# Fields that change which keys a query attends but not the weights.
+ATTENTION_SHAPE = ("sliding_window", "sink_tokens", "attention_type")
+
+
+def _config_difference(cfg: RunConfig, only: tuple[str, ...] | None = None) -> list[str]:
+    """``model.KEY=recipe value, X in init_from/config.json`` for every field that differs (of
+    ``only``, when given)."""
     import json
 
     try:
@@ -163,7 +173,8 @@ def _config_difference(cfg: RunConfig) -> list[str]:
     ignored = {"attention_backend", "init_from", "max_position_embeddings", "extra"}  # no effect on the weights
     return [
         f"model.{k}={ours[k]} in the recipe, {saved[k]} in {Path(cfg.init.init_from) / 'config.json'}"
-        for k in sorted(set(saved) & set(ours)) if k not in ignored and saved[k] != ours[k]
+        for k in sorted(set(saved) & set(ours))
+        if k not in ignored and (only is None or k in only) and saved[k] != ours[k]
     ][:6]
 
 
