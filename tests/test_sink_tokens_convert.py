@@ -213,11 +213,10 @@ def test_a_recipe_that_drops_the_checkpoints_sinks_is_warned_about(tmp_path, cap
     import logging
 
     import torch
-
     from fixtures import compose_recipe  # noqa: I001 - beside the other test-local imports
-    from orthros_train.train.build import build_model
 
     from orthros_train.train import build
+    from orthros_train.train.build import build_model
 
     # One process without megatron's groups: the plain model stands in for the parallel one.
     monkeypatch.setattr(build, "build_parallel_model", lambda cfg, pcfg, seed=None: OrthrosForCausalLM(cfg))

@@ -67,8 +67,13 @@ class OrthrosConfig(PretrainedConfig):
         self.qk_norm = qk_norm
         self.attention_bias = attention_bias
         self.base_window = base_window
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or not 0 <= sink_tokens < base_window:
-            raise ValueError(f"sink_tokens must be an integer from 0 to base_window - 1, got {sink_tokens!r}")
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
+        # Compared only with a usable window: a bad base_window is its readers' to name (the
+        # serving hook refuses it naming config.json), not hidden behind a message about sinks.
+        window_ok = isinstance(base_window, int) and not isinstance(base_window, bool) and base_window >= 1
+        if window_ok and sink_tokens >= base_window:
+            raise ValueError(f"sink_tokens ({sink_tokens}) must be smaller than base_window ({base_window})")
         self.sink_tokens = sink_tokens
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
