@@ -16,7 +16,7 @@ times means anything)::
 ``--kit DIR`` installs the kit's wheels the way the node has to (``pip install --no-index
 --no-deps --target SCRATCH/site``) and starts the check again with that folder on
 ``PYTHONPATH``; the budget counts from the first start. Working files (trainer runs and logs,
-the Triton cache, the installed kit) go to a scratch folder (``--scratch``, by default a new
+the Triton cache, the installed kit, the tokenized corpora) go to a scratch folder (``--scratch``, by default a new
 temporary one). ``--out`` receives at most ``OUT_FILES`` (5 files, flat): ``gpu_check.json``
 and ``gpu_check.md``, rewritten after every item, on SIGTERM and on the budget's SIGALRM
 backstop; ``gpu_check_logs.tar.gz``, every log of the run (each cut to its last 2 MiB), rewritten
@@ -388,8 +388,11 @@ def kill_child(proc: subprocess.Popen | None) -> None:
     proc.wait()
 
 
-def launch(run: Run, cmd: list[str], name: str) -> tuple[subprocess.Popen, Path]:
-    """Start a trainer with its log at SCRATCH/logs/NAME.log; the Triton cache is inherited."""
+def launch(run: Run, cmd: list[str], name: str, data: bool = True) -> tuple[subprocess.Popen, Path]:
+    """Start a trainer with its log at SCRATCH/logs/NAME.log; the Triton cache is inherited. The
+    tokenized corpora go to SCRATCH/data_cache: built cold, as on a fresh node, then shared
+    (``data=False``: a recipe that reads no corpus and has no cache, the RL pattern task)."""
+    cmd = [*cmd, f"data.cache_dir={run.scratch / 'data_cache'}"] if data else cmd
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     if run.dry:
@@ -611,8 +614,9 @@ def one_step_item(recipe: str, what: str, from_export: bool) -> Callable:
         run_dir = run.scratch / "runs" / recipe
         size = tiny_base(run) if from_export else [*([*DRY_DEVICE, *DRY_RL] if run.dry else [*GPU_DEVICE, *GPU_RL]),
                                                    *COMMON]  # fmt: skip
-        proc, log = launch(run, trainer_cmd(recipe, [*size, *extra, "trainer.max_steps=1", "trainer.log_every=1",
-                                                     f"trainer.run_dir={run_dir}"]), recipe)  # fmt: skip
+        cmd = trainer_cmd(recipe, [*size, *extra, "trainer.max_steps=1", "trainer.log_every=1",
+                                   f"trainer.run_dir={run_dir}"])  # fmt: skip
+        proc, log = launch(run, cmd, recipe, data=from_export)
         wait_for(run, proc, log)
         got = metrics(run_dir)
         row = {"item": what, "loss": got.get(1, {}).get("loss"), "ok": 1 in got and math.isfinite(got[1]["loss"])}
