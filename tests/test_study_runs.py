@@ -203,6 +203,21 @@ def test_a_teacher_of_another_shape_is_refused(tmp_path, capsys) -> None:
     assert "--override model.hidden_size=48" in err and not out.exists()
 
 
+@pytest.mark.parametrize("content", ['{\n  "a": 1, oops\n}\n', ""], ids=["corrupt", "empty"])
+def test_a_teacher_with_a_corrupt_config_json_names_it(tmp_path, capsys, content) -> None:
+    from orthros_train.study.cli import main
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(content)
+    (teacher / "model.safetensors").write_bytes(b"")
+    out = tmp_path / "out"
+    assert main(["conversion", "--quick", "--out", str(out), "--teacher", str(teacher)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--teacher" in err and "config.json is not valid JSON" in err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("args", [["reads", "--prompt", "0"], ["reads", "--prompt", "abc"],
                                   ["reads", "--new-tokens", "-1"], ["reads", "--batches", "0,1"],
                                   ["reads", "--batches", "x"], ["study", "--seeds", "1,x"],

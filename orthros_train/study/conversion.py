@@ -286,11 +286,15 @@ def check_teacher(path: Path, model: dict[str, Any] | None = None) -> None:
     if not config.is_file() or not any(path.glob("*.safetensors")):
         raise ValueError(f"--teacher {path}: no checkpoint there (config.json + *.safetensors); point it at a "
                          "dense run's checkpoints/final, or drop --teacher to train one")
-    kind = json.loads(config.read_text()).get("attention_type")
+    try:
+        have = json.loads(config.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--teacher {path}: {config} is not valid JSON ({exc}); restore it or point --teacher at "
+                         "another dense checkpoint") from None
+    kind = have.get("attention_type")
     if kind != "dense":
         raise ValueError(f"--teacher {path}: attention_type is {kind!r}, the study converts a dense model; point "
                          "it at a dense run's checkpoints/final (e.g. orthros-train --config-name study/dense)")
-    have = json.loads(config.read_text())
     # Only the sizes the recipe states (an interpolation such as the tokenizer's vocabulary is not a size yet).
     wrong = [k for k in SHAPE_KEYS if model is not None and isinstance(model.get(k), int) and have.get(k) != model[k]]
     if wrong:
