@@ -256,7 +256,7 @@ def _exit_on_second_ctrl_c(release: Callable[[], None], signum: int, frame: obje
 
 
 # Recipe folders that hold groups (pieces of a recipe) rather than runs.
-GROUP_DIRS = ("model", "data", "optim", "trainer", "parallel", "rl")
+GROUP_DIRS = ("model", "data", "optim", "trainer", "parallel", "rl", "distill")
 
 
 def recipe_list() -> list[tuple[str, str]]:
