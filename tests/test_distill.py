@@ -293,8 +293,8 @@ def test_the_8b_conversion_dry_run_plans_the_teacher_and_still_fits():
 def test_sink_tokens_add_base_attention_work_but_no_memory():
     from orthros_train.train.plan import plan_summary
 
-    plain = plan_summary(compose_recipe("convert_llama31_8b"))
-    sinks = plan_summary(compose_recipe("convert_llama31_8b", "+model.sink_tokens=4"))
+    plain = plan_summary(compose_recipe("convert_llama31_8b", "model.sink_tokens=0"))
+    sinks = plan_summary(compose_recipe("convert_llama31_8b", "model.sink_tokens=4"))
     assert sinks["sink_tokens"] == 4 and sinks["base_attention_work"] == 1 + 4 / 128
     assert sinks["flops_per_token"] > plain["flops_per_token"]
     kv = [[s["kv"] for s in p["memory_per_gpu"]["stages"]] for p in (plain, sinks)]
