@@ -170,14 +170,16 @@ def test_config_mapping_reads_hub_style_configs():
 
 @pytest.mark.parametrize("recipe, hub", [("convert_llama31_8b", LLAMA31_8B), ("convert_qwen3_8b", QWEN3_8B)])
 def test_convert_recipes_describe_the_converted_checkpoints(recipe, hub):
-    """The recipe's model section must be what `orthros-convert from-hf` writes for that model."""
+    """The recipe's model section must be what `orthros-convert from-hf --sink-tokens 4` (the command
+    its header comment gives) writes for that model."""
     omegaconf = pytest.importorskip("omegaconf")
     path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
     model = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path).model)
     assert model.pop("init_from")
-    converted = orthros_config_from_hf(hub)
+    converted = orthros_config_from_hf(hub, sink_tokens=4)
     converted.extra = {}
     assert OrthrosConfig(**model) == converted
+    assert "--sink-tokens 4" in path.read_text().split("defaults:")[0]
 
 
 def _edit_config(src: Path, dst: Path, **changes) -> Path:
