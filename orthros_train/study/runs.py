@@ -180,19 +180,24 @@ def run_parallel(fn: Callable[..., Any], jobs: Sequence[tuple], workers: int) ->
     """``fn(*job)`` for every job, ``workers`` at a time; the first failure stops the others (their
     children get SIGTERM and save) and is raised."""
     CHILDREN.aborting = False
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(fn, *job) for job in jobs]
-        try:
-            wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception()), None)
-            if failed is not None:
-                raise failed.exception()
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            CHILDREN.abort()
-            raise
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(fn, *job) for job in jobs]
+            try:
+                wait(futures, return_when=FIRST_EXCEPTION)
+                failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception()), None)
+                if failed is not None:
+                    raise failed.exception()
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                CHILDREN.abort()
+                raise
+    finally:
+        # The pool has joined: its siblings are stopped. A later run in this process (the next
+        # stage, or the next study in one interpreter) must not inherit the abort.
+        CHILDREN.aborting = False
 
 
 # -- one run --------------------------------------------------------------------------------------
