@@ -169,3 +169,15 @@ def tp2_sp_launch(tmp_path_factory):
         capture_output=True, text=True, timeout=900, cwd=run_dir.parent, env=cli_env(PYTHON=sys.executable),
     )  # fmt: skip
     return proc, run_dir
+
+
+@pytest.fixture(autouse=True)
+def _fresh_study_children():
+    """The study's process-wide record of its children (stopping/aborting) starts clean in every
+    test: a test that stops or aborts a study must not refuse the next test's runs in this worker."""
+    import sys
+
+    runs = sys.modules.get("orthros_train.study.runs")
+    if runs is not None:
+        runs.CHILDREN.reset()
+    yield
