@@ -42,11 +42,14 @@ def key_ranges(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inclusive key range ``[start, end]`` of every query (int64)."""
     q_index = q_index.long()
-    cu = cu_seqlens.long()
-    doc = torch.searchsorted(cu, q_index, right=True) - 1
-    doc_start = cu[doc]
-    start = torch.maximum(doc_start, q_index - q_window.long() + 1)
+    start = torch.maximum(document_starts(q_index, cu_seqlens), q_index - q_window.long() + 1)
     return start, q_index
+
+
+def document_starts(q_index: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Key index of the first key of every query's document (int64)."""
+    cu = cu_seqlens.long()
+    return cu[torch.searchsorted(cu, q_index.long(), right=True) - 1]
 
 
 def sink_queries(
@@ -61,11 +64,8 @@ def sink_queries(
     per forward (``prepare_attention``).
     """
     check_sink_tokens(sink_tokens)
-    q_index = q_index.long()
-    cu = cu_seqlens.long()
-    doc = torch.searchsorted(cu, q_index, right=True) - 1
-    doc_start = cu[doc]
-    start = torch.maximum(doc_start, q_index - q_window.long() + 1)
+    doc_start = document_starts(q_index, cu_seqlens)
+    start, _ = key_ranges(q_index, q_window, cu_seqlens)
     sink_end = torch.minimum(doc_start + sink_tokens, start)  # exclusive
     rows = torch.nonzero(sink_end > doc_start).flatten()
     return rows, sink_end[rows] - 1, sink_end[rows] - doc_start[rows]
