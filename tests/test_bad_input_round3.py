@@ -217,8 +217,9 @@ def test_a_resume_value_that_is_not_a_keyword_or_checkpoint_names_the_keywords(t
 
 
 def test_a_launch_into_a_live_run_keeps_its_hydra_files_out_of_it(tmp_path):
-    from orthros_train.train.cli import hydra_output_dir
+    from orthros_train.train.cli import _HYDRA_DIRS, hydra_output_dir
 
+    _HYDRA_DIRS.clear()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -230,7 +231,28 @@ def test_a_launch_into_a_live_run_keeps_its_hydra_files_out_of_it(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+    _HYDRA_DIRS.clear()  # one answer per launch (process); the next launch asks afresh
     assert hydra_output_dir(str(run_dir)) == str(run_dir)  # its holder is gone: the run dir again
+
+
+def test_a_relaunch_keeps_the_run_s_hydra_record_until_it_is_accepted(tmp_path):
+    from orthros_train.train.cli import _HYDRA_DIRS, hydra_output_dir, publish_launch_record
+
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.001\n")
+    _HYDRA_DIRS.clear()
+    staging = Path(hydra_output_dir(str(run_dir)))
+    assert staging.resolve() != run_dir.resolve()
+    assert hydra_output_dir(str(run_dir)) == str(staging)  # Hydra may ask twice: one answer
+    (staging / ".hydra").mkdir()
+    (staging / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.002\n")
+    # refused: nothing is published, the run's record is the earlier launch's
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- optim.lr=0.001\n"
+    assert publish_launch_record(run_dir, staging)  # accepted: the new record replaces it
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- optim.lr=0.002\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra"] and not staging.exists()
+    _HYDRA_DIRS.clear()
 
 
 def test_written_weights_honour_the_umask(tmp_path):

@@ -30,25 +30,86 @@ RECIPES_DIR = str(LOCATED_RECIPES)  # Hydra takes a string
 
 
 def hydra_output_dir(run_dir: str) -> str:
-    """The recipes' ``hydra.run.dir`` (``${orthros_hydra_dir:${trainer.run_dir}}``): the run
-    directory when it can be created and written, else a temporary directory. Hydra creates its
-    output directory before the job starts and fails there with a traceback; this way the trainer
-    reports an unwritable ``trainer.run_dir`` itself, naming the key and the fix."""
+    """The recipes' ``hydra.run.dir`` (``${orthros_hydra_dir:${trainer.run_dir}}``): where Hydra
+    writes this launch's record (``.hydra/`` and its log) before the job starts.
+
+    The run directory itself only for a new run. A directory that already holds a run (its
+    ``.hydra/`` from an earlier launch) or that another live process owns gets a temporary
+    directory instead: this launch may still be refused (a live owner, a finished run, another
+    model), and a refused launch must leave the run's record as it was. An accepted launch copies
+    its record in (``publish_launch_record``). An unwritable ``trainer.run_dir`` also gets a
+    temporary directory, so the trainer reports it itself, naming the key and the fix, instead of
+    Hydra failing with a traceback. The answer is kept per run directory: Hydra may resolve the
+    key more than once."""
+    if run_dir not in _HYDRA_DIRS:
+        _HYDRA_DIRS[run_dir] = _choose_hydra_dir(run_dir)
+    return _HYDRA_DIRS[run_dir]
+
+
+_HYDRA_DIRS: dict[str, str] = {}
+
+
+def _choose_hydra_dir(run_dir: str) -> str:
     import tempfile
 
     from orthros_train.train.run_lock import held_by_another
 
     path = Path(run_dir)
     try:
-        # A run another live process owns: this launch will be refused, and Hydra's .hydra/ and
-        # log must not replace the live run's (they go to a temporary directory instead).
         if held_by_another(path, os.environ.get("SLURM_JOB_ID")) is None:
+            fresh = not (path / ".hydra").exists()
             path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
+            if fresh and os.access(path, os.W_OK):
                 return run_dir
     except OSError:
         pass
     return tempfile.mkdtemp(prefix="orthros-hydra-")
+
+
+def publish_launch_record(run_dir: str | Path, launch_dir: str | Path) -> bool:
+    """Copy an accepted launch's ``.hydra/`` from the temporary directory Hydra wrote it to into
+    the run directory, replacing the previous launch's (a resume with new overrides is recorded).
+    Returns whether anything was copied."""
+    import shutil
+    import tempfile
+
+    staged, run_dir = Path(launch_dir) / ".hydra", Path(run_dir)
+    if not staged.is_dir() or Path(launch_dir).resolve() == run_dir.resolve():
+        return False
+    fresh = Path(tempfile.mkdtemp(prefix=".hydra.tmp-", dir=run_dir))
+    shutil.copytree(staged, fresh, dirs_exist_ok=True)
+    target = run_dir / ".hydra"
+    old = run_dir / f".hydra.old-{os.getpid()}"
+    if target.exists():
+        target.rename(old)
+    fresh.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+    _move_launch_logs(Path(launch_dir), run_dir)
+    shutil.rmtree(launch_dir, ignore_errors=True)
+    return True
+
+
+def _move_launch_logs(launch_dir: Path, run_dir: Path) -> None:
+    """Hydra's job log (``cli.log``) of an accepted launch continues in the run directory's,
+    after what the launch logged so far (appended, as Hydra appends across launches)."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):
+            continue
+        source = Path(handler.baseFilename)
+        if source.parent.resolve() != launch_dir.resolve():
+            continue
+        handler.acquire()
+        try:
+            handler.close()
+            target = run_dir / source.name
+            with open(target, "a") as out:
+                out.write(source.read_text() if source.exists() else "")
+            handler.baseFilename = str(target.resolve())
+            handler.mode = "a"  # reopened on the next record
+        finally:
+            handler.release()
 
 
 OmegaConf.register_new_resolver("orthros_hydra_dir", hydra_output_dir, replace=True)
@@ -216,6 +277,8 @@ def run(cfg: DictConfig) -> dict:
     try:
         try:
             trainer = Trainer(run_cfg, resolved, env, job_id=os.environ.get("SLURM_JOB_ID"))
+            if trainer.is_main:  # accepted: this launch's Hydra record joins the run directory
+                _publish_hydra_record(run_cfg.trainer.run_dir)
             result = trainer.fit()
             if result.get("signal") == signal.SIGINT:
                 # The loop's handlers are gone and the process is on its way out (exit 130): a
@@ -243,6 +306,13 @@ def run(cfg: DictConfig) -> dict:
               file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     return result
+
+
+def _publish_hydra_record(run_dir: str) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized() and HydraConfig.get().runtime.output_dir:
+        publish_launch_record(run_dir, HydraConfig.get().runtime.output_dir)
 
 
 def _exit_on_second_ctrl_c(release: Callable[[], None], signum: int, frame: object) -> None:
