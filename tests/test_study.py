@@ -184,6 +184,11 @@ def test_skip_train_on_an_empty_folder_names_the_missing_runs(tmp_path, capsys) 
     assert "study.json, which does not exist" in capsys.readouterr().err
     assert cli.main(["--train-archs", "dense", "--out", str(tmp_path / "empty"), "--lrs", "1e-3"]) == 2
     assert "--train-archs leaves ['orthros', 'sliding'] to --out" in capsys.readouterr().err
+    # A run the study would not evaluate is named as outside --archs, not as "not trained".
+    args = ["--archs", "orthros", "--train-archs", "dense", "--out", str(tmp_path / "empty"), "--lrs", "1e-3"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--train-archs dense not in --archs orthros" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args", [["--jobs", "0"], ["--steps", "0"], ["--recall-documents", "0"],

@@ -77,6 +77,12 @@ class StudyOptions:
         if not self.archs:
             raise ValueError("--archs needs at least one model")
         check_seeds_and_rates(self.seeds, self.lrs)
+        stray = [a for a in (self.train_archs or ()) if a not in self.archs]
+        if stray:
+            raise ValueError(
+                f"--train-archs {','.join(stray)} not in --archs {','.join(self.archs)}: the study evaluates only "
+                f"--archs, so a run it does not evaluate is not trained; add them to --archs or drop them"
+            )
         if self.overwrite and (self.skip_train or self.train_archs is not None):
             raise ValueError("--overwrite retrains every run: it cannot go with --skip-train or --train-archs")
         if self.jobs < 1:
