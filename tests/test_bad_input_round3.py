@@ -577,3 +577,28 @@ def test_a_clean_resume_leaves_a_long_metrics_log_alone(tmp_path, monkeypatch):
     assert metrics_module.set_aside_rows_after(path, 5000) is None
     monkeypatch.undo()
     assert path.stat().st_mtime_ns == before
+
+
+def test_init_from_a_checkpoint_of_another_shape_names_the_model_keys_to_set(tmp_path, monkeypatch) -> None:
+    """An RL or SFT recipe pointed at a checkpoint of another shape (the documented RL command on
+    rl_tiny_cpu's 2-layer model with a 4-layer checkpoint) names the model.* keys that differ, not
+    only the tensors it cannot place."""
+    from fixtures import compose_recipe
+
+    from orthros_train.model.orthros import OrthrosForCausalLM
+    from orthros_train.train import build
+
+    monkeypatch.setattr(build, "build_parallel_model", lambda cfg, pcfg, seed=None: OrthrosForCausalLM(cfg))
+
+    def refuse(model, weights, cfg):  # what load_reference_shards says for surplus layers
+        raise UserError("the weights hold 2 tensors this model does not have, e.g. ['layers.3.mlp.up_proj.weight']")
+
+    monkeypatch.setattr(build, "load_reference_shards", refuse)
+    ckpt = tmp_path / "ckpt"
+    tiny_model(vocab_size=2048, num_hidden_layers=3).save_pretrained(ckpt)
+    cfg = compose_recipe("tiny_cpu", f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={ckpt}")
+    with pytest.raises(UserError) as exc:
+        build.build_model(cfg, torch.device("cpu"))
+    message = str(exc.value)
+    assert "holds another model than the recipe's" in message and "model.num_hidden_layers=" in message, message
+    assert "3 in" in message and "config.json" in message, message
