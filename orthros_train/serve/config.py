@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from orthros_train.serve.refusal import OrthrosServeError
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -35,10 +37,6 @@ ATTENTION_OPS = (OUTPUT_ATTENTION_OP, BASE_ATTENTION_OP)
 # hidden states at every scheduled position (EAGLE, EAGLE-3, MTP, DFlash, DSpark, hidden-state
 # extraction) or at positions this model does not define (Medusa, MLP speculator, custom classes).
 SPECULATIVE_METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model")
-
-
-class OrthrosServeError(ValueError):
-    """A configuration the Orthros vLLM model cannot serve (the message says what to change)."""
 
 
 def check_serving_config(vllm_config: VllmConfig) -> None:

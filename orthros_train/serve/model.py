@@ -67,9 +67,10 @@ from vllm.utils.torch_utils import _encode_layer_name, direct_register_custom_op
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from orthros_train.serve import kv_layout
-from orthros_train.serve.config import OrthrosServeError, served_sink_tokens
+from orthros_train.serve.config import served_sink_tokens
 from orthros_train.serve.output_rows import OutputRows, every_row, plan_output_rows
 from orthros_train.serve.prompt_logprobs import prompt_logprob_rows
+from orthros_train.serve.refusal import OrthrosServeError
 
 logger = logging.getLogger(__name__)
 

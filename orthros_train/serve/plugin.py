@@ -22,6 +22,9 @@ def register() -> None:
 
     from orthros_train.convert.remote_code.configuration_orthros import OrthrosConfig
     from orthros_train.serve.config import ARCHITECTURE, ATTENTION_OPS, OrthrosConfigHook
+    from orthros_train.serve.refusal import one_line_refusals
+
+    one_line_refusals()  # a refused configuration: its message, not vLLM's traceback (refusal.py)
 
     AutoConfig.register(OrthrosConfig.model_type, OrthrosConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
