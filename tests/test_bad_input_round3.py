@@ -602,3 +602,22 @@ def test_init_from_a_checkpoint_of_another_shape_names_the_model_keys_to_set(tmp
     message = str(exc.value)
     assert "holds another model than the recipe's" in message and "model.num_hidden_layers=" in message, message
     assert "3 in" in message and "config.json" in message, message
+
+
+def test_a_conversion_study_teacher_of_another_shape_is_refused_before_anything_runs(tmp_path) -> None:
+    """--teacher of another hidden size or vocabulary: one line naming --teacher, the sizes and the
+    override that matches them (was a traceback from the first sweep run)."""
+    from orthros_train.study.conversion import check_teacher
+
+    teacher = tmp_path / "cv_dense"
+    teacher.mkdir()
+    (teacher / "model.safetensors").write_bytes(b"")
+    shape = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "attention_type": "dense"}
+    (teacher / "config.json").write_text(json.dumps(shape))
+    study = {"vocab_size": "${data.tokenizer_vocab_size}", "hidden_size": 32, "num_hidden_layers": 2}
+    with pytest.raises(ValueError) as exc:
+        check_teacher(teacher, study)
+    message = str(exc.value)
+    assert message.startswith(f"--teacher {teacher} has another shape: hidden_size 64 (the study's 32)"), message
+    assert "--override model.hidden_size=64" in message and "vocab_size" not in message  # not a size yet
+    check_teacher(teacher, {**study, "hidden_size": 64})  # the study's shape: accepted
