@@ -206,6 +206,76 @@ def measure_decode(
     return {name: {"wall": statistics.median(wall[name]), "cpu": statistics.median(cpu[name])} for name in steppers}
 
 
+def _warm_up(orthros, other, peer_model, batch_size: int, chunk_size: ChunkSize, gen, dev) -> None:
+    """First calls pay allocator/kernel-selection costs that a long run amortises; pay them on a
+    short prompt before timing anything (drawn from ``gen`` first, so the timed prompts that
+    follow stay the same for a given seed)."""
+    cfg = orthros.config
+    warm = torch.randint(0, cfg.vocab_size, (batch_size, min(2 * cfg.sliding_window, 256)), generator=gen)
+    for m in (orthros, other):
+        _, c, f = measure_prefill(m, warm, chunk_size=chunk_size, reserve=4)
+        measure_decode({"m": model_stepper(m, c)}, {"m": f}, steps=2, rounds=1, device=dev)
+    if peer_model is not None:
+        _, c, f = measure_peer_prefill(peer_model, warm)
+        measure_decode({"m": peer_stepper(peer_model, c)}, {"m": f}, steps=2, rounds=1, device=dev)
+
+
+def _baseline_prefill(row, o, other, peer_model, ids, repeats: int, chunk_size: ChunkSize, time_key: str):
+    """Time the dense twin and the transformers peer on ``ids`` into ``row`` next to Orthros's
+    times ``o``; returns the peer's cache and first tokens (None, None without a peer) so its
+    decode can continue from them."""
+    peer_cache = peer_first = None
+    d, _, _ = measure_prefill(other, ids, repeats, chunk_size)
+    row["dense_ttft_s"], row["dense_ttft_cpu_s"] = d["wall"], d["cpu"]
+    row["prefill_speedup"] = d["wall"] / o["wall"]
+    row["prefill_speedup_cpu"] = d["cpu"] / max(o["cpu"], 1e-9)
+    if peer_model is not None:
+        pr, peer_cache, peer_first = measure_peer_prefill(peer_model, ids, repeats)
+        row["peer_ttft_s"], row["peer_ttft_cpu_s"] = pr["wall"], pr["cpu"]
+        row["peer_speedup"] = pr["wall"] / o["wall"]
+        row["peer_speedup_cpu"] = pr["cpu"] / max(o["cpu"], 1e-9)
+    # The headline ratio is against the peer when there is one: it is the stronger baseline.
+    ratios = [row.get(f"{k}_speedup{'_cpu' if time_key == 'cpu' else ''}") for k in ("peer", "prefill")]
+    main = ratios[0] if ratios[0] is not None else ratios[1]
+    row["pct_of_limit"] = 100.0 * main / row["flop_limit"]
+    # A baseline beaten by more than the FLOP limit allows is slower than it should be.
+    weak = [n for n, r in zip(("peer", "dense"), ratios) if r is not None and r > row["flop_limit_with_skip"]]
+    row["weak_baselines"], row["weak_baseline"] = weak, bool(weak)
+    return peer_cache, peer_first
+
+
+def _load_peer(orthros: torch.nn.Module, max_length: int, seed: int):
+    """The transformers peer of ``orthros`` on its device and dtype; (None, why) when there is none."""
+    peer_model, peer_name = transformers_peer(orthros.config, max_length, seed)
+    if peer_model is not None:
+        p = next(orthros.parameters())
+        peer_model = peer_model.to(device=p.device, dtype=p.dtype)
+    return peer_model, peer_name
+
+
+def _decode_steppers(orthros, other, cache: KVCache, first: torch.Tensor, steps: int):
+    """Steppers for Orthros and the dense twin continuing from the same prefill: each gets its own
+    copy of ``cache``, with room for ``steps`` more tokens, so neither sees the other's decode."""
+    capacity = int(cache.lengths.max()) + steps + 1
+    steppers: dict[str, Stepper] = {}
+    firsts: dict[str, torch.Tensor] = {}
+    for name, m in (("orthros", orthros), ("dense", other)):
+        steppers[name], firsts[name] = model_stepper(m, cache.clone(capacity=capacity)), first
+    return steppers, firsts
+
+
+def _record_decode(row: dict[str, Any], tps: dict[str, dict[str, float]]) -> None:
+    """Decode tokens/s of each model and Orthros's ratios to the dense twin and the peer."""
+    for name in tps:
+        row[f"{name}_decode_tokens_per_s"] = tps[name]["wall"]
+        row[f"{name}_decode_tokens_per_s_cpu"] = tps[name]["cpu"]
+    row["decode_ratio"] = tps["orthros"]["wall"] / tps["dense"]["wall"]
+    row["decode_ratio_cpu"] = tps["orthros"]["cpu"] / tps["dense"]["cpu"]
+    if "peer" in tps:
+        row["peer_decode_ratio"] = tps["orthros"]["wall"] / tps["peer"]["wall"]
+        row["peer_decode_ratio_cpu"] = tps["orthros"]["cpu"] / tps["peer"]["cpu"]
+
+
 def bench_prefill(
     model_spec: str | Path,
     lengths: list[int],
@@ -235,23 +305,13 @@ def bench_prefill(
     orthros = load_model(model_spec, device=device, dtype=dtype, seed=seed, **overrides)
     other = dense_twin(orthros, baseline)
     dev = next(orthros.parameters()).device
-    p = next(orthros.parameters())
     cfg = orthros.config
     peer_model, peer_name = None, "not run"
     if peer:
-        peer_model, peer_name = transformers_peer(cfg, max(lengths) + 4 * decode_tokens, seed)
-    if peer_model is not None:
-        peer_model = peer_model.to(device=dev, dtype=p.dtype)
+        peer_model, peer_name = _load_peer(orthros, max(lengths) + 4 * decode_tokens, seed)
     time_key = "cpu" if dev.type == "cpu" else "wall"
     gen = torch.Generator().manual_seed(seed)
-    # Warm-up: first calls pay allocator/kernel-selection costs that a long run amortises.
-    warm = torch.randint(0, cfg.vocab_size, (batch_size, min(2 * cfg.sliding_window, 256)), generator=gen)
-    for m in (orthros, other):
-        _, c, f = measure_prefill(m, warm, chunk_size=chunk_size, reserve=4)
-        measure_decode({"m": model_stepper(m, c)}, {"m": f}, steps=2, rounds=1, device=dev)
-    if peer_model is not None:
-        _, c, f = measure_peer_prefill(peer_model, warm)
-        measure_decode({"m": peer_stepper(peer_model, c)}, {"m": f}, steps=2, rounds=1, device=dev)
+    _warm_up(orthros, other, peer_model, batch_size, chunk_size, gen, dev)
     rows = []
     for t in lengths:
         ids = torch.randint(0, cfg.vocab_size, (batch_size, t), generator=gen)
@@ -260,40 +320,14 @@ def bench_prefill(
         o, cache, first = measure_prefill(orthros, ids, repeats, chunk_size)
         row["orthros_ttft_s"], row["orthros_ttft_cpu_s"] = o["wall"], o["cpu"]
         row["cache_bytes_per_token"] = cache.bytes_per_token()
-        run_baselines = max_baseline_length is None or t <= max_baseline_length
         peer_cache = peer_first = None
-        if run_baselines:
-            d, _, _ = measure_prefill(other, ids, repeats, chunk_size)
-            row["dense_ttft_s"], row["dense_ttft_cpu_s"] = d["wall"], d["cpu"]
-            row["prefill_speedup"] = d["wall"] / o["wall"]
-            row["prefill_speedup_cpu"] = d["cpu"] / max(o["cpu"], 1e-9)
-            if peer_model is not None:
-                pr, peer_cache, peer_first = measure_peer_prefill(peer_model, ids, repeats)
-                row["peer_ttft_s"], row["peer_ttft_cpu_s"] = pr["wall"], pr["cpu"]
-                row["peer_speedup"] = pr["wall"] / o["wall"]
-                row["peer_speedup_cpu"] = pr["cpu"] / max(o["cpu"], 1e-9)
-            ratios = [row.get(f"{k}_speedup{'_cpu' if time_key == 'cpu' else ''}") for k in ("peer", "prefill")]
-            main = ratios[0] if ratios[0] is not None else ratios[1]
-            row["pct_of_limit"] = 100.0 * main / row["flop_limit"]
-            weak = [n for n, r in zip(("peer", "dense"), ratios) if r is not None and r > row["flop_limit_with_skip"]]
-            row["weak_baselines"], row["weak_baseline"] = weak, bool(weak)
+        if max_baseline_length is None or t <= max_baseline_length:
+            peer_cache, peer_first = _baseline_prefill(row, o, other, peer_model, ids, repeats, chunk_size, time_key)
         if decode_tokens > 0:
-            steppers: dict[str, Stepper] = {}
-            firsts: dict[str, torch.Tensor] = {}
-            capacity = int(cache.lengths.max()) + decode_rounds * decode_tokens + 1
-            for name, m in (("orthros", orthros), ("dense", other)):
-                steppers[name], firsts[name] = model_stepper(m, cache.clone(capacity=capacity)), first
+            steppers, firsts = _decode_steppers(orthros, other, cache, first, decode_tokens * decode_rounds)
             if peer_cache is not None:
                 steppers["peer"], firsts["peer"] = peer_stepper(peer_model, peer_cache), peer_first
-            tps = measure_decode(steppers, firsts, decode_tokens, decode_rounds, device=dev)
-            for name in tps:
-                row[f"{name}_decode_tokens_per_s"] = tps[name]["wall"]
-                row[f"{name}_decode_tokens_per_s_cpu"] = tps[name]["cpu"]
-            row["decode_ratio"] = tps["orthros"]["wall"] / tps["dense"]["wall"]
-            row["decode_ratio_cpu"] = tps["orthros"]["cpu"] / tps["dense"]["cpu"]
-            if "peer" in tps:
-                row["peer_decode_ratio"] = tps["orthros"]["wall"] / tps["peer"]["wall"]
-                row["peer_decode_ratio_cpu"] = tps["orthros"]["cpu"] / tps["peer"]["cpu"]
+            _record_decode(row, measure_decode(steppers, firsts, decode_tokens, decode_rounds, device=dev))
         del cache, peer_cache
         if dev.type != "cpu":  # process CPU time says nothing about GPU work
             for key in [k for k in row if "_cpu" in k]:

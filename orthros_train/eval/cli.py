@@ -54,7 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    # One function per subcommand, in the order --help lists them.
+    _add_niah(sub)
+    _add_recall(sub)
+    _add_ppl(sub)
+    _add_lm_eval(sub)
+    _add_bench_prefill(sub)
+    return parser
 
+
+def _add_niah(sub) -> None:
+    """The needle in a haystack subcommand."""
     p = sub.add_parser("niah", help="needle in a haystack on the Paul Graham essays")
     p.add_argument("checkpoint")
     p.add_argument("--lengths", default="1k,2k,4k", help="prompt lengths in tokens: 1k,4k,16k or 1k..128k")
@@ -70,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     _common(p)
 
+
+def _add_recall(sub) -> None:
+    """The associative recall subcommand."""
     p = sub.add_parser("recall", help="multi-query associative recall (MQAR) vs distance")
     p.add_argument("checkpoint")
     p.add_argument("--length", type=positive_size, default=2048)
@@ -81,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     _common(p)
 
+
+def _add_ppl(sub) -> None:
+    """The perplexity subcommand."""
     p = sub.add_parser("ppl", help="perplexity on text files or an indexed dataset, per position bucket")
     p.add_argument("checkpoint")
     p.add_argument("data", nargs="+", help="text files/dirs, embedded:paul_graham, or an indexed dataset prefix")
@@ -91,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bucket width (default: the sliding window)")
     _common(p)
 
+
+def _add_lm_eval(sub) -> None:
+    """The lm-evaluation-harness subcommand."""
     p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks through the Orthros adapter")
     p.add_argument("checkpoint")
     p.add_argument("--tasks", required=True, help="comma-separated task names (pg_lambada, pg_passkey, ...)")
@@ -107,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "vllm model serving CKPT, an export of `orthros-convert to-hf` (needs vLLM: make serve-env)")
     _common(p)
 
+
+def _add_bench_prefill(sub) -> None:
+    """The prefill benchmark subcommand."""
     p = sub.add_parser(
         "bench-prefill",
         help="TTFT and decode tokens/s: Orthros vs transformers' SDPA Llama and the dense baseline of the same shape",
@@ -126,7 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write the machine-readable result here")
     p.add_argument("--no-plot", action="store_true")
     _common(p)
-    return parser
 
 
 def check_device(name: str | None) -> None:

@@ -192,6 +192,59 @@ def layer_activation_bytes(
     return norms + qkv + roped + rope_tables + attn_out + mlp + core
 
 
+def _state_bytes(model: OrthrosConfig, parallel: ParallelConfig, precision: str, a: int) -> tuple[int, int, int, int]:
+    """Per-rank parameters and the bytes of weights, gradients and optimizer state under ZeRO."""
+    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    # A layout not yet resolved against a world size (data_parallel None) plans for one DP rank.
+    zero_group = (parallel.data_parallel or 1) * cp
+    stage = parallel.zero_stage
+    ep = parallel.expert_parallel
+    p = params_per_rank(model, tp, ep)
+    # Routed experts are whole on a rank and partitioned by ZeRO over the ranks that hold the same
+    # experts (the expert-data-parallel group: world / expert_parallel); the rest over DP x CP.
+    local_experts = expert_parameters(model) // ep
+    groups = ((p - local_experts, zero_group), (local_experts, max(tp * zero_group // ep, 1)))
+
+    def partitioned(from_stage: int) -> int:
+        return sum(n // (g if stage >= from_stage else 1) for n, g in groups)
+
+    weights = partitioned(3) * a
+    grads = partitioned(2) * a
+    if stage >= 2:
+        grads += min(DEEPSPEED_REDUCE_BUCKET, p) * a
+    shard = partitioned(1)
+    master = 4 * shard if precision != "fp32" else 0
+    if precision != "fp32" and stage >= 1:
+        grads += 4 * shard  # fp32 gradient of the partition, made for the optimizer step
+    optimizer = 0 if parallel.offload_optimizer else master + 8 * shard
+    return p, weights, grads, optimizer
+
+
+def _activation_bytes(
+    model: OrthrosConfig, parallel: ParallelConfig, n_base: int, n_out: int, seq_len: int, a: int,
+    attention_backend: str,
+) -> tuple[int, int]:
+    """Activations kept for the backward over all layers (after recompute), and the largest one
+    layer keeps."""
+    layers = model.num_hidden_layers
+    tp = parallel.tensor_parallel
+
+    def layer_bytes(i: int, drop: bool) -> int:
+        return layer_activation_bytes(model, parallel, n_base, n_out, seq_len, a, attention_backend, drop, layer_idx=i)
+
+    per_layer_all = [layer_bytes(i, parallel.recompute != "none") for i in range(layers)]
+    per_layer = max(per_layer_all)  # a sparse layer's, in a model with both kinds
+    sp = tp if parallel.sequence_parallel else 1
+    if parallel.recompute == "full":
+        # Only each layer's input survives; the backward rebuilds one layer at a time.
+        full_layer = max(layer_bytes(i, False) for i in range(layers))
+        activations = layers * (n_base + n_out) * model.hidden_size * a // sp + full_layer
+    else:
+        activations = sum(per_layer_all)
+    activations += 2 * n_base * model.hidden_size * a // sp  # embeddings of both streams
+    return activations, per_layer
+
+
 def estimate_memory(
     model: OrthrosConfig,
     parallel: ParallelConfig,
@@ -219,46 +272,13 @@ def estimate_memory(
         raise UserError(f"seq_len={seq_len} is not divisible by parallel.context_parallel={parallel.context_parallel}")
     a = DTYPE_BYTES[precision]
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
-    # A layout not yet resolved against a world size (data_parallel None) plans for one DP rank.
-    zero_group = (parallel.data_parallel or 1) * cp
-    stage = parallel.zero_stage
-    ep = parallel.expert_parallel
-    p = params_per_rank(model, tp, ep)
-    # Routed experts are whole on a rank and partitioned by ZeRO over the ranks that hold the same
-    # experts (the expert-data-parallel group: world / expert_parallel); the rest over DP x CP.
-    local_experts = expert_parameters(model) // ep
-    groups = ((p - local_experts, zero_group), (local_experts, max(tp * zero_group // ep, 1)))
-
-    def partitioned(from_stage: int) -> int:
-        return sum(n // (g if stage >= from_stage else 1) for n, g in groups)
-
-    weights = partitioned(3) * a
-    grads = partitioned(2) * a
-    if stage >= 2:
-        grads += min(DEEPSPEED_REDUCE_BUCKET, p) * a
-    shard = partitioned(1)
-    master = 4 * shard if precision != "fp32" else 0
-    if precision != "fp32" and stage >= 1:
-        grads += 4 * shard  # fp32 gradient of the partition, made for the optimizer step
-    optimizer = 0 if parallel.offload_optimizer else master + 8 * shard
+    p, weights, grads, optimizer = _state_bytes(model, parallel, precision, a)
 
     n_base = micro_batch_size * seq_len // cp
     n_out = int(n_base * output_fraction)
     layers = model.num_hidden_layers
 
-    def layer_bytes(i: int, drop: bool) -> int:
-        return layer_activation_bytes(model, parallel, n_base, n_out, seq_len, a, attention_backend, drop, layer_idx=i)
-
-    per_layer_all = [layer_bytes(i, parallel.recompute != "none") for i in range(layers)]
-    per_layer = max(per_layer_all)  # a sparse layer's, in a model with both kinds
-    sp = tp if parallel.sequence_parallel else 1
-    if parallel.recompute == "full":
-        # Only each layer's input survives; the backward rebuilds one layer at a time.
-        full_layer = max(layer_bytes(i, False) for i in range(layers))
-        activations = layers * (n_base + n_out) * model.hidden_size * a // sp + full_layer
-    else:
-        activations = sum(per_layer_all)
-    activations += 2 * n_base * model.hidden_size * a // sp  # embeddings of both streams
+    activations, per_layer = _activation_bytes(model, parallel, n_base, n_out, seq_len, a, attention_backend)
 
     kv = 0
     if cp > 1:
