@@ -54,6 +54,23 @@ def online_softmax_step(q, kt, v, c_ok, m_i, l_i, acc, qk_scale, PRECISION: tl.c
 
 
 @triton.jit
+def store_split_partial(
+    OP, LP, row, s, heads, g_ok, d_ok, offs_d, m_i, l_i, acc, empty_lse,
+    stride_opm, stride_oph, stride_ops, stride_lpm, stride_lph,
+):
+    """Write split ``s`` of query row ``row``: its normalised output and its log-sum-exp (base 2)
+    for the combine kernel. A split that saw no key writes a zero output and ``empty_lse``
+    (-inf gives it no weight in the combine). Shared by the decode kernel and the serving layer's
+    paged kernel, like ``online_softmax_step``."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    part_lse = tl.where(empty, empty_lse, m_i + tl.math.log2(l_safe))
+    op_ptrs = OP + row * stride_opm + heads[:, None] * stride_oph + s * stride_ops + offs_d[None, :]
+    tl.store(op_ptrs, acc / l_safe[:, None], mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(LP + row * stride_lpm + heads * stride_lph + s, part_lse, mask=g_ok)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, OP, LP, QSTART, QEND,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -106,12 +123,8 @@ def _decode_split_kernel(
             v = v.to(tl.float32)
         m_i, l_i, acc = online_softmax_step(q, kt, v, c_ok, m_i, l_i, acc, qk_scale, PRECISION)
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    part_lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # base 2
-    op_ptrs = OP + i * stride_opm + heads[:, None] * stride_oph + s * stride_ops + offs_d[None, :]
-    tl.store(op_ptrs, acc / l_safe[:, None], mask=g_ok[:, None] & d_mask[None, :])
-    tl.store(LP + i * stride_lpm + heads * stride_lph + s, part_lse, mask=g_ok)
+    store_split_partial(OP, LP, i, s, heads, g_ok, d_mask, offs_d, m_i, l_i, acc, float("-inf"),
+                        stride_opm, stride_oph, stride_ops, stride_lpm, stride_lph)
 
 
 @triton.jit

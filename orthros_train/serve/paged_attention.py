@@ -40,6 +40,7 @@ from orthros_train.ops.triton_decode import (
     LOG2E,
     _decode_combine_kernel,
     online_softmax_step,
+    store_split_partial,
 )
 
 DEFAULT_SPLITS = 16  # programs per (request, kv head): fills an H100/H200 at batch >= 1 on long prompts
@@ -113,19 +114,49 @@ def _paged_split_kernel(
             v = v.to(tl.float32)
         m_i, l_i, acc = online_softmax_step(q, kt, v, c_ok, m_i, l_i, acc, qk_scale, PRECISION)
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    part_lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # base 2
     # A row with no keys at all gets one finite zero partial, so the combine stays finite.
-    part_lse = tl.where(empty & (s == 0) & (seq_len == 0), 0.0, part_lse)
-    op_ptrs = OP + r * stride_opm + heads[:, None] * stride_oph + s * stride_ops + offs_d[None, :]
-    tl.store(op_ptrs, acc / l_safe[:, None], mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(LP + r * stride_lpm + heads * stride_lph + s, part_lse, mask=g_ok)
+    empty_lse = tl.where((s == 0) & (seq_len == 0), 0.0, float("-inf"))
+    store_split_partial(OP, LP, r, s, heads, g_ok, d_ok, offs_d, m_i, l_i, acc, empty_lse,
+                        stride_opm, stride_oph, stride_ops, stride_lpm, stride_lph)
 
 
 SPLIT_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 UNBOUNDED = 2**31 - 1  # "no window": every key of the row (int32-safe)
 BASE_SPLITS = 2  # a base row sees at most W + S keys: two splits fill the grid without empty programs
+
+
+def _check_paged_inputs(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, row_request, window,
+                        sink_tokens) -> None:
+    """The shape checks of ``paged_output_attention`` (values are not read: that would sync)."""
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("the paged output-stream kernel needs CUDA tensors or TRITON_INTERPRET=1")
+    if q.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"q must be [R, Hq, D] and key/value caches [blocks, block_size, Hkv, D] of one shape, got q "
+            f"{tuple(q.shape)}, k {tuple(key_cache.shape)}, v {tuple(value_cache.shape)}"
+        )
+    n_req, h_q, d = q.shape
+    _, _, h_kv, d_k = key_cache.shape
+    if d_k != d or h_q % h_kv:
+        raise ValueError(f"head_dim {d} vs cache {d_k}, query heads {h_q} vs kv heads {h_kv}: need equal head_dim "
+                         "and query heads a multiple of kv heads")
+    if window is not None and (window < 1 or sink_tokens < 0):
+        raise ValueError(f"window must be >= 1 and sink_tokens >= 0, got {window}, {sink_tokens}")
+    if row_request is not None:
+        if block_table.dim() != 2 or row_request.shape != (n_req,) or seq_lens.shape[0] < n_req:
+            raise ValueError(
+                f"row_request [M] / seq_lens [M] must cover the M={n_req} query rows and block_table be "
+                f"[R, blocks], got {tuple(row_request.shape)}, {tuple(seq_lens.shape)}, {tuple(block_table.shape)}"
+            )
+    elif block_table.dim() != 2 or block_table.shape[0] < n_req or seq_lens.shape[0] < n_req \
+            or query_start_loc is None or query_start_loc.shape[0] < n_req + 1:
+        raise ValueError(
+            f"block_table [R, blocks] / seq_lens [R] / query_start_loc [R+1] must cover R={n_req} requests, got "
+            f"{tuple(block_table.shape)}, {tuple(seq_lens.shape)}, "
+            f"{None if query_start_loc is None else tuple(query_start_loc.shape)}"
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("the caches and the block table must be contiguous in their last dimension")
 
 
 def paged_output_attention(
@@ -159,36 +190,11 @@ def paged_output_attention(
     ``window`` keys ``[n - window, n)`` plus the request's first ``sink_tokens`` keys that the window
     does not reach (``OrthrosConfig.sink_tokens``; each key once). ``None``: every key.
     """
-    if q.device.type != "cuda" and not INTERPRET:
-        raise RuntimeError("the paged output-stream kernel needs CUDA tensors or TRITON_INTERPRET=1")
-    if q.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(
-            f"q must be [R, Hq, D] and key/value caches [blocks, block_size, Hkv, D] of one shape, got q "
-            f"{tuple(q.shape)}, k {tuple(key_cache.shape)}, v {tuple(value_cache.shape)}"
-        )
+    _check_paged_inputs(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, row_request, window,
+                        sink_tokens)
     n_req, h_q, d = q.shape
-    _, block_size, h_kv, d_k = key_cache.shape
-    if d_k != d or h_q % h_kv:
-        raise ValueError(f"head_dim {d} vs cache {d_k}, query heads {h_q} vs kv heads {h_kv}: need equal head_dim "
-                         "and query heads a multiple of kv heads")
-    if window is not None and (window < 1 or sink_tokens < 0):
-        raise ValueError(f"window must be >= 1 and sink_tokens >= 0, got {window}, {sink_tokens}")
+    _, block_size, h_kv, _ = key_cache.shape
     rows = row_request is not None
-    if rows:
-        if block_table.dim() != 2 or row_request.shape != (n_req,) or seq_lens.shape[0] < n_req:
-            raise ValueError(
-                f"row_request [M] / seq_lens [M] must cover the M={n_req} query rows and block_table be "
-                f"[R, blocks], got {tuple(row_request.shape)}, {tuple(seq_lens.shape)}, {tuple(block_table.shape)}"
-            )
-    elif block_table.dim() != 2 or block_table.shape[0] < n_req or seq_lens.shape[0] < n_req \
-            or query_start_loc is None or query_start_loc.shape[0] < n_req + 1:
-        raise ValueError(
-            f"block_table [R, blocks] / seq_lens [R] / query_start_loc [R+1] must cover R={n_req} requests, got "
-            f"{tuple(block_table.shape)}, {tuple(seq_lens.shape)}, "
-            f"{None if query_start_loc is None else tuple(query_start_loc.shape)}"
-        )
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
-        raise ValueError("the caches and the block table must be contiguous in their last dimension")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     group = h_q // h_kv
     if out is None:
