@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from orthros_train.data.passkey import hide_needle
 from orthros_train.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def make_passkey_document(
     k = rng.choice(absent)
     v = rng.choice(ranges.candidates(k))
     cut = len(haystack) - distance + 2  # the needle's value lands ``distance`` before the query's
-    ids = [*haystack[:cut], k, v, *haystack[cut:], k]
+    ids = hide_needle(haystack, [k, v], cut, [k])
     return RecallDocument(input_ids=ids, output_positions=[len(ids) - 1], targets=[v], query_of_output=[0],
                           distances=[distance])
 

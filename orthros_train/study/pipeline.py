@@ -259,6 +259,7 @@ def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays
     (default ``passkey_ranges``: inside the window and 4-8 windows back).
     """
     from orthros_train.data.embedded import EOD_TOKEN
+    from orthros_train.data.passkey import haystack_slice
     from orthros_train.data.synthetic_recall import RecallMix, make_passkey_document, make_recall_document
     from orthros_train.eval.recall import score_sample
 
@@ -281,8 +282,7 @@ def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays
                     hay = make_recall_document(rng, haystack_len, mix.pairs_of_document(rng), token_ranges).input_ids
                     distance += distance % 2 if distance < hi else -(distance % 2)  # even: the needle on a key slot
                 else:
-                    start = rng.randrange(0, len(text) - haystack_len + 1)
-                    hay = text[start:start + haystack_len]
+                    hay = haystack_slice(rng, text, haystack_len)
                 correct.extend(score_sample(model, make_passkey_document(rng, hay, distance, token_ranges)))
             out[haystack][name] = {"low": lo, "high": hi, "accuracy": _accuracy(correct)}
     return out

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from orthros_train.data.passkey import PASSKEY_QUESTION, draw_passkey, haystack_slice, hide_needle, passkey_sentence
+
 PASSKEY_MULTIPLES = (2, 4, 6, 8)  # prompt lengths, in windows
 PASSKEY_DEPTHS = (0.05, 0.2, 0.35)  # where the needle sits in the filler: far from the question
 PASSKEY_NEW_TOKENS = 8
@@ -50,21 +52,18 @@ def passkey_prompts(tokenizer, filler: Sequence[int], window: int, seed: int = 0
     """12 prompts of 2-8 windows: filler text, a five-digit pass key near the start, the question at
     the end; the needle ends more than W tokens before the question ends (checked)."""
     rng = random.Random(seed)
-    question = tokenizer(" What is the pass key? The pass key is", add_special_tokens=False)["input_ids"]
+    question = tokenizer(" " + PASSKEY_QUESTION, add_special_tokens=False)["input_ids"]
     prompts = []
     for multiple in PASSKEY_MULTIPLES:
         for depth in PASSKEY_DEPTHS:
-            key = str(rng.randrange(10000, 100000))
-            needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key.",
-                               add_special_tokens=False)["input_ids"]
+            key = draw_passkey(rng)
+            needle = tokenizer(" " + passkey_sentence(key), add_special_tokens=False)["input_ids"]
             length = max(multiple * window, len(needle) + len(question) + window + 8)
             budget = length - len(needle) - len(question)
             if budget > len(filler):
                 raise ValueError(f"the filler has {len(filler)} tokens, fewer than a {length}-token pass-key prompt")
             at = min(int(depth * budget), budget - window - 1)
-            start = rng.randrange(0, len(filler) - budget + 1)
-            hay = list(filler[start:start + budget])
-            ids = hay[:at] + needle + hay[at:] + question
+            ids = hide_needle(haystack_slice(rng, filler, budget), needle, at, question)
             distance = len(ids) - (at + len(needle))  # from the needle's last token to the question's last
             assert distance > window, (distance, window)
             prompts.append({"input_ids": ids, "key": key, "length": len(ids), "distance": distance,

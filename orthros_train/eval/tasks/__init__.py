@@ -19,6 +19,8 @@ import random
 import re
 from pathlib import Path
 
+from orthros_train.data.passkey import draw_passkey, hide_needle, passkey_sentence
+
 EXAMPLE_TASKS = ("pg_lambada", "pg_passkey", "pg_essays")
 TAG = "orthros_examples"
 
@@ -152,8 +154,8 @@ def passkey_items(essays: list[str], rng: random.Random, count: int = 50, words:
         while start < len(sents) and sum(len(s.split()) for s in picked) < words:
             picked.append(sents[start])
             start += 1
-        key = str(rng.randint(10000, 99999))
-        picked.insert(rng.randint(0, len(picked)), f"The pass key is {key}. Remember it. {key} is the pass key.")
+        key = draw_passkey(rng)
+        picked = hide_needle(picked, [passkey_sentence(key)], rng.randint(0, len(picked)))
         items.append({"context": " ".join(picked), "answer": key})
     return items
 
