@@ -29,7 +29,7 @@ import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from orthros_train.data.cache import build_once, digest, indexed_fingerprint, note_inputs, read_fingerprint
-from orthros_train.data.indexed import DataError, check_token_ids, read_index_header
+from orthros_train.data.indexed import DataError, IndexHeader, check_token_ids, read_index_header
 
 
 class TokenizerInfo:
@@ -179,6 +179,26 @@ def _build_on_rank_zero_first(fn, folder: str, fingerprint: dict):
     return once(force=True)
 
 
+def _checked_headers(prefixes: list[str], weights: list[float] | None, vocab_size: int) -> list[IndexHeader]:
+    """The index headers of ``prefixes``, after every check that can fail before megatron runs
+    (a clear error here rather than a crash inside the index build or the embedding)."""
+    if not prefixes:
+        raise DataError("no datasets to blend")
+    if weights is not None and len(weights) != len(prefixes):
+        raise DataError(f"{len(weights)} blend weights for {len(prefixes)} datasets")
+    if weights is not None and any(w <= 0 for w in weights):
+        raise DataError(f"blend weights must be positive, got {weights}")
+    headers = [read_index_header(p) for p in prefixes]  # clear errors for missing/truncated files
+    for prefix, header in zip(prefixes, headers):  # ids past the vocabulary: caught here, not in the embedding
+        check_token_ids(prefix, vocab_size, header)
+    for p, h in zip(prefixes, headers):
+        if h.multimodal:
+            raise DataError(f"{p}: holds SFT/RL conversations; use the sft data kind for it")
+        if h.num_documents == 0:
+            raise DataError(f"{p}: has no documents")
+    return headers
+
+
 def build_blend(
     prefixes: list[str],
     weights: list[float] | None,
@@ -203,20 +223,7 @@ def build_blend(
     ``BlendedMegatronDatasetBuilder`` does, except that the builder fails when one of several
     shards is too small to own a valid document (it builds a dataset over zero documents).
     """
-    if not prefixes:
-        raise DataError("no datasets to blend")
-    if weights is not None and len(weights) != len(prefixes):
-        raise DataError(f"{len(weights)} blend weights for {len(prefixes)} datasets")
-    if weights is not None and any(w <= 0 for w in weights):
-        raise DataError(f"blend weights must be positive, got {weights}")
-    headers = [read_index_header(p) for p in prefixes]  # clear errors for missing/truncated files
-    for prefix, header in zip(prefixes, headers):  # ids past the vocabulary: caught here, not in the embedding
-        check_token_ids(prefix, vocab_size, header)
-    for p, h in zip(prefixes, headers):
-        if h.multimodal:
-            raise DataError(f"{p}: holds SFT/RL conversations; use the sft data kind for it")
-        if h.num_documents == 0:
-            raise DataError(f"{p}: has no documents")
+    headers = _checked_headers(prefixes, weights, vocab_size)
 
     def make_config(path_to_cache: str) -> GPTDatasetConfig:
         return GPTDatasetConfig(
