@@ -208,7 +208,7 @@ _DROP = object()
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("llama", {"attention_bias": True}, "o_proj bias"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ("llama", {"model_type": "mistral"}, "model_type 'mistral'"),
+        ("llama", {"model_type": "gemma"}, "model_type 'gemma' is not supported; supported: llama"),
         ("llama", {"quantization_config": {"quant_method": "gguf"}}, "quantized"),
         ("llama", {"tie_word_embeddings": True, "vocab_size": 99}, "shape"),
     ],

@@ -1,5 +1,5 @@
-"""Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE checkpoint -> Orthros checkpoint
-(``docs/convert.md``, ``docs/moe.md``).
+"""Hugging Face checkpoint of a supported family (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+Qwen2-MoE: ``convert/families.py``) -> Orthros checkpoint (``docs/convert.md``, ``docs/moe.md``).
 
 The conversion swaps the attention module and nothing else: every HF tensor keeps its value and
 (minus the ``model.`` prefix) its name (the MoE models' routers and experts included); each
@@ -10,9 +10,11 @@ tokens, and is the starting point of continued pretraining (``model.init_from`` 
 first tokens, where a pretrained dense model puts much of its attention; it changes nothing
 inside the window.
 
-Everything a config may say that Orthros cannot express is refused by name (sliding-window or
-hybrid attention, RoPE variants other than default/llama3, MLP or output-projection biases,
-quantized weights, non-SiLU activations) rather than converted into a different model.
+What each family's config says is data (:data:`~orthros_train.convert.families.FAMILIES`); this
+module applies it. Everything a config may say that Orthros cannot express is refused by name
+(sliding-window or hybrid attention, RoPE variants other than default/linear/llama3/yarn, MLP or
+output-projection biases, quantized weights, non-SiLU activations) rather than converted into a
+different model.
 """
 
 from __future__ import annotations
@@ -37,25 +39,26 @@ from orthros_train.convert.checkpoint_io import (
     read_json,
     write_destination,
 )
+from orthros_train.convert.families import (
+    FAMILIES,
+    LM_HEAD,
+    SLIDING_WINDOW_REASON,
+    WINDOW_IF_USE_SLIDING_WINDOW,
+    WINDOW_ON_EVERY_LAYER,
+    FamilyRules,
+    supported_families,
+)
+from orthros_train.errors import first_line
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import ROPE_REQUIRED_KEYS, ROPE_TYPES, YARN_OPTIONAL_KEYS
 from orthros_train.model.orthros import OrthrosForCausalLM
 
-SUPPORTED_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-}
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 DEFAULT_WINDOW = 128
 SRC_FIX = (
     "the source must be a Hugging Face model directory (config.json + model.safetensors or "
     "model-*.safetensors with model.safetensors.index.json), e.g. "
     "`huggingface-cli download meta-llama/Llama-3.1-8B --local-dir SRC`"
 )
-_SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -149,37 +152,33 @@ def _transformers_config(hf: dict[str, Any]) -> Any | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return config_class.from_dict(json.loads(json.dumps(hf)))  # a copy: it mutates dicts
-    except (TypeError, ValueError, KeyError) as err:
-        raise ConversionError(f"transformers cannot load this config ({err})") from err
+    except (TypeError, ValueError, KeyError, *_config_validation_errors()) as err:
+        raise ConversionError(f"transformers cannot load this config ({first_line(err)})") from err
     finally:
         hf_logger.setLevel(level)
 
 
-# The MoE fields an Orthros config takes from a Qwen3-MoE / Qwen2-MoE config, with transformers'
-# defaults for a file that omits them (used only when transformers is not installed; otherwise
-# transformers' own config class fills them in).
-_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                  "router_aux_loss_coef": 0.001},
-    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
-                  "mlp_only_layers": [], "router_aux_loss_coef": 0.001},
-}
+def _config_validation_errors() -> tuple[type[Exception], ...]:
+    """What transformers' config classes raise for a field of the wrong type (transformers 5
+    validates fields with huggingface_hub's strict dataclasses: not a ValueError)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
-def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """OrthrosConfig's MoE fields for a ``qwen3_moe`` / ``qwen2_moe`` config (ConversionError
-    naming the key for what Orthros cannot express)."""
+def _moe_from_hf(hf: dict[str, Any], rules: FamilyRules) -> dict[str, Any]:
+    """OrthrosConfig's MoE fields for a config of an MoE family (``rules.moe`` names them and
+    their defaults; ConversionError naming the key for what Orthros cannot express)."""
     if "num_experts" in hf and "num_local_experts" in hf and hf["num_experts"] != hf["num_local_experts"]:
         raise ConversionError(
             f"num_experts={hf['num_experts']!r} and num_local_experts={hf['num_local_experts']!r} disagree "
             "(transformers reads them as one field); keep one of them"
         )
     config = _transformers_config(hf)
-    defaults = _MOE_DEFAULTS[model_type]
     out: dict[str, Any] = {}
-    for key, default in defaults.items():
+    for key, default in (rules.moe or {}).items():
         if config is not None:
             value = getattr(config, key)
         else:
@@ -193,12 +192,12 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         raise ConversionError(
             f"num_experts_per_tok={out['num_experts_per_tok']} exceeds num_experts={out['num_experts']}"
         )
-    if model_type == "qwen2_moe":
+    if rules.shared_expert:
         shared = out["shared_expert_intermediate_size"]
         if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
             raise ConversionError(
-                f"shared_expert_intermediate_size={shared!r}: Qwen2-MoE layers always run their shared expert, "
-                "so it must be a positive integer"
+                f"shared_expert_intermediate_size={shared!r}: {rules.architecture} layers always run their shared "
+                "expert, so it must be a positive integer"
             )
     layers = out["mlp_only_layers"]
     if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
@@ -211,113 +210,152 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     return out
 
 
-def orthros_config_from_hf(
-    hf: dict[str, Any], sliding_window: int = DEFAULT_WINDOW, source: str = CONFIG_NAME, sink_tokens: int = 0
-) -> OrthrosConfig:
-    """Map a Llama / Qwen2 / Qwen3 ``config.json`` (as a dict) to an :class:`OrthrosConfig` with
-    base window ``sliding_window`` and ``sink_tokens`` base-stream sinks."""
-
-    def refuse(what: str) -> ConversionError:
-        return ConversionError(f"{source}: {what}")
-
+def family_of(hf: dict[str, Any]) -> FamilyRules:
+    """The :data:`~orthros_train.convert.families.FAMILIES` entry for a config, or a
+    ConversionError naming the supported families."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise refuse(f"model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
-    arch = hf.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
-    if arch != [SUPPORTED_MODEL_TYPES[model_type]]:
-        raise refuse(f"architectures {arch} is not supported; expected {[SUPPORTED_MODEL_TYPES[model_type]]}")
+    rules = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if rules is None:
+        raise ConversionError(f"model_type {model_type!r} is not supported; supported: {supported_families()}")
+    arch = hf.get("architectures") or [rules.architecture]
+    if arch != [rules.architecture]:
+        raise ConversionError(f"architectures {arch} is not supported; expected {[rules.architecture]}")
+    return rules
+
+
+def _refuse_what_orthros_cannot_express(hf: dict[str, Any], rules: FamilyRules) -> None:
+    """A ConversionError naming the first key of ``hf`` that would make the converted model a
+    different model: never convert it into one."""
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "?")
-        raise refuse(f"quantized checkpoints ({method}) are not supported; save a dequantized (float) copy first")
+        raise ConversionError(
+            f"quantized checkpoints ({method}) are not supported; save a dequantized (float) copy first"
+        )
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise refuse(f"hidden_act {act!r} is not supported (Orthros uses SwiGLU with SiLU)")
+        raise ConversionError(f"hidden_act {act!r} is not supported (Orthros uses SwiGLU with SiLU)")
     if hf.get("mlp_bias"):
-        raise refuse("mlp_bias=true is not supported (Orthros MLP projections have no bias)")
-
-    # Attention biases: Qwen2 has q/k/v biases (and none on o_proj), Qwen2-MoE has them when
-    # qkv_bias (default true); Llama/Qwen3 with attention_bias=true would also put one on
-    # o_proj, which Orthros does not have.
-    if model_type == "qwen2":
-        attention_bias = True
-    elif model_type == "qwen2_moe":
-        attention_bias = bool(hf.get("qkv_bias", True))
-    else:
-        if hf.get("attention_bias"):
-            raise refuse(
-                f"attention_bias=true is not supported for {model_type} (it adds an o_proj bias, which "
-                "Orthros does not have)"
-            )
-        attention_bias = False
-
-    # Orthros replaces attention with its own base window; an HF model whose layers already use
-    # sliding-window (or chunked / hybrid) attention is a different model and is refused.
-    if model_type == "llama":
-        if hf.get("sliding_window") is not None:
-            raise refuse(f"sliding_window={hf['sliding_window']} is not supported (sliding-window HF models)")
-    elif hf.get("use_sliding_window"):
-        raise refuse(
-            f"use_sliding_window=true (sliding_window={hf.get('sliding_window')}) is not supported: "
-            "sliding-window HF models cannot be converted"
+        raise ConversionError("mlp_bias=true is not supported (Orthros MLP projections have no bias)")
+    if rules.attention_bias_refusal and hf.get("attention_bias"):
+        raise ConversionError(
+            f"attention_bias=true is not supported for {rules.model_type} ({rules.attention_bias_refusal})"
         )
+    _refuse_sliding_window(hf, rules)
     layer_types = hf.get("layer_types")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        raise refuse(f"layer_types {sorted(set(layer_types))} are not supported; only full_attention layers")
+        raise ConversionError(f"layer_types {sorted(set(layer_types))} are not supported; only full_attention layers")
     if hf.get("attention_chunk_size"):
-        raise refuse("attention_chunk_size (chunked attention) is not supported")
+        raise ConversionError("attention_chunk_size (chunked attention) is not supported")
 
+
+def _refuse_sliding_window(hf: dict[str, Any], rules: FamilyRules) -> None:
+    """Orthros replaces attention with its own base window beside an output stream that attends
+    every earlier key; an HF model whose layers were trained with a sliding window never looked
+    that far back, so it is refused. How a family's config says so: ``rules.sliding_window``."""
+    window = rules.value(hf, "sliding_window")
+    if rules.sliding_window == WINDOW_IF_USE_SLIDING_WINDOW:
+        if hf.get("use_sliding_window"):
+            raise ConversionError(
+                f"use_sliding_window=true (sliding_window={window}, max_window_layers="
+                f"{hf.get('max_window_layers')}) is not supported: the layers from max_window_layers on attend "
+                f"only their last sliding_window keys, and {SLIDING_WINDOW_REASON}; with use_sliding_window=false "
+                "(the published configs) sliding_window is unused and the model converts"
+            )
+        return
+    if window is None:
+        return
+    if rules.sliding_window == WINDOW_ON_EVERY_LAYER:
+        max_pos = rules.value(hf, "max_position_embeddings", 131072)
+        if _is_count(window) and _is_count(max_pos) and window >= max_pos:
+            return  # no position ever falls out of the window: the model is dense
+        raise ConversionError(
+            f"sliding_window={window!r} is not supported: every {rules.model_type} layer attends only its last "
+            f"sliding_window keys, and {SLIDING_WINDOW_REASON}; a sliding_window that is null or >= "
+            f"max_position_embeddings ({max_pos!r}) is dense and converts"
+        )
+    raise ConversionError(
+        f"sliding_window={window!r} is not supported: {rules.architecture} has no sliding-window attention, so a "
+        f"config that names a window describes a model trained with one, and {SLIDING_WINDOW_REASON}"
+    )
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_required_fields(hf: dict[str, Any], model_type: str) -> None:
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     missing = [k for k in required if k not in hf]
     if missing:
-        raise refuse(f"required field(s) {missing} missing: this is not a complete {model_type} config.json")
-    bad = [k for k in required if isinstance(hf[k], bool) or not isinstance(hf[k], int) or hf[k] <= 0]
+        raise ConversionError(
+            f"required field(s) {missing} missing: this is not a complete {model_type} config.json"
+        )
+    bad = [k for k in required if not _is_count(hf[k]) or hf[k] <= 0]
     if bad:
-        raise refuse(f"{', '.join(f'{k}={hf[k]!r}' for k in bad)}: must be positive integers")
-    try:
-        rope_theta, rope_scaling = _rope_from_hf(hf)
-    except ConversionError as err:
-        raise refuse(str(err)) from err
-    try:
-        moe = _moe_from_hf(hf, model_type) if model_type in MOE_MODEL_TYPES else {}
-    except ConversionError as err:
-        raise refuse(str(err)) from err
+        raise ConversionError(f"{', '.join(f'{k}={hf[k]!r}' for k in bad)}: must be positive integers")
+
+
+def _model_fields(hf: dict[str, Any], rules: FamilyRules) -> dict[str, Any]:
+    """The OrthrosConfig fields of the layers' shapes, norms and biases."""
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    provenance = {
-        key: hf[key]
-        for key in ("model_type", "architectures", "bos_token_id", "eos_token_id", "pad_token_id")
-        if key in hf
-    }
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=rules.value(hf, "num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        qk_norm=rules.qk_norm,
+        attention_bias=rules.qkv_biases(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=rules.value(hf, "max_position_embeddings", 131072),
+        initializer_range=hf.get("initializer_range", 0.02),
+    )
+
+
+def _provenance(hf: dict[str, Any]) -> dict[str, Any]:
+    """What the converted config keeps of its source under ``extra.hf``."""
+    keys = ("model_type", "architectures", "bos_token_id", "eos_token_id", "pad_token_id")
+    provenance = {key: hf[key] for key in keys if key in hf}
     src_dtype = hf.get("torch_dtype", hf.get("dtype"))
     if src_dtype is not None:
         provenance["torch_dtype"] = src_dtype
+    return provenance
+
+
+def orthros_config_from_hf(
+    hf: dict[str, Any], sliding_window: int = DEFAULT_WINDOW, source: str = CONFIG_NAME, sink_tokens: int = 0
+) -> OrthrosConfig:
+    """Map a ``config.json`` (as a dict) of a family in
+    :data:`~orthros_train.convert.families.FAMILIES` to an :class:`OrthrosConfig` with base window
+    ``sliding_window`` and ``sink_tokens`` base-stream sinks; what it cannot express is refused
+    in a ConversionError naming ``source`` and the key."""
+    try:
+        rules = family_of(hf)
+        _refuse_what_orthros_cannot_express(hf, rules)
+        _check_required_fields(hf, rules.model_type)
+        rope_theta, rope_scaling = _rope_from_hf(hf)
+        moe = _moe_from_hf(hf, rules) if rules.moe is not None else {}
+        fields = _model_fields(hf, rules)
+    except ConversionError as err:
+        raise ConversionError(f"{source}: {err}") from err
+    except KeyError as err:
+        raise ConversionError(f"{source}: required field {err.args[0]!r} is missing") from err
     try:
         return OrthrosConfig(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            intermediate_size=hf["intermediate_size"],
+            **fields,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            attention_bias=attention_bias,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=sliding_window,
             sink_tokens=sink_tokens,
             attention_type="orthros",
-            max_position_embeddings=hf.get("max_position_embeddings", 131072),
-            initializer_range=hf.get("initializer_range", 0.02),
             **moe,
-            extra={"hf": provenance},
+            extra={"hf": _provenance(hf)},
         )
-    except KeyError as err:
-        raise refuse(f"required field {err.args[0]!r} is missing") from err
     except (TypeError, ValueError) as err:  # what OrthrosConfig refuses, e.g. --window 0
-        raise refuse(str(err)) from err
+        raise ConversionError(f"{source}: {err}") from err
 
 
 def check_sink_tokens_flag(sink_tokens: object, window: int) -> int:
@@ -352,16 +390,6 @@ def expected_state(config: OrthrosConfig) -> dict[str, tuple[int, ...]]:
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     return shapes
-
-
-def orthros_name_from_hf(name: str) -> str | None:
-    """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.self_attn.q_proj.weight``;
-    ``None`` for tensors that carry no weights (old rotary buffers)."""
-    if name.endswith(_SKIPPED_TENSOR_SUFFIXES):
-        return None
-    if name.startswith("model."):
-        return name[len("model.") :]
-    return name  # lm_head.weight, or something unexpected that the caller reports
 
 
 def is_output_affine(name: str) -> bool:
@@ -411,52 +439,14 @@ def convert_from_hf(
     hf = read_json(src / CONFIG_NAME, SRC_FIX)
     sink_tokens = check_sink_tokens_flag(sink_tokens, sliding_window)  # before anything is read or written
     config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME), sink_tokens=sink_tokens)
+    rules = FAMILIES[hf["model_type"]]
     cast = parse_dtype(dtype)
     shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
     expected = expected_state(config)
 
     with SafetensorsReader(src, SRC_FIX) as reader:
-        source_of: dict[str, str] = {}
-        unexpected = []
-        for hf_name in reader.names:
-            name = orthros_name_from_hf(hf_name)
-            if name is None:
-                continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # a tied head stored anyway: HF ignores it too
-            if name not in expected or is_output_affine(name):
-                unexpected.append(hf_name)
-            else:
-                source_of[name] = hf_name
-        if unexpected:
-            raise ConversionError(
-                f"{src}: tensors that {SUPPORTED_MODEL_TYPES[hf['model_type']]} with this config does not "
-                f"have, so this architecture variant is not supported: {unexpected[:8]}"
-                + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
-            )
-        missing = [n for n in expected if n not in source_of and not is_output_affine(n)]
-        if missing:
-            hint = (
-                " (config says tie_word_embeddings=false but the checkpoint has no lm_head.weight)"
-                if missing == ["lm_head.weight"]
-                else ""
-            )
-            raise ConversionError(f"{src}: checkpoint lacks tensors the config implies: {missing[:8]}{hint}")
-
-        plan = []
-        for name, shape in expected.items():
-            if is_output_affine(name):
-                q_name = name.rsplit(".", 1)[0] + ".q_proj.weight"
-                src_dtype = reader.info(source_of[q_name]).dtype
-            else:
-                info = reader.info(source_of[name])
-                if info.shape != shape:
-                    raise ConversionError(
-                        f"{src}: tensor {info.name} has shape {list(info.shape)}, the config implies "
-                        f"{list(shape)} ({info.file.name})"
-                    )
-                src_dtype = info.dtype
-            plan.append(PlannedTensor(name, shape, cast or src_dtype))
+        source_of = _source_tensors(reader, rules, config, expected, src)
+        plan = _plan_tensors(reader, source_of, expected, cast, src)
 
         def produce(t: PlannedTensor) -> torch.Tensor:
             if t.name.endswith(".gamma"):
@@ -480,3 +470,68 @@ def convert_from_hf(
         side_files=side,
         seconds=time.perf_counter() - start,
     )
+
+
+def _source_tensors(
+    reader: SafetensorsReader,
+    rules: FamilyRules,
+    config: OrthrosConfig,
+    expected: dict[str, tuple[int, ...]],
+    src: Path,
+) -> dict[str, str]:
+    """Orthros name -> HF name of every stored tensor the converted model takes; a
+    ConversionError for tensors the config does not imply or implies but the checkpoint lacks."""
+    source_of: dict[str, str] = {}
+    unexpected = []
+    for hf_name in reader.names:
+        name = rules.orthros_name(hf_name)
+        if name is None:
+            continue
+        if name == LM_HEAD and config.tie_word_embeddings:
+            continue  # a tied head stored anyway: HF ignores it too
+        if name not in expected or is_output_affine(name):
+            unexpected.append(hf_name)
+        else:
+            source_of[name] = hf_name
+    if unexpected:
+        raise ConversionError(
+            f"{src}: tensors that {rules.architecture} with this config does not "
+            f"have, so this architecture variant is not supported: {unexpected[:8]}"
+            + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+        )
+    missing = [n for n in expected if n not in source_of and not is_output_affine(n)]
+    if missing:
+        hint = (
+            " (config says tie_word_embeddings=false but the checkpoint has no lm_head.weight)"
+            if missing == [LM_HEAD]
+            else ""
+        )
+        raise ConversionError(f"{src}: checkpoint lacks tensors the config implies: {missing[:8]}{hint}")
+    return source_of
+
+
+def _plan_tensors(
+    reader: SafetensorsReader,
+    source_of: dict[str, str],
+    expected: dict[str, tuple[int, ...]],
+    cast: torch.dtype | None,
+    src: Path,
+) -> list[PlannedTensor]:
+    """Every tensor of the converted checkpoint, in ``expected``'s order, with its dtype: ``cast``
+    or the stored one (a layer's gamma/beta take its q_proj's); a stored shape the config does
+    not imply is refused."""
+    plan = []
+    for name, shape in expected.items():
+        if is_output_affine(name):
+            q_name = name.rsplit(".", 1)[0] + ".q_proj.weight"
+            src_dtype = reader.info(source_of[q_name]).dtype
+        else:
+            info = reader.info(source_of[name])
+            if info.shape != shape:
+                raise ConversionError(
+                    f"{src}: tensor {info.name} has shape {list(info.shape)}, the config implies "
+                    f"{list(shape)} ({info.file.name})"
+                )
+            src_dtype = info.dtype
+        plan.append(PlannedTensor(name, shape, cast or src_dtype))
+    return plan

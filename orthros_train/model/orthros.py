@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orthros_train.common.safetensors_io import WEIGHTS_NAME, SafetensorsReader, save_safetensors
 from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
@@ -106,7 +107,7 @@ class AttentionPlan:
             n_band = self.num_base if with_base and self.base_window <= k.shape[0] else 0
             self.attention_meta[key] = prepare_attention(
                 q_index, q_window, self.key_cu_seqlens, k.shape[0], backend, sink_tokens=self.sink_tokens,
-                n_band=n_band, max_range=self.attention_meta.get("max_range"),
+                n_band=n_band, max_range=self.attention_meta.get("max_range"), query=(q.dtype, q.shape[-1]),
             )
         return orthros_attention(
             q, k, v, q_index, q_window, self.key_cu_seqlens, backend=backend, prepared=self.attention_meta[key],
@@ -441,14 +442,12 @@ class OrthrosForCausalLM(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """``config.json`` + ``model.safetensors`` (tied weights stored once)."""
-        from safetensors.torch import save_file
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, directory / WEIGHTS_NAME)
         (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
 
     @classmethod
@@ -467,26 +466,25 @@ class OrthrosForCausalLM(nn.Module):
         return model
 
     def load_pretrained_weights(self, directory: str | Path) -> None:
-        """Copy weights from a checkpoint directory, one safetensors file at a time."""
-        from safetensors.torch import load_file
-
+        """Copy weights from a checkpoint directory (``SafetensorsReader``), one tensor at a time.
+        Unreadable or missing files raise ``SafetensorsFileError``; tensors of another name or
+        shape raise ValueError."""
         directory = Path(directory)
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {directory}")
         own = self.state_dict()
         seen: set[str] = set()
-        for f in files:
-            for name, tensor in load_file(str(f)).items():
+        with SafetensorsReader(directory) as weights:
+            for name in weights:
+                f = weights.info(name).file
                 if name not in own:
                     raise ValueError(f"{f} holds {name!r}, which this model does not have")
-                if own[name].shape != tensor.shape:
+                shape = weights.info(name).shape
+                if tuple(own[name].shape) != shape:
                     raise ValueError(
-                        f"{f}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(own[name].shape)}"
+                        f"{f}: {name} has shape {shape}, the model expects {tuple(own[name].shape)}"
                         " (the checkpoint was made for another config)"
                     )
                 with torch.no_grad():
-                    own[name].copy_(tensor)
+                    own[name].copy_(weights[name])
                 seen.add(name)
         if self.config.tie_word_embeddings:
             seen.add("lm_head.weight")

@@ -25,6 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from orthros_train.ops.reference import UNBOUNDED, attention_reference, attention_with_sinks, sink_queries
+from orthros_train.ops.route import (
+    RouteFacts,
+    VarlenPlan,
+    choose_route,
+    installed_varlen,
+    varlen_streams,
+    whole_streams,
+)
 from orthros_train.ops.sdpa_attention import (
     attention_sdpa,
     attention_sdpa_output,
@@ -84,14 +92,23 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, sink_tokens: int = 0, **hints):
-    """GPU ``auto``'s choice for these queries: ``("sdpa", segments)`` when flash attention
-    needs no mask for any of them, else ``("triton", its prepared plan or None)``. With sink
-    tokens the Triton side is the window partial plus the sink partial merged by LSE, and its
-    payload is ``(sink_queries result, (window plan, sink plan))``; the SDPA side serves sinks
-    itself (a single windowed query gets the sinks it lacks; a causal segment has them)."""
+def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, sink_tokens: int = 0, dtype=None, head_dim=None, **hints):
+    """GPU ``auto``'s choice for these queries (``ops/route.py``'s table): ``("varlen",
+    VarlenPlan)`` for whole streams FlashAttention serves (``dtype``/``head_dim`` of the queries
+    known), ``("sdpa", segments)`` when flash attention needs no mask for any of them, else
+    ``("triton", its prepared plan or None)``. With sink tokens the Triton side is the window
+    partial plus the sink partial merged by LSE, and its payload is ``(sink_queries result,
+    (window plan, sink plan))``; the SDPA side serves sinks itself (a single windowed query gets
+    the sinks it lacks; a causal segment has them)."""
     segments = query_segments(q_index, q_window, cu_seqlens)
-    if not any(needs_mask(seg) for seg in segments):
+    streams = None if n_k is None else whole_streams(segments, n_k, q_index.numel())
+    route = choose_route(RouteFacts(
+        "cuda", sink_tokens=sink_tokens, dtype=dtype, head_dim=head_dim, stream_windows=streams,
+        needs_mask=any(needs_mask(seg) for seg in segments), varlen=installed_varlen(), triton="triton" in _BACKENDS,
+    ))
+    if route.name == "varlen":  # every segment is a whole document: the longest is max_seqlen
+        return "varlen", VarlenPlan(installed_varlen(), streams, max(seg.length for seg in segments))
+    if route.name == "sdpa":
         return "sdpa", segments
     if not sink_tokens:
         return "triton", None if n_k is None else _prepare_triton(q_index, q_window, cu_seqlens, n_k, **hints)
@@ -110,6 +127,8 @@ def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, prepar
     if prepared is None:
         prepared = _choose_cuda(q_index, q_window, cu_seqlens, sink_tokens=sink_tokens)
     kind, payload = prepared
+    if kind == "varlen":
+        return varlen_streams(q, k, v, cu_seqlens, payload, scale=scale), None
     if kind == "sdpa":
         return attention_sdpa_output(
             q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=payload, sink_tokens=sink_tokens
@@ -165,9 +184,13 @@ class PreparedAttention:
     sink_tokens: int = 0
 
 
-def _prepare(fn: AttentionFn, q_index, q_window, cu_seqlens, n_k: int, **hints) -> object:
+def _prepare(fn: AttentionFn, q_index, q_window, cu_seqlens, n_k: int, query=None, **hints) -> object:
     preparer = _PREPARERS.get(fn)
-    return None if preparer is None else preparer(q_index, q_window, cu_seqlens, n_k, **hints)
+    if preparer is None:
+        return None
+    if fn is _auto_cuda_output and query is not None:  # the route reads the queries' dtype and head dim
+        hints = {**hints, "dtype": query[0], "head_dim": query[1]}
+    return preparer(q_index, q_window, cu_seqlens, n_k, **hints)
 
 
 def prepare_attention(
@@ -178,6 +201,7 @@ def prepare_attention(
     backend: str = "auto",
     need_lse: bool = False,
     sink_tokens: int = 0,
+    query: tuple[torch.dtype, int] | None = None,
     **hints: int | None,
 ) -> PreparedAttention | None:
     """What ``backend`` can compute once per forward pass for these queries and keys (the
@@ -189,11 +213,13 @@ def prepare_attention(
     once per batch): prepared calls skip the per-call value checks, which each cost a device
     sync. ``hints`` are host-known counts (``n_band``: queries with a window of at most ``n_k``
     keys; ``max_range``: the longest key range, for decode steps) that save further syncs.
+    ``query``: the queries' ``(dtype, head_dim)``, which GPU ``auto``'s FlashAttention route needs
+    (without it that route is not taken).
     """
     if sink_tokens:
         fn = resolve_backend(backend, q_index.device, need_lse=need_lse)
         if fn in _NATIVE_SINKS:
-            payload = _prepare(fn, q_index, q_window, cu_seqlens, n_k, sink_tokens=sink_tokens, **hints)
+            payload = _prepare(fn, q_index, q_window, cu_seqlens, n_k, query, sink_tokens=sink_tokens, **hints)
             return PreparedAttention(fn, payload, sink_tokens)
         fn = resolve_backend(backend, q_index.device, need_lse=True)
         sinks = sink_queries(q_index, q_window, cu_seqlens, sink_tokens)
@@ -202,7 +228,7 @@ def prepare_attention(
         )
         return PreparedAttention(fn, (sinks, payloads), sink_tokens)
     fn = resolve_backend(backend, q_index.device, need_lse=need_lse)
-    payload = _prepare(fn, q_index, q_window, cu_seqlens, n_k, **hints)
+    payload = _prepare(fn, q_index, q_window, cu_seqlens, n_k, query, **hints)
     return None if payload is None else PreparedAttention(fn, payload)
 
 

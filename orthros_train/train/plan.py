@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from orthros_train.model import OrthrosForCausalLM
+from orthros_train.ops.route import describe_routes
+from orthros_train.options import Device, Precision
 from orthros_train.parallel.setup import check_parallel_layout
 from orthros_train.train.config import RunConfig
 from orthros_train.train.memory import memory_summary
@@ -62,6 +64,7 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         # What a cluster would do: H100 bf16 peak (or trainer.peak_tflops) at the planned MFU.
         "expected_at_40pct_mfu": _expected_throughput(cfg, flops, PLANNED_MFU),
         "memory_per_gpu": memory_summary(cfg),  # analytic model, per sequence-length stage
+        "attention_route": attention_routes(cfg),
     }
     m = cfg.model
     if m.num_experts:  # a mixture of experts: what a token uses of it
@@ -81,6 +84,25 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         summary["rl"] = {"task": cfg.task.name, "rollouts_per_step": rows,
                          "max_response_tokens_per_step": rows * cfg.rl.max_new_tokens}
     return summary
+
+
+def attention_routes(cfg: RunConfig, device_type: str | None = None) -> dict[str, dict[str, str]]:
+    """The attention kernel each kind of layout of this run takes (``ops/route.py``), per device
+    type: ``device_type``, else the recipe's device (``auto``: both, a dry run may plan a GPU job
+    from a machine without one)."""
+    m, t = cfg.model, cfg.trainer
+    if device_type is not None:
+        devices = [device_type]
+    else:
+        devices = {Device.cpu: ["cpu"], Device.cuda: ["cuda"]}.get(t.device, ["cuda", "cpu"])
+    if m.attention_backend != "auto":
+        return {d: {"every layout": f"{m.attention_backend} (model.attention_backend)"} for d in devices}
+    dtype = torch.bfloat16 if t.precision == Precision.bf16 else torch.float32
+    return {
+        d: describe_routes(d, dtype, m.head_dim, m.attention_type.value, m.sliding_window, t.seq_len,
+                           m.base_sink_tokens)
+        for d in devices
+    }
 
 
 def _distill_plan(cfg: RunConfig) -> dict[str, Any]:
@@ -118,4 +140,4 @@ def _expected_throughput(cfg: RunConfig, flops_per_token: float, mfu: float) -> 
     }
 
 
-__all__ = ["plan_summary"]
+__all__ = ["attention_routes", "plan_summary"]

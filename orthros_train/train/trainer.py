@@ -50,6 +50,7 @@ from orthros_train.train.evaluation import Evaluator
 from orthros_train.train.health import LossSpikeDetector, NonFiniteGuard, NonFiniteTrainingError
 from orthros_train.train.metrics import peak_tflops
 from orthros_train.train.optim import build_optimizer, lr_at
+from orthros_train.train.plan import attention_routes
 from orthros_train.train.rl import Policy
 from orthros_train.train.run_dir import publish_directory
 from orthros_train.train.step import StepStats, TrainStep
@@ -86,6 +87,9 @@ class Trainer:
         policy = Policy(self.device, zero_stage=p.zero_stage) if cfg.rl is not None else None
         self.data = build_data(cfg, policy)
         self.model = build_model(cfg, self.device)
+        if self.is_main:
+            for layout, route in attention_routes(cfg, self.device.type)[self.device.type].items():
+                log.info("attention route on %s, %s: %s", self.device.type, layout, route)
         # before the engine wraps the model
         objective = build_objective(cfg, self.model, policy, self.device, tokenizer=self.data.tokenizer)
         self.teacher = getattr(objective, "teacher", None)  # distillation's frozen dense twin, if any

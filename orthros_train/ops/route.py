@@ -1,0 +1,225 @@
+"""Which kernel runs a GPU attention call: one table of conditions, first match wins.
+
+``auto`` on CUDA used to send every layout that needs a mask to the Triton kernels, pretraining
+included, because the base stream's window is a mask to SDPA. But in pretraining (and in the
+dense and sliding baselines) every stream is a whole run of positions over the same keys: the
+base stream is exactly a varlen FlashAttention call with ``window_size=(W - 1, 0)`` and the output
+stream a causal one, on the same ``cu_seqlens``. Those two calls go to FlashAttention, which is
+faster than our kernels on Hopper (FA3 / cuDNN / FA2 reach ~620 / ~540 / ~335 TFLOP/s forward,
+our Triton kernel ~350-450), and the Triton kernels keep what only they serve: answer spans
+(SFT/RL), prefill, decode, sink tokens, fp32.
+
+``ROUTES`` is the table; ``choose_route`` reads it for one call's ``RouteFacts``. Every row is tested
+on CPU (``tests/test_attention_route.py``): the row taken, and for the varlen rows the numerics of
+``varlen_streams`` against the reference op with ``varlen_reference`` (the same contract in plain
+torch) standing in for the GPU kernel.
+
+The FlashAttention implementations, best first: flash-attn 3 (``flash_attn_interface``, Hopper),
+flash-attn 2 (``flash_attn``, with ``window_size``), torch's own ``torch.nn.attention.varlen``
+where its signature on the installed torch takes ``window_size``. flash-attn is an optional
+extra (its wheels are far larger than torch's own route needs); nothing requires it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from orthros_train.ops.reference import UNBOUNDED, attention_reference
+
+# Head dims and dtypes every FlashAttention implementation here serves.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+VarlenFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RouteFacts:
+    """What decides one call's kernel. ``streams``: the queries are one or two whole streams over
+    the keys (``stream_windows``, see ``whole_streams``), else ``None``."""
+
+    device_type: str
+    need_lse: bool = False
+    sink_tokens: int = 0
+    dtype: torch.dtype | None = None  # the queries' (None: unknown, no FlashAttention route)
+    head_dim: int | None = None
+    stream_windows: tuple[int, ...] | None = None
+    needs_mask: bool = True  # some SDPA segment would need an explicit mask
+    varlen: str | None = None  # the FlashAttention implementation installed (``installed_varlen``)
+    triton: bool = True
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str  # "varlen" | "sdpa" | "triton" | "reference"
+    why: str
+    applies: Callable[[RouteFacts], bool]
+
+
+def _flash_shape(f: RouteFacts) -> bool:
+    return f.dtype in FLASH_DTYPES and f.head_dim is not None and f.head_dim <= FLASH_MAX_HEAD_DIM \
+        and f.head_dim % 8 == 0
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("reference", "the caller merges partial attentions and needs a differentiable LSE off the GPU",
+          lambda f: f.device_type != "cuda" and f.need_lse),
+    Route("sdpa", "off the GPU torch's SDPA is the fused attention (flash on CPU, masked where windowed)",
+          lambda f: f.device_type != "cuda"),
+    Route("triton", "a differentiable log-sum-exp for merging partials: our kernels return it",
+          lambda f: f.need_lse and f.triton),
+    Route("varlen", "whole streams over the same keys (pretraining, the baselines): FlashAttention varlen, "
+                    "window_size=(W-1, 0) for the base stream, causal for the output stream",
+          lambda f: f.stream_windows is not None and not f.sink_tokens and f.varlen is not None and _flash_shape(f)),
+    Route("sdpa", "causal from each document's start or single queries: flash attention through SDPA, no mask",
+          lambda f: not f.needs_mask),
+    Route("triton", "answer spans, prefill, sink tokens, fp32 or no FlashAttention installed: our kernels",
+          lambda f: f.triton),
+    Route("sdpa", "triton is not installed: SDPA with masks", lambda f: True),
+)
+
+
+def choose_route(facts: RouteFacts) -> Route:
+    """The first row of ``ROUTES`` whose condition holds."""
+    return next(route for route in ROUTES if route.applies(facts))
+
+
+def whole_streams(segments: Sequence, n_k: int, n_q: int) -> tuple[int, ...] | None:
+    """The window of each stream when the queries are ``n_q / n_k`` whole streams over the keys in
+    order (stream ``s`` is query rows ``[s n_k, (s + 1) n_k)`` with key index ``row - s n_k``, one
+    window per stream, every segment a whole document; ``UNBOUNDED``: causal), else ``None``.
+
+    ``segments``: ``sdpa_attention.query_segments`` of the call (host-side already)."""
+    if n_k <= 0 or n_q % n_k or n_q // n_k not in (1, 2):
+        return None
+    windows: list[set[int]] = [set() for _ in range(n_q // n_k)]
+    for seg in segments:
+        stream = seg.q0 // n_k
+        if seg.q1 > (stream + 1) * n_k or seg.first != seg.q0 - stream * n_k or seg.first != seg.doc_start:
+            return None
+        if not seg.sees_document_start:  # a document no longer than the window is causal under any window
+            windows[stream].add(seg.window)
+    if any(len(w) > 1 for w in windows):
+        return None
+    return tuple(min(w, default=UNBOUNDED) for w in windows)
+
+
+@functools.cache
+def installed_varlen() -> str | None:
+    """The best FlashAttention varlen implementation with a sliding window on this machine (its
+    name), or None."""
+    if importlib.util.find_spec("flash_attn_interface") is not None:
+        return "flash_attn_3"
+    if importlib.util.find_spec("flash_attn") is not None:
+        from flash_attn import flash_attn_varlen_func
+
+        if "window_size" in inspect.signature(flash_attn_varlen_func).parameters:
+            return "flash_attn_2"
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    # Older releases lack the window (checked on the installed torch, not assumed from its version).
+    return "torch" if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def varlen_function(name: str) -> VarlenFn:
+    """``fn(q, k, v, cu_seqlens, max_len, scale, window_size) -> out`` for an implementation name
+    of ``installed_varlen`` (``"reference"``: the plain-torch one, any device)."""
+    if name == "reference":
+        return varlen_reference
+    if name == "flash_attn_3":
+        from flash_attn_interface import flash_attn_varlen_func as fa3
+
+        def run3(q, k, v, cu, max_len, scale, window_size):
+            out = fa3(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True, window_size=window_size)
+            return out[0] if isinstance(out, tuple) else out
+        return run3
+    if name == "flash_attn_2":
+        from flash_attn import flash_attn_varlen_func as fa2
+
+        def run2(q, k, v, cu, max_len, scale, window_size):
+            return fa2(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True, window_size=window_size)
+        return run2
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+    def run_torch(q, k, v, cu, max_len, scale, window_size):
+        if q.shape[1] != k.shape[1] and not gqa:  # a release without GQA: repeat the key heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        extra = {"enable_gqa": True} if gqa and q.shape[1] != k.shape[1] else {}
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=window_size, **extra)
+    return run_torch
+
+
+def varlen_reference(q, k, v, cu_seqlens, max_len, scale, window_size) -> torch.Tensor:
+    """FlashAttention's varlen contract (``window_size=(left, 0)``, ``left=-1``: causal) in plain
+    torch: the CPU stand-in that tests ``varlen_streams`` against the reference op."""
+    n = k.shape[0]
+    left = window_size[0]
+    q_index = torch.arange(n, device=q.device)
+    q_window = torch.full_like(q_index, UNBOUNDED if left < 0 else left + 1)
+    out, _ = attention_reference(q, k, v, q_index, q_window, cu_seqlens, scale=scale)
+    return out
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """A whole-streams call's FlashAttention arguments (host-known: no sync in the layers)."""
+
+    implementation: str
+    windows: tuple[int, ...]
+    max_len: int
+
+
+def varlen_streams(q, k, v, cu_seqlens, plan: VarlenPlan, scale: float | None = None) -> torch.Tensor:
+    """The attention of whole streams: one FlashAttention varlen call per stream on the shared
+    keys, outputs in the queries' order."""
+    fn = varlen_function(plan.implementation)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    n = k.shape[0]
+    cu = cu_seqlens.to(torch.int32)
+    outs = []
+    for s, window in enumerate(plan.windows):
+        left = -1 if window >= UNBOUNDED else window - 1
+        outs.append(fn(q[s * n : (s + 1) * n], k, v, cu, plan.max_len, scale, (left, 0)))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def describe_routes(device_type: str, dtype: torch.dtype, head_dim: int, attention_type: str,
+                    window: int, seq_len: int, sink_tokens: int = 0) -> dict[str, str]:
+    """The route of each kind of layout a run of this model meets, for a dry run's plan and the
+    trainer's log: ``{"pretraining": "varlen (flash_attn_2): ...", ...}``."""
+    triton = importlib.util.find_spec("triton") is not None
+    varlen = installed_varlen() if device_type == "cuda" else None
+    base = dict(device_type=device_type, sink_tokens=sink_tokens, dtype=dtype, head_dim=head_dim, varlen=varlen,
+                triton=triton)
+    if attention_type == "dense" or window >= seq_len:
+        pretrain = RouteFacts(**base, stream_windows=(UNBOUNDED,), needs_mask=False)
+    elif attention_type == "sliding":
+        pretrain = RouteFacts(**base, stream_windows=(window,))
+    else:
+        pretrain = RouteFacts(**base, stream_windows=(window, UNBOUNDED))
+    layouts = {
+        "pretraining": pretrain,
+        "answer spans (SFT/RL)": RouteFacts(**base),
+        "prefill": RouteFacts(**base),  # a windowed base stream and one output token
+        "decode steps": RouteFacts(**base, needs_mask=False),  # one query per sequence
+    }
+
+    def say(route: Route) -> str:
+        implementation = f" ({varlen})" if route.name == "varlen" else ""
+        return f"{route.name}{implementation}: {route.why}"
+    return {name: say(choose_route(facts)) for name, facts in layouts.items()}
+
+
+__all__ = ["ROUTES", "Route", "RouteFacts", "VarlenPlan", "choose_route", "describe_routes", "installed_varlen",
+           "varlen_function", "varlen_reference", "varlen_streams", "whole_streams"]

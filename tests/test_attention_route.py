@@ -1,0 +1,171 @@
+"""The GPU attention route (ops/route.py): every row of the table, the whole-streams test, and the
+FlashAttention varlen path's numerics against the reference op with the plain-torch stand-in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orthros_train.ops import attention as attention_mod
+from orthros_train.ops import route as route_mod
+from orthros_train.ops.reference import UNBOUNDED, attention_reference
+from orthros_train.ops.route import ROUTES, RouteFacts, VarlenPlan, choose_route, varlen_streams, whole_streams
+from orthros_train.ops.sdpa_attention import query_segments
+
+BF16 = torch.bfloat16
+GPU = dict(device_type="cuda", dtype=BF16, head_dim=64, varlen="torch", triton=True)
+PRETRAIN = (8, UNBOUNDED)
+
+# (facts, the route's name, a word of its reason): one case per row of ROUTES, in order.
+CASES = [
+    (RouteFacts("cpu", need_lse=True), "reference", "LSE off the GPU"),
+    (RouteFacts("cpu", stream_windows=PRETRAIN, varlen="torch"), "sdpa", "off the GPU"),
+    (RouteFacts(**GPU, need_lse=True, stream_windows=PRETRAIN), "triton", "log-sum-exp"),
+    (RouteFacts(**GPU, stream_windows=PRETRAIN), "varlen", "whole streams"),
+    (RouteFacts(**GPU, needs_mask=False), "sdpa", "no mask"),
+    (RouteFacts(**GPU), "triton", "answer spans"),
+    (RouteFacts(**{**GPU, "triton": False}), "sdpa", "triton is not installed"),
+]
+# What keeps whole streams off FlashAttention: each goes to the Triton kernels.
+NOT_VARLEN = [
+    {"sink_tokens": 4},  # the base stream's sinks are not a window
+    {"dtype": torch.float32},  # FlashAttention runs half precision only
+    {"dtype": None},  # a caller that did not say its queries' dtype
+    {"head_dim": 320},
+    {"head_dim": 60},
+    {"varlen": None},  # nothing installed
+]
+
+
+@pytest.mark.parametrize("facts, name, why", CASES)
+def test_each_row_of_the_table(facts, name, why) -> None:
+    route = choose_route(facts)
+    assert (route.name, why in route.why) == (name, True), route
+
+
+def test_the_cases_cover_every_row() -> None:
+    assert [ROUTES.index(choose_route(facts)) for facts, _, _ in CASES] == list(range(len(ROUTES)))
+
+
+@pytest.mark.parametrize("change", NOT_VARLEN)
+def test_whole_streams_fall_back_to_triton(change) -> None:
+    assert choose_route(RouteFacts(**{**GPU, "stream_windows": PRETRAIN, **change})).name == "triton"
+
+
+def pretrain_queries(lengths, window, streams=2):
+    n = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    index = torch.arange(n).repeat(streams)
+    windows = [window, UNBOUNDED][:streams] if streams == 2 else [window]
+    q_window = torch.cat([torch.full((n,), w) for w in windows])
+    return index, q_window, cu
+
+
+def test_whole_streams_are_found_in_pretraining_and_baselines_only() -> None:
+    index, window, cu = pretrain_queries([20, 28], 8)
+    assert whole_streams(query_segments(index, window, cu), 48, 96) == (8, UNBOUNDED)
+    index, window, cu = pretrain_queries([20, 28], 8, streams=1)  # the sliding baseline
+    assert whole_streams(query_segments(index, window, cu), 48, 48) == (8,)
+    # A window that covers every document is causal attention.
+    index, window, cu = pretrain_queries([20, 28], 64, streams=1)
+    assert whole_streams(query_segments(index, window, cu), 48, 48) == (UNBOUNDED,)
+    # SFT: output tokens on an answer span only.
+    answer = torch.cat([torch.arange(48), torch.arange(30, 40)])
+    q_window = torch.cat([torch.full((48,), 8), torch.full((10,), UNBOUNDED)])
+    assert whole_streams(query_segments(answer, q_window, cu), 48, 58) is None
+    # Prefill: one output token; a stream in another order.
+    assert whole_streams(query_segments(answer[:49], q_window[:49], cu), 48, 49) is None
+    shuffled = torch.cat([torch.arange(48), torch.arange(48).flip(0)])
+    assert whole_streams(query_segments(shuffled, torch.cat([q_window[:48], q_window[:48]]), cu), 48, 96) is None
+
+
+def inputs(n_q, n_k, heads=4, kv_heads=2, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_q, heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(n_k, kv_heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(n_k, kv_heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("streams, window", [(2, 8), (1, 8), (1, UNBOUNDED)])
+def test_varlen_streams_equal_the_reference_forward_and_backward(streams, window) -> None:
+    index, q_window, cu = pretrain_queries([20, 1, 27], window, streams)
+    q, k, v = inputs(index.numel(), 48)
+    plan = VarlenPlan("reference", whole_streams(query_segments(index, q_window, cu), 48, index.numel()), 27)
+    out = varlen_streams(q, k, v, cu, plan)
+    ref, _ = attention_reference(q, k, v, index, q_window, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_gpu_auto_takes_the_varlen_route_for_pretraining(monkeypatch) -> None:
+    """``auto``'s CUDA path, run on CPU tensors with the plain-torch varlen as the installed one."""
+    monkeypatch.setattr(attention_mod, "installed_varlen", lambda: "reference")
+    index, q_window, cu = pretrain_queries([20, 28], 8)
+    q, k, v = inputs(96, 48)
+    kind, plan = attention_mod._choose_cuda(index, q_window, cu, 48, dtype=BF16, head_dim=16)
+    assert (kind, plan) == ("varlen", VarlenPlan("reference", (8, UNBOUNDED), 28))
+    out, _ = attention_mod._auto_cuda_output(q, k, v, index, q_window, cu, prepared=(kind, plan))
+    torch.testing.assert_close(out, attention_reference(q, k, v, index, q_window, cu)[0], rtol=1e-12, atol=1e-12)
+    # fp32 queries, sink tokens, an SFT layout: the Triton kernels as before.
+    assert attention_mod._choose_cuda(index, q_window, cu, 48, dtype=torch.float32, head_dim=16)[0] == "triton"
+    assert attention_mod._choose_cuda(index, q_window, cu, 48, sink_tokens=2, dtype=BF16, head_dim=16)[0] == "triton"
+    assert attention_mod._choose_cuda(index[:60], q_window[:60], cu, 48, dtype=BF16, head_dim=16)[0] == "triton"
+
+
+def test_describe_routes_names_the_route_of_each_layout(monkeypatch) -> None:
+    monkeypatch.setattr(route_mod, "installed_varlen", lambda: "flash_attn_2")
+    gpu = route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096)
+    assert gpu["pretraining"].startswith("varlen (flash_attn_2): whole streams")
+    assert gpu["answer spans (SFT/RL)"].startswith("triton") and gpu["decode steps"].startswith("sdpa")
+    assert route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096, sink_tokens=4)["pretraining"] \
+        .startswith("triton")
+    assert set(route_mod.describe_routes("cpu", torch.float32, 64, "orthros", 128, 4096).values()) == {
+        next(r for r in ROUTES if r.name == "sdpa").name + ": " + ROUTES[1].why}
+
+
+def test_the_installed_implementation_is_read_from_signatures() -> None:
+    route_mod.installed_varlen.cache_clear()
+    found = route_mod.installed_varlen()
+    assert found in (None, "torch", "flash_attn_2", "flash_attn_3")
+    if found is not None:
+        assert callable(route_mod.varlen_function(found))
+
+
+def test_the_dry_run_prints_the_route_and_the_trainer_logs_it(tmp_path, make_trainer, caplog) -> None:
+    import logging
+
+    from fixtures import compose_recipe
+
+    from orthros_train.train.plan import attention_routes, plan_summary
+
+    cfg = compose_recipe("pretrain_1p3b", f"trainer.run_dir={tmp_path / 'plan'}")
+    routes = plan_summary(cfg)["attention_route"]  # a GPU recipe: the GPU's routes
+    assert set(routes) == {"cuda"} and attention_routes(cfg, "cpu")["cpu"]["pretraining"].startswith("sdpa")
+    expected = "varlen" if route_mod.installed_varlen() else "triton"
+    assert routes["cuda"]["pretraining"].startswith(expected) and routes["cuda"]["prefill"].startswith("triton")
+    with caplog.at_level(logging.INFO, logger="orthros_train.train.trainer"):
+        trainer = make_trainer()
+        trainer.close()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention route")]
+    assert "attention route on cpu, pretraining: sdpa: off the GPU" in said[0], said
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_installed_flashattention_equals_the_reference_on_gpu() -> None:
+    """The real kernel (FA3, FA2 or torch's varlen) against the reference op in fp32, bf16 inputs."""
+    name = route_mod.installed_varlen()
+    if name is None:
+        pytest.skip("no FlashAttention varlen with a window on this machine")
+    index, q_window, cu = (t.cuda() for t in pretrain_queries([200, 1, 311], 64))
+    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in inputs(1024, 512, dim=64))
+    plan = VarlenPlan(name, whole_streams(query_segments(index, q_window, cu), 512, 1024), 311)
+    out = varlen_streams(q, k, v, cu, plan)
+    ref, _ = attention_reference(q.float(), k.float(), v.float(), index, q_window, cu)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    out.float().square().sum().backward()  # differentiable: the pretraining step's backward
+    assert q.grad is not None and torch.isfinite(q.grad).all()
