@@ -350,9 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         print_reads([{"policy": arm, **run["reads"]} for arm, e in result["arms"].items() if arm != "dense_mlp"
                      for run in e["runs"][:1]], "Trained models (first seed), held-out essay prompts")
     if args.json is not None:
-        from orthros_train.study.runs import write_text_atomic
+        from orthros_train.common.files import write_atomic
 
-        write_text_atomic(args.json, json.dumps(result, indent=1, default=str) + "\n")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.json, json.dumps(result, indent=1, default=str) + "\n", durable=False)
     return 0
 
 

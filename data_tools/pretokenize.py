@@ -37,6 +37,7 @@ from data_tools.sources import (
     record_text,
     source_fingerprint,
 )
+from orthros_train.common.tokenizer import load_tokenizer
 from orthros_train.data.cache import BuildLock
 from orthros_train.data.chat import (
     TRAIN_TURNS,
@@ -54,7 +55,7 @@ from orthros_train.data.indexed import (
     shard_prefix,
     summary_path,
 )
-from orthros_train.data.tokenize import encode_texts, eod_token_id, tokenizer_from_path, tokenizer_info
+from orthros_train.data.tokenize import encode_texts, eod_token_id, tokenizer_info
 from orthros_train.errors import UserError
 
 log = logging.getLogger("orthros_data")
@@ -137,7 +138,7 @@ class _Encoder:
 
     def __init__(self, opts: TokenizeOptions, tok=None) -> None:
         self.opts = opts
-        self.tok = tok if tok is not None else tokenizer_from_path(opts.tokenizer)
+        self.tok = tok if tok is not None else load_tokenizer(opts.tokenizer)
         self.eod = eod_token_id(self.tok, opts.eod_token)[0] if opts.append_eod and opts.kind == "pretrain" else None
         self.template = opts.template_text()
 
@@ -320,7 +321,7 @@ def _run(opts: TokenizeOptions) -> dict:
     t0 = time.time()
     files = expand_inputs(opts.inputs)
     _refuse_output_over_inputs(opts.output, files)
-    tok = tokenizer_from_path(opts.tokenizer)
+    tok = load_tokenizer(opts.tokenizer)
     eod = eod_token_id(tok, opts.eod_token)
     if opts.kind != "pretrain":
         check_chat_template(tok, opts.template_text())

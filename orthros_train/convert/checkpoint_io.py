@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from orthros_train.common.files import honour_umask
 from orthros_train.errors import UserError
-from orthros_train.file_modes import honour_umask
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

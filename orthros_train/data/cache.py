@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from orthros_train.common.files import sha256_file, write_json_atomic
 from orthros_train.data.indexed import DataError
 
 log = logging.getLogger(__name__)
@@ -39,21 +40,12 @@ FINGERPRINT_FILE = "fingerprint.json"
 HASH_CHUNK = 1 << 24
 
 
-def file_sha256(path: str) -> str:
-    """SHA-256 of a file's bytes, read in 16 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_CHUNK):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_fingerprint(path: str, content: bool = True) -> dict[str, Any]:
     """Size, modification time (ns) and, with ``content``, the SHA-256 of a file."""
     st = os.stat(path)
     out: dict[str, Any] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     if content:
-        out["sha256"] = file_sha256(path)
+        out["sha256"] = sha256_file(path, HASH_CHUNK)
     return out
 
 
@@ -128,14 +120,6 @@ def read_fingerprint(folder: str) -> dict | None:
         return None
 
 
-def write_json_atomic(path: str, data: Any) -> None:
-    """``path`` replaced in one rename: a crash leaves the old file or the new one, never half."""
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
-
-
 def note_inputs(root: str, name_key: Any, fingerprint: dict, folder: str, what: str) -> None:
     """Remember that ``name_key`` (paths + parameters) was last built as ``folder``; when the
     previous build of the same names had another fingerprint, log which cache is stale and why."""
@@ -155,7 +139,8 @@ def note_inputs(root: str, name_key: Any, fingerprint: dict, folder: str, what: 
     if not previous or previous.get("folder") != folder:
         with contextlib.suppress(OSError):  # the record only feeds the log line above
             os.makedirs(root, exist_ok=True)
-            write_json_atomic(record, {"folder": folder, "fingerprint": fingerprint})
+            write_json_atomic(record, {"folder": folder, "fingerprint": fingerprint}, indent=2, sort_keys=True,
+                              default=str)
 
 
 def build_once(folder: str, fingerprint: dict, build: Callable[[str], Any], load: Callable[[str], Any],
@@ -186,7 +171,7 @@ def build_once(folder: str, fingerprint: dict, build: Callable[[str], Any], load
         try:
             os.makedirs(tmp)
             out = build(tmp)
-            write_json_atomic(os.path.join(tmp, FINGERPRINT_FILE), fingerprint)
+            write_json_atomic(os.path.join(tmp, FINGERPRINT_FILE), fingerprint, indent=2, sort_keys=True, default=str)
             if os.path.exists(folder):
                 shutil.rmtree(folder)
             os.rename(tmp, folder)

@@ -23,12 +23,14 @@ import logging
 import os
 import re
 import struct
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from orthros_train.common.files import replace_durably, temp_name
 from orthros_train.errors import UserError
 
 MODE_PROMPT = 0
@@ -202,7 +204,10 @@ class ShardWriter:
 
     def __init__(self, prefix: str, vocab_size: int, multimodal: bool = False) -> None:
         IndexedDatasetBuilder = megatron_indexed().IndexedDatasetBuilder
-        self.prefix, self.tmp = prefix, prefix + ".tmp"
+        # ``{prefix}.{host}.{pid}.{random}.tmp.bin``: two writers of one prefix on a shared file system
+        # never write into one temporary file
+        unique = f"{temp_name(prefix, hidden=False)}{uuid.uuid4().hex[:8]}.tmp"
+        self.prefix, self.tmp = prefix, os.path.join(os.path.dirname(prefix), unique)
         Path(prefix).parent.mkdir(parents=True, exist_ok=True)
         self.dtype = token_dtype(vocab_size)
         self.multimodal = multimodal
@@ -241,8 +246,8 @@ class ShardWriter:
 
     def finish(self) -> None:
         self.builder.finalize(self.tmp + ".idx")
-        os.replace(self.tmp + ".bin", self.prefix + ".bin")
-        os.replace(self.tmp + ".idx", self.prefix + ".idx")
+        replace_durably(self.tmp + ".bin", self.prefix + ".bin", durable=False)
+        replace_durably(self.tmp + ".idx", self.prefix + ".idx")
 
     def abort(self) -> None:
         self.builder.data_file.close()

@@ -1,6 +1,6 @@
 """Tokenizers and tokenized documents: the part of data preparation the library itself needs.
 
-``tokenizer_from_path`` / ``eod_token_id`` / ``tokenizer_info`` find and describe a tokenizer;
+``eod_token_id`` / ``tokenizer_info`` describe a tokenizer (``common.tokenizer`` loads it);
 ``encode_texts`` turns texts into token ids; ``write_documents`` / ``write_conversations`` write a
 list of documents / chat conversations as a one-shard indexed dataset with the summary JSON that
 ``orthros-data`` writes, so the readers of ``orthros_train.data`` treat both alike. The embedded
@@ -31,28 +31,6 @@ from orthros_train.data.indexed import (
 log = logging.getLogger(__name__)
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
-
-
-def tokenizer_from_path(path: str):
-    """A ``transformers`` tokenizer from a directory (``from_pretrained``) or a ``tokenizer.json``."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    path = os.path.expanduser(str(path))
-    if os.path.isfile(path) and path.endswith(".json"):
-        return PreTrainedTokenizerFast(tokenizer_file=path)
-    if not os.path.exists(path):
-        raise DataError(f"{path}: no such tokenizer (give a local directory or a tokenizer.json file)")
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in files):
-        # transformers would answer with advice to install sentencepiece or tiktoken
-        raise DataError(
-            f"{path}: the folder holds no tokenizer files ({', '.join(files[:3])}, ...): point --tokenizer at the "
-            "folder a tokenizer was saved to (tokenizer.save_pretrained), e.g. a checkpoint's model/ folder"
-        )
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises many types for a bad folder; name it
-        raise DataError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
 
 
 def eod_token_id(tokenizer, override: str | None = None) -> tuple[int, str]:

@@ -6,13 +6,12 @@ import argparse
 import json
 import platform
 import re
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from orthros_train.common.overrides import check_types, parse_key_values
 from orthros_train.errors import UserError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
@@ -120,59 +119,13 @@ def parse_depths(text: str | list | tuple) -> list[float]:
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     """``["sliding_window=256", "attention_backend=reference"]`` -> typed dict (JSON values when they
-    parse), each checked against the type of its ``OrthrosConfig`` field: ``sliding_window=abc``
-    is named here, not a TypeError deep in the model's constructor."""
+    parse), checked against ``OrthrosConfig`` by ``common.overrides.check_types``:
+    ``sliding_window=abc`` is named here, not a TypeError deep in the model's constructor."""
     from orthros_train.model.config import OrthrosConfig
 
-    hints = typing.get_type_hints(OrthrosConfig)
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise UserError(f"override {item!r} must look like key=value")
-        key, value = item.split("=", 1)
-        key = key.strip()
-        if key not in hints:
-            raise UserError(f"--override {item}: {key!r} is not an OrthrosConfig field; fields: {sorted(hints)}")
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = value
-        if not _matches(parsed, hints[key]):
-            raise UserError(
-                f"--override {item}: {key} takes {_type_name(hints[key])}, got {type(parsed).__name__} {parsed!r}"
-            )
-        out[key] = parsed
-    return out
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    """Whether a JSON-parsed value fits a dataclass field type (int for float fields too; bool is
-    not an int here)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is Any:
-        return True
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    base = origin or hint
-    if base in (dict, list, tuple):
-        return isinstance(value, list if base is tuple else base)
-    return True  # a type this check does not know: OrthrosConfig validates it
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(h) for h in typing.get_args(hint))
-    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+    values = parse_key_values(items, "--override")
+    checked = check_types(OrthrosConfig, values, where="in --override")
+    return {key: checked[key] for key in values}
 
 
 def write_json(data: Any, path: str | Path) -> Path:

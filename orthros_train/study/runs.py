@@ -29,6 +29,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from orthros_train.common.files import write_atomic
+
 SPEC = "study_run.json"  # the command a run directory was started with (written before training)
 TIMING = "study_train.json"  # seconds of the last training segment, written when it ends
 # What a launch leaves before it trains (Hydra's folder, logs, a killed run's lock): not a run yet.
@@ -310,13 +312,10 @@ def train_or_reuse(cmd: list[str], run_dir: Path, log: Callable[[str], None], th
 
 
 def write_text_atomic(path: Path, text: str) -> Path:
-    """A report appears whole or not at all (a study killed while writing leaves the old one)."""
+    """A report appears whole or not at all (``common.files.write_atomic``; its folder is created)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    return write_atomic(path, text, durable=False)
 
 
 def remove_stale(paths: Sequence[Path], log: Callable[[str], None]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from orthros_train.file_modes import honour_umask
+from orthros_train.common.safetensors_io import ShardedSafetensorsWriter, tensor_bytes
 
 log = logging.getLogger("orthros_train.checkpoint")
 
@@ -160,10 +160,6 @@ class CheckpointStore:
 # -- tensors to safetensors shards, within a host-memory budget ----------------------------------------
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class HostBudget:
     """Bytes of host memory a save may hold at once. ``acquire`` blocks until the bytes are free
     (the writer releases them once their shard is on disk); ``peak`` is the most ever held."""
@@ -190,8 +186,9 @@ class HostBudget:
             self._cond.notify_all()
 
 
-class ShardedTensorWriter:
-    """Tensors arriving one at a time, grouped into safetensors files of about ``shard_bytes``.
+class ShardedTensorWriter(ShardedSafetensorsWriter):
+    """Tensors arriving one at a time, grouped into safetensors files of about ``shard_bytes``
+    (``ShardedSafetensorsWriter``), written by every rank of a save together.
 
     Every rank sees the same sequence of tensors (they come out of collective gathers), so every
     rank computes the same files; file ``i`` is written by rank ``(i - 1 + first_owner) % world``
@@ -201,10 +198,10 @@ class ShardedTensorWriter:
     released when their file is written. File boundaries depend on tensor sizes only, so a sync and an async save write
     identical files.
 
-    Files are ``<stem>-00001.safetensors`` ...; ``finish`` adds ``index_name`` with the weight map.
-    ``first_owner`` shifts which rank writes file 1, so that two writers in a row (weights, then
-    optimizer state) start on different ranks. With ``single_name`` (the Hugging Face layout), a
-    save that fits one file names it so instead and writes no index.
+    Files are ``<stem>-00001.safetensors`` ...; ``finish`` adds ``index_name`` with the weight map
+    (rank 0). ``first_owner`` shifts which rank writes file 1, so that two writers in a row
+    (weights, then optimizer state) start on different ranks. With ``single_name`` (the Hugging
+    Face layout), a save that fits one file names it so instead and writes no index.
     """
 
     def __init__(
@@ -221,80 +218,34 @@ class ShardedTensorWriter:
         metadata: dict[str, str] | None = None,
         first_owner: int = 0,
     ) -> None:
-        self.directory, self.stem, self.shard_bytes = directory, stem, shard_bytes
-        self.index_name, self.single_name = index_name, single_name
+        super().__init__(
+            directory, shard_bytes, stem=stem, of_total=False, single_name=single_name, index_name=index_name,
+            metadata=metadata,
+        )  # fmt: skip
         self.rank, self.world, self.budget, self.sink = rank, world, budget, sink
-        self.metadata, self.first_owner = metadata, first_owner
-        self.weight_map: dict[str, int] = {}  # tensor -> file number (1-based)
-        self.total_bytes = 0
-        self._file = 1
-        self._file_bytes = 0
-        self._current: dict[str, torch.Tensor] = {}
-        self._current_bytes = 0
+        self.first_owner = first_owner
 
-    def _owned(self, file: int) -> bool:
-        return (file - 1 + self.first_owner) % self.world == self.rank
+    def writes_shard(self, shard: int) -> bool:
+        return (shard - 1 + self.first_owner) % self.world == self.rank
 
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor_bytes(tensor)
-        if self._file_bytes and self._file_bytes + nbytes > self.shard_bytes:
-            self._close()
-        self.weight_map[key] = self._file
-        self._file_bytes += nbytes
-        self.total_bytes += nbytes
-        if self._owned(self._file):
-            self.budget.acquire(nbytes)
-            # copy=True: the source may be live state (stage 0's moments) the next step changes.
-            self._current[key] = tensor.detach().to("cpu", copy=True).contiguous()
-            self._current_bytes += nbytes
+    def keep(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        self.budget.acquire(tensor_bytes(tensor))
+        # copy=True: the source may be live state (stage 0's moments) the next step changes.
+        return tensor.detach().to("cpu", copy=True).contiguous()
 
-    def _close(self) -> None:
-        if self._owned(self._file) and self._current:
-            shard, nbytes, path = self._current, self._current_bytes, self._path(self._file)
-            metadata = self.metadata
+    def submit(self, write: Callable[[], None], release: int = 0, path: Path | None = None) -> None:
+        self.sink.put(write, release=release, hash_path=path)
 
-            def write() -> None:
-                from safetensors.torch import save_file
+    def rename(self, source: Path, target: Path) -> None:
+        self.sink.rename(source, target)
 
-                path.parent.mkdir(parents=True, exist_ok=True)
-                save_file(shard, str(path), metadata=metadata)
-                honour_umask(path)  # save_file creates 0600 files whatever the umask
-
-            self.sink.put(write, release=nbytes, hash_path=path)
-        self._current, self._current_bytes = {}, 0
-        self._file += 1
-        self._file_bytes = 0
-
-    def _path(self, file: int) -> Path:
-        return self.directory / f"{self.stem}-{file:05d}.safetensors"
+    def writes_index(self) -> bool:
+        return self.rank == 0
 
     @property
     def files(self) -> int:
         """Files this save has (or will have, once ``finish`` closes the last)."""
-        return max(self.weight_map.values(), default=0)
-
-    def finish(self, index: dict[str, Any] | None = None) -> None:
-        """Close the last file and queue the index (rank 0) or the single file's rename (its
-        owner); ``index`` adds fields to the index."""
-        files = self.files
-        if self._file_bytes:
-            self._close()
-        single = files == 1 and self.single_name is not None
-        if single and self._owned(1):
-            first, target = self._path(1), self.directory / str(self.single_name)
-            self.sink.put(lambda: self.sink.rename(first, target))  # after file 1's write: the sink runs in order
-        if single or self.rank != 0:
-            return
-        names = {i: self._path(i).name for i in range(1, files + 1)}
-        weight_map = {key: names[i] for key, i in self.weight_map.items()}
-        body = {**(index or {}), "metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        directory, index_name = self.directory, self.index_name
-
-        def write_index() -> None:
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / index_name).write_text(json.dumps(body, indent=1) + "\n")
-
-        self.sink.put(write_index)
+        return self.shards
 
 
 class FileSink:

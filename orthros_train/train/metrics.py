@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.common.files import write_atomic
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.phase.layout import OrthrosLayout
 
@@ -109,9 +110,7 @@ def set_aside_rows_after(path: Path, step: int) -> Path | None:
     while (aside := path.with_name(f"metrics.after-step-{step}.attempt-{n}.jsonl")).exists():
         n += 1
     aside.write_text("".join(moved))
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)  # atomically: a crash now leaves the old file (rows also in aside)
+    write_atomic(path, "".join(kept))  # a crash now leaves the old file (rows also in aside)
     log.warning(
         "resumed at step %d: %d metrics row(s) past it from the interrupted attempt moved to %s; "
         "metrics.jsonl holds each step once", step, len(moved), aside,

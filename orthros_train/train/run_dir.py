@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from orthros_train.common.files import honour_umask_tree
 from orthros_train.errors import UserError
-from orthros_train.file_modes import honour_umask_tree
 from orthros_train.options import ResumeChanges
 
 # What a run *is*: a checkpoint of another model or data belongs to another run.

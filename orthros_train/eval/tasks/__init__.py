@@ -19,6 +19,7 @@ import random
 import re
 from pathlib import Path
 
+from orthros_train.common.files import write_atomic
 from orthros_train.data.passkey import draw_passkey, hide_needle, passkey_sentence
 
 EXAMPLE_TASKS = ("pg_lambada", "pg_passkey", "pg_essays")
@@ -172,9 +173,7 @@ def write_example_tasks(directory: str | Path, seed: int = 1234) -> Path:
         "pg_essays": [{"text": e} for e in essays],
     }
     for name, rows in data.items():
-        tmp = directory / f"{name}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(directory / f"{name}.jsonl")
+        write_atomic(directory / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows), durable=False)
         (directory / f"{name}.yaml").write_text(example_task_yaml(name, directory))
     return directory
 
