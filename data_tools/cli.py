@@ -133,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             from data_tools.inspect_data import format_report, inspect_dataset
+            from orthros_train.common.tokenizer import load_tokenizer
             from orthros_train.data.indexed import load_summary
-            from orthros_train.data.tokenize import tokenizer_from_path
 
             # an explicit --tokenizer must load; the one the summary records may since have moved
             tok_path = args.tokenizer or (load_summary(args.path) or {}).get("tokenizer", {}).get("path")
             explicit = args.tokenizer is not None
-            tokenizer = tokenizer_from_path(tok_path) if tok_path and (explicit or os.path.exists(tok_path)) else None
+            tokenizer = load_tokenizer(tok_path) if tok_path and (explicit or os.path.exists(tok_path)) else None
             report = inspect_dataset(args.path, tokenizer, sample=args.sample)
             print(json.dumps(report, indent=2) if args.json else format_report(report))
             return 0

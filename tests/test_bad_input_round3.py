@@ -519,13 +519,12 @@ def test_torchrun_launcher_refuses_a_bad_recipe_once_before_starting_ranks(tmp_p
 
 @pytest.mark.parametrize("content", [None, "{}"], ids=["empty", "config_only"])
 def test_a_tokenizer_folder_without_tokenizer_files_is_named(tmp_path, content):
-    from orthros_train.data.indexed import DataError
-    from orthros_train.data.tokenize import tokenizer_from_path
+    from orthros_train.common.tokenizer import TokenizerError, load_tokenizer
 
     if content is not None:
         (tmp_path / "config.json").write_text(content)
-    with pytest.raises(DataError, match=r"the folder holds no tokenizer files \(tokenizer.json"):
-        tokenizer_from_path(str(tmp_path))
+    with pytest.raises(TokenizerError, match=r"the folder holds no tokenizer files \(tokenizer.json"):
+        load_tokenizer(str(tmp_path))
 
 
 @pytest.mark.parametrize("content,message", [

@@ -475,7 +475,7 @@ def test_exported_tokenizer_loads_without_custom_code_or_a_prompt(orthros_dir, b
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
-    from orthros_train.infer.loading import load_tokenizer
+    from orthros_train.common.tokenizer import load_tokenizer
 
     source = load_tokenizer(tok_dir)
     expected = source("The most important thing about startups")["input_ids"]

@@ -11,6 +11,7 @@ from fixtures import REPO, cli_env
 
 from data_tools.cli import main as cli_main
 from data_tools.pretokenize import TokenizeOptions, run
+from orthros_train.common.tokenizer import TokenizerError
 from orthros_train.data.indexed import DataError, ShardWriter, open_indexed, read_index_header
 
 
@@ -77,7 +78,7 @@ def test_missing_input_and_unknown_type(chat_tokenizer_dir, tmp_path):
     with pytest.raises(DataError, match="unsupported file type"):
         run(_opts([tmp_path / "x.docx"], chat_tokenizer_dir, tmp_path / "o"))
     (tmp_path / "x.txt").write_text("?")
-    with pytest.raises(DataError, match="no such tokenizer"):
+    with pytest.raises(TokenizerError, match="no such tokenizer"):
         run(_opts([tmp_path / "x.txt"], str(tmp_path / "no_tok"), tmp_path / "o"))
 
 

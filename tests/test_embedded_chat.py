@@ -35,9 +35,9 @@ def test_built_on_first_use_reused_and_on_the_pretrained_vocabulary(tmp_path):
     _, essay_tok = prepare_embedded(DataConfig(cache_dir=cfg.cache_dir))
     assert essay_tok.backend_tokenizer.to_str() == data.tokenizer.backend_tokenizer.to_str()
     # the saved copy (what the SFT checkpoint exports) carries the chat template
-    from orthros_train.data.tokenize import tokenizer_from_path
+    from orthros_train.common.tokenizer import load_tokenizer
 
-    saved = tokenizer_from_path(os.path.join(os.path.dirname(output), "tokenizer"))
+    saved = load_tokenizer(os.path.join(os.path.dirname(output), "tokenizer"))
     assert saved.chat_template == data.tokenizer.chat_template
 
 

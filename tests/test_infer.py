@@ -296,7 +296,7 @@ def test_tokenizer_of_a_checkpoint_with_yarn_scaling_loads(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from orthros_train.infer.loading import load_tokenizer
+    from orthros_train.common.tokenizer import load_tokenizer
     from orthros_train.model import OrthrosConfig
 
     raw = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<eos>": 2}, unk_token="<eos>"))
@@ -306,6 +306,6 @@ def test_tokenizer_of_a_checkpoint_with_yarn_scaling_loads(tmp_path):
                         max_position_embeddings=1024,
                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    tok = load_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path, pad_with_eos=True)
     assert tok("a b a")["input_ids"] == [0, 1, 0]
     assert tok.eos_token == "<eos>" and tok.pad_token_id == 2

@@ -104,12 +104,12 @@ def test_per_sequence_weights_make_every_conversation_count_the_same():
 
 def test_plain_chat_template_cuts_answers_ending_with_eos(plain_tokenizer_dir):
     """A BPE tokenizer without a chat template (like the tiny pretrained model's) takes the plain one."""
+    from orthros_train.common.tokenizer import load_tokenizer
     from orthros_train.data.chat import render_conversation
     from orthros_train.data.embedded import with_chat_template
     from orthros_train.data.indexed import MODE_ANSWER, MODE_PROMPT
-    from orthros_train.data.tokenize import tokenizer_from_path
 
-    tok = with_chat_template(tokenizer_from_path(plain_tokenizer_dir))
+    tok = with_chat_template(load_tokenizer(plain_tokenizer_dir))
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is AI?"},

@@ -68,12 +68,12 @@ def _truncated_checkpoint(directory: Path, keep: float) -> Path:
 
 @pytest.mark.parametrize("keep", [0.5, 0.999, 0.0])
 def test_lazy_checkpoint_names_a_truncated_file(tmp_path, keep):
-    from orthros_train.parallel.state_dict import CorruptWeightsError, LazyCheckpoint
+    from orthros_train.common.safetensors_io import SafetensorsFileError, SafetensorsReader
 
     weights = _truncated_checkpoint(tmp_path / "ckpt", keep)
-    with pytest.raises(CorruptWeightsError, match=rf"{weights.name} \(.* bytes\) is not a readable safetensors file.*"
+    with pytest.raises(SafetensorsFileError, match=rf"{weights.name} \(.* bytes\) is not a readable safetensors file.*"
                                                   "truncated or corrupt.*copy it again"):
-        LazyCheckpoint(tmp_path / "ckpt")
+        SafetensorsReader(tmp_path / "ckpt")
 
 
 def test_truncated_init_from_is_a_clear_error_at_the_command_line(tmp_path):
@@ -89,12 +89,12 @@ def test_truncated_init_from_is_a_clear_error_at_the_command_line(tmp_path):
 
 def test_truncated_safetensors_inside_the_file_is_still_refused_with_the_file(tmp_path):
     """A file whose header is intact but whose data stops early (the size check of safetensors)."""
-    from orthros_train.parallel.state_dict import CorruptWeightsError, LazyCheckpoint
+    from orthros_train.common.safetensors_io import SafetensorsFileError, SafetensorsReader
 
     tensors = {"embed_tokens.weight": torch.ones(64, 8)}
     path = tmp_path / "ckpt" / "model.safetensors"
     path.parent.mkdir()
     safetensors.torch.save_file(tensors, path)
     path.write_bytes(path.read_bytes()[:-4])
-    with pytest.raises(CorruptWeightsError, match="model.safetensors"):
-        LazyCheckpoint(path.parent)
+    with pytest.raises(SafetensorsFileError, match="model.safetensors"):
+        SafetensorsReader(path.parent)

@@ -17,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, check_safetensors_files, read_json
+from orthros_train.common.safetensors_io import check_safetensors_files
+from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, read_json
 from orthros_train.convert.from_hf import DEFAULT_WINDOW, check_sink_tokens_flag, convert_from_hf
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.errors import UserError, first_line, report_bug

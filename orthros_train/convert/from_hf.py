@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,12 +31,12 @@ from orthros_train.convert.checkpoint_io import (
     CONFIG_NAME,
     ConversionError,
     PlannedTensor,
-    SafetensorsReader,
     copy_side_files,
     dtype_name,
     parse_byte_size,
     parse_dtype,
     read_json,
+    read_source,
     write_destination,
 )
 from orthros_train.convert.families import (
@@ -52,6 +52,9 @@ from orthros_train.errors import first_line
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import ROPE_REQUIRED_KEYS, ROPE_TYPES, YARN_OPTIONAL_KEYS
 from orthros_train.model.orthros import OrthrosForCausalLM
+
+if TYPE_CHECKING:
+    from orthros_train.common.safetensors_io import SafetensorsReader
 
 DEFAULT_WINDOW = 128
 SRC_FIX = (
@@ -444,7 +447,7 @@ def convert_from_hf(
     shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
     expected = expected_state(config)
 
-    with SafetensorsReader(src, SRC_FIX) as reader:
+    with read_source(src, SRC_FIX) as reader:
         source_of = _source_tensors(reader, rules, config, expected, src)
         plan = _plan_tensors(reader, source_of, expected, cast, src)
 

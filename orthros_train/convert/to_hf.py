@@ -18,7 +18,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,19 +26,23 @@ from orthros_train.convert.checkpoint_io import (
     CONFIG_NAME,
     ConversionError,
     PlannedTensor,
-    SafetensorsReader,
     copy_side_files,
     dtype_name,
     parse_byte_size,
     parse_dtype,
     read_json,
+    read_source,
     write_destination,
 )
+from orthros_train.convert.families import LM_HEAD, hf_name, orthros_name
 from orthros_train.convert.from_hf import ConversionReport, expected_state
 from orthros_train.convert.remote_code import REMOTE_CODE_DIR, REMOTE_CODE_FILES
 from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import rope_type
+
+if TYPE_CHECKING:
+    from orthros_train.common.safetensors_io import SafetensorsReader
 
 SRC_FIX = (
     "the source must be an Orthros checkpoint directory (config.json + *.safetensors) written by "
@@ -49,10 +53,6 @@ AUTO_MAP = {
     "AutoModel": "modeling_orthros.OrthrosModel",
     "AutoModelForCausalLM": "modeling_orthros.OrthrosForCausalLM",
 }
-
-
-def hf_name_from_orthros(name: str) -> str:
-    return name if name == "lm_head.weight" else f"model.{name}"
 
 
 def hf_config_from_orthros(config: OrthrosConfig, torch_dtype: str) -> dict[str, Any]:
@@ -119,6 +119,36 @@ def convert_to_hf(
     """
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    config = _orthros_source_config(src)
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ConversionError(f"--tokenizer {tokenizer} is not a directory")
+    cast = parse_dtype(dtype)
+    shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
+
+    with read_source(src, SRC_FIX) as reader:
+        plan = _plan_export(reader, config, cast, src)
+        stored = reader.info("embed_tokens.weight").dtype
+
+        def produce(t: PlannedTensor) -> torch.Tensor:
+            return reader.get(orthros_name(t.name)).to(t.dtype)
+
+        files = write_destination(src, dst, overwrite, plan, produce, shard_bytes)
+
+    side = _copy_remote_code_and_side_files(src, dst, tokenizer)
+    _write_export_config(dst, hf_config_from_orthros(config, dtype_name(cast or stored)))
+    return ConversionReport(
+        config=config,
+        num_tensors=len(plan),
+        num_bytes=sum(t.nbytes for t in plan),
+        files=files,
+        side_files=side,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _orthros_source_config(src: Path) -> OrthrosConfig:
+    """The Orthros config of the checkpoint directory ``src``, or a ConversionError naming what
+    ``src`` is instead (not a directory, a trainer checkpoint step, another model)."""
     if not src.is_dir():
         raise ConversionError(f"source {src} is not a directory: {SRC_FIX}")
     if not (src / CONFIG_NAME).is_file() and (src / "model" / CONFIG_NAME).is_file():
@@ -134,68 +164,67 @@ def convert_to_hf(
             f"{src / CONFIG_NAME}: attention_type={config.attention_type!r}; to-hf exports Orthros models "
             "(attention_type='orthros') only"
         )
-    if tokenizer is not None and not Path(tokenizer).is_dir():
-        raise ConversionError(f"--tokenizer {tokenizer} is not a directory")
-    cast = parse_dtype(dtype)
-    shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
+    return config
+
+
+def _plan_export(
+    reader: SafetensorsReader, config: OrthrosConfig, cast: torch.dtype | None, src: Path
+) -> list[PlannedTensor]:
+    """Every tensor of the export under its HF name, with ``cast`` or its stored dtype; weights
+    that do not match ``config`` (missing, unexpected or of another shape) are refused."""
     expected = expected_state(config)
-
-    with SafetensorsReader(src, SRC_FIX) as reader:
-        names = set(reader.names)
-        if config.tie_word_embeddings:
-            names.discard("lm_head.weight")  # a tied head stored anyway
-        missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
-        if missing or unexpected:
+    names = set(reader.names)
+    if config.tie_word_embeddings:
+        names.discard(LM_HEAD)  # a tied head stored anyway
+    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+    if missing or unexpected:
+        raise ConversionError(
+            f"{src}: the weights do not match {CONFIG_NAME}: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    plan = []
+    for name, shape in expected.items():
+        info = reader.info(name)
+        if info.shape != shape:
             raise ConversionError(
-                f"{src}: the weights do not match {CONFIG_NAME}: missing {missing[:8]}, unexpected {unexpected[:8]}"
+                f"{src}: tensor {name} has shape {list(info.shape)}, {CONFIG_NAME} implies {list(shape)}"
             )
-        plan = []
-        for name, shape in expected.items():
-            info = reader.info(name)
-            if info.shape != shape:
-                raise ConversionError(
-                    f"{src}: tensor {name} has shape {list(info.shape)}, {CONFIG_NAME} implies {list(shape)}"
-                )
-            plan.append(PlannedTensor(hf_name_from_orthros(name), shape, cast or info.dtype))
-        stored = reader.info("embed_tokens.weight").dtype
+        plan.append(PlannedTensor(hf_name(name), shape, cast or info.dtype))
+    return plan
 
-        def produce(t: PlannedTensor) -> torch.Tensor:
-            name = t.name if t.name == "lm_head.weight" else t.name[len("model.") :]
-            return reader.get(name).to(t.dtype)
 
-        files = write_destination(src, dst, overwrite, plan, produce, shard_bytes)
-
+def _copy_remote_code_and_side_files(src: Path, dst: Path, tokenizer: str | Path | None) -> list[str]:
+    """The remote code files, then the tokenizer / generation files of ``src`` and of
+    ``tokenizer`` (those ``src`` lacks); returns the side files' names."""
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(REMOTE_CODE_DIR / name, dst / name)
     side = copy_side_files(src, dst)
     if tokenizer is not None:
         side += [n for n in copy_side_files(Path(tokenizer), dst) if n not in side]
-    hf = hf_config_from_orthros(config, dtype_name(cast or stored))
+    return side
+
+
+def _write_export_config(dst: Path, hf: dict[str, Any]) -> None:
+    """``config.json``, with the token ids a trainer checkpoint's config did not keep taken from a
+    copied ``generation_config.json``; a ``generation_config.json`` from the token ids when none
+    was copied."""
     generation = dst / "generation_config.json"
-    if generation.is_file():  # token ids a trainer checkpoint's config did not keep
+    token_keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    if generation.is_file():
         known = json.loads(generation.read_text())
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for key in token_keys:
             if key not in hf and known.get(key) is not None:
                 hf[key] = known[key]
     (dst / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
     if not generation.is_file():
-        gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        gen = {k: hf[k] for k in token_keys if k in hf}
         generation.write_text(json.dumps(gen, indent=2) + "\n")
-    return ConversionReport(
-        config=config,
-        num_tensors=len(plan),
-        num_bytes=sum(t.nbytes for t in plan),
-        files=files,
-        side_files=side,
-        seconds=time.perf_counter() - start,
-    )
 
 
 def export_llama_twin(export: str | Path, dst: str | Path) -> Path:
     """The dense ``LlamaForCausalLM`` directory of an export's weights (gamma/beta dropped), the
     baseline serving benchmarks and tests run beside it: it equals the Orthros model at gamma = 1,
     beta = 0 on sequences inside the window. Tokenizer and generation files are copied along."""
-    from safetensors.torch import load_file, save_file
+    from orthros_train.common.safetensors_io import SafetensorsReader, save_safetensors
 
     export, dst = Path(export), Path(dst)
     hf = json.loads((export / "config.json").read_text())
@@ -208,9 +237,9 @@ def export_llama_twin(export: str | Path, dst: str | Path) -> Path:
     llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
                  mlp_bias=False)
     (dst / "config.json").write_text(json.dumps(llama, indent=2))
-    state = {k: v for k, v in load_file(str(export / "model.safetensors")).items()
-             if not k.endswith((".gamma", ".beta"))}
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with SafetensorsReader(export / "model.safetensors") as weights:
+        state = {k: weights[k] for k in weights if not k.endswith((".gamma", ".beta"))}
+    save_safetensors(state, dst / "model.safetensors")
     for p in export.iterdir():
         if p.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             (dst / p.name).write_bytes(p.read_bytes())

@@ -146,11 +146,12 @@ def _embedded(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
 
 
 def _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
+    from orthros_train.common.tokenizer import load_tokenizer
     from orthros_train.data.blend import build_blend
     from orthros_train.data.indexed import DataError, load_summary, read_index_header, resolve_prefixes
     from orthros_train.data.pretrain import IndexedPretrainData
     from orthros_train.data.sft import ConversationStore, SFTData
-    from orthros_train.data.tokenize import eod_token_id, tokenizer_from_path
+    from orthros_train.data.tokenize import eod_token_id
 
     groups = [resolve_prefixes(p) for p in cfg.paths]
     summaries = [load_summary(os.path.expanduser(p)) or {} for p in cfg.paths]
@@ -158,7 +159,7 @@ def _indexed(cfg, seq_len, micro_batch_size, seed, dp_rank, dp_size):
     tok_path = cfg.tokenizer or next((r["path"] for r in recorded if r.get("path")), None)
     if tok_path is None:
         raise DataError("data.tokenizer is needed: the data has no orthros-data summary naming its tokenizer")
-    tokenizer = tokenizer_from_path(tok_path)
+    tokenizer = load_tokenizer(tok_path)
     eod = next((r["eod_token_id"] for r in recorded if "eod_token_id" in r), None)
     if eod is None:
         eod = eod_token_id(tokenizer)[0]

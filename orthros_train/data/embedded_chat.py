@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from orthros_train.common.tokenizer import load_tokenizer
 from orthros_train.data.cache import corpus_fingerprint, digest, note_inputs, tokenizer_digest
 from orthros_train.data.embedded import (
     CHAT_CORPORA,
@@ -31,7 +32,6 @@ from orthros_train.data.tokenize import (
     check_cached,
     eod_token_id,
     save_tokenizer_once,
-    tokenizer_from_path,
     write_conversations,
 )
 
@@ -39,7 +39,7 @@ from orthros_train.data.tokenize import (
 def chat_tokenizer(cfg):
     """The tokenizer the chat corpus is rendered with (``data.tokenizer`` or the paired BPE)."""
     if cfg.tokenizer:
-        tokenizer = tokenizer_from_path(cfg.tokenizer)
+        tokenizer = load_tokenizer(cfg.tokenizer)
     else:
         documents = corpus_documents(CHAT_CORPORA[cfg.corpus])
         tokenizer = train_tokenizer(documents, cfg.tokenizer_vocab_size, cfg.cache_dir)

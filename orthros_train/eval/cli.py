@@ -195,15 +195,16 @@ def _runs_on_cpu(device: str | None) -> bool:
 
 
 def _load(args: argparse.Namespace, tokenizer_required: bool = True):
-    from orthros_train.convert.checkpoint_io import check_safetensors_files
-    from orthros_train.infer.loading import is_checkpoint, load_model, load_tokenizer, not_a_checkpoint_hint
+    from orthros_train.common.safetensors_io import check_safetensors_files
+    from orthros_train.common.tokenizer import load_tokenizer
+    from orthros_train.infer.loading import is_checkpoint, load_model, not_a_checkpoint_hint
 
     if not is_checkpoint(args.checkpoint):
         raise UserError(not_a_checkpoint_hint(args.checkpoint))
     overrides = model_overrides(args)
     check_safetensors_files(args.checkpoint)
     model = load_model(args.checkpoint, device=args.device, dtype=args.dtype, **overrides)
-    tokenizer = load_tokenizer(args.checkpoint, required=tokenizer_required)
+    tokenizer = load_tokenizer(args.checkpoint, required=tokenizer_required, pad_with_eos=True)
     return model, tokenizer
 
 

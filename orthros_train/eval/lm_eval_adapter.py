@@ -35,8 +35,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the lm-eval adapter needs lm-evaluation-harness: pip install 'orthros-train[eval]'") from exc
 
+from orthros_train.common.tokenizer import load_tokenizer
 from orthros_train.infer.generate import cut_at_stop, generate
-from orthros_train.infer.loading import load_model, load_tokenizer
+from orthros_train.infer.loading import load_model
 from orthros_train.phase.builders import rl_layout
 
 
@@ -64,7 +65,7 @@ class OrthrosLM(TemplateLM):
             if pretrained is None:
                 raise UserError("OrthrosLM needs pretrained=CHECKPOINT_DIR (or model= and tokenizer=)")
             model = load_model(pretrained, device=device, dtype=dtype, **overrides)
-            tokenizer = tokenizer or load_tokenizer(pretrained)
+            tokenizer = tokenizer or load_tokenizer(pretrained, pad_with_eos=True)
         if tokenizer is None:
             raise UserError("OrthrosLM needs a tokenizer (none given and none found in the checkpoint)")
         self.model = model.eval()

@@ -1,7 +1,8 @@
 """Inference: prefill + decode with a KV cache, batched generation (greedy / temperature / top-p)."""
 
+from orthros_train.common.tokenizer import load_tokenizer
 from orthros_train.infer.generate import GenerationOutput, as_rows, decode, generate, generate_text, prefill
-from orthros_train.infer.loading import PRESETS, config_from_spec, dense_twin, load_model, load_tokenizer
+from orthros_train.infer.loading import PRESETS, config_from_spec, dense_twin, load_model
 from orthros_train.infer.sampling import SamplingParams, filter_logits, sample_next
 
 __all__ = [

@@ -139,8 +139,8 @@ def load_checkpoint(directory: str | Path, **overrides: Any) -> OrthrosForCausal
     model = OrthrosForCausalLM(config)
     try:
         model.load_pretrained_weights(directory)
-    except FileNotFoundError as err:
-        raise UserError(str(err)) from err
+    except UserError:  # a missing, truncated or corrupt weights file, named with the fix
+        raise
     except ValueError as err:  # a tensor of another shape or name: weights of another model
         raise UserError(f"{directory}: the weights do not fit its config.json ({err})") from err
     return model
@@ -197,35 +197,6 @@ def load_model(
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval()
-
-
-def load_tokenizer(path: str | Path, required: bool = True):
-    """The HF tokenizer saved in a checkpoint directory (None when absent and not required)."""
-    path = Path(path)
-    found = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    if not found:
-        if required:
-            raise FileNotFoundError(
-                f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the tokenizer "
-                "beside the weights (tokenizer.save_pretrained(dir)) or convert the checkpoint with its tokenizer"
-            )
-        return None
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except (ValueError, OSError, KeyError, AttributeError):
-        # AttributeError: AutoTokenizer also reads config.json, and transformers' RoPE checks fail on
-        # an Orthros config with YaRN scaling; the tokenizer's own files are all a fast tokenizer needs.
-        if not (path / "tokenizer.json").is_file():
-            raise
-        try:
-            tok = PreTrainedTokenizerFast.from_pretrained(str(path))  # keeps tokenizer_config's special tokens
-        except (ValueError, OSError, KeyError):
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
-    if tok.pad_token_id is None and tok.eos_token_id is not None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def dense_twin(model: OrthrosForCausalLM, attention_type: str = "dense") -> OrthrosForCausalLM:

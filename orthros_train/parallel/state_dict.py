@@ -16,8 +16,7 @@ holds by name; saving gathers every rank's experts over the expert-parallel grou
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 
 import torch
 from megatron.core import parallel_state
@@ -128,58 +127,9 @@ def reference_shapes(cfg: OrthrosConfig) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-class CorruptWeightsError(UserError):
-    """A weights file that safetensors cannot read (truncated or not safetensors at all)."""
-
-
-def _open_weights(path: Path):
-    """``safe_open`` with the file, its size and the fix named: the library's own error (e.g.
-    "incomplete metadata, file not fully covered") names neither."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError) as err:
-        size = path.stat().st_size if path.is_file() else 0
-        raise CorruptWeightsError(
-            f"{path} ({size:,} bytes) is not a readable safetensors file ({err}): it is truncated or corrupt, "
-            "e.g. an interrupted copy or a save that did not finish; copy it again or point at another checkpoint"
-        ) from err
-
-
-class LazyCheckpoint(Mapping[str, torch.Tensor]):
-    """Tensors of a safetensors checkpoint directory, read one at a time on access.
-
-    Sharding an 8B checkpoint for one TP rank then holds one full tensor plus the rank's slices,
-    never the whole model.
-    """
-
-    def __init__(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {directory}: not an Orthros checkpoint directory")
-        self._handles = [_open_weights(f) for f in files]
-        self._where = {key: h for h in self._handles for key in h.keys()}
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._where:
-            raise KeyError(f"the checkpoint has no tensor {key!r}")
-        return self._where[key].get_tensor(key)
-
-    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
-        return key in self._where
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-
 def load_reference_shards(model: torch.nn.Module, full: Mapping[str, torch.Tensor], cfg: OrthrosConfig) -> None:
     """Copy this TP rank's part of every weight from ``full`` (reference layout, e.g. a
-    ``LazyCheckpoint``) into ``model``, one tensor at a time."""
+    ``SafetensorsReader``) into ``model``, one tensor at a time."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     # Every tensor of the reference model, not only this rank's: the experts other EP ranks hold

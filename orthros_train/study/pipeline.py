@@ -299,11 +299,12 @@ def evaluate_checkpoint(ckpt: Path, data: dict[str, Any], seq_len: int, recall_d
     ``tokenizer_from``: where the tokenizer is read (default ``ckpt``; transformers' AutoTokenizer
     parses the checkpoint's config.json and fails on one with YaRN scaling).
     """
+    from orthros_train.common.tokenizer import load_tokenizer
     from orthros_train.eval.ppl import run_ppl
-    from orthros_train.infer.loading import load_model, load_tokenizer
+    from orthros_train.infer.loading import load_model
 
     model = load_model(ckpt, device="cpu", **config_overrides)
-    tokenizer = load_tokenizer(tokenizer_from or ckpt)
+    tokenizer = load_tokenizer(tokenizer_from or ckpt, pad_with_eos=True)
     essays = held_out_essays(data)
     ppl = run_ppl(model, essays, seq_len=seq_len, batch_tokens=8 * seq_len, max_tokens=valid_tokens, log=None)
     cfg = model.config

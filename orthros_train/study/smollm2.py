@@ -194,9 +194,10 @@ def _source_model(folder: Path, quick: bool, log: Callable[[str], None]) -> Path
 
 def prepare(opts: ConversionOptions, recipe: dict[str, Any], log: Callable[[str], None]) -> Prepared:
     """Dequantize (or build the quick model), convert, tokenize the training essays and the held-out ones."""
+    from orthros_train.common.tokenizer import load_tokenizer
     from orthros_train.convert.from_hf import convert_from_hf
     from orthros_train.data.embedded import corpus_files
-    from orthros_train.data.tokenize import tokenizer_from_path, write_documents
+    from orthros_train.data.tokenize import write_documents
 
     folder = Path(opts.out) / "smollm2"
     window = QUICK_WINDOW if opts.quick else recipe["model"]["sliding_window"]
@@ -207,7 +208,7 @@ def prepare(opts: ConversionOptions, recipe: dict[str, Any], log: Callable[[str]
         convert_from_hf(hf, converted, sliding_window=window, overwrite=True)
     essays = corpus_files("paul_graham")
     train_files, heldout_files = essays[:-HELDOUT_ESSAYS], essays[-HELDOUT_ESSAYS:]
-    tokenizer = tokenizer_from_path(str(converted))
+    tokenizer = load_tokenizer(converted)
     data = folder / "essays"
     if not Path(f"{data}.json").is_file():
         write_documents([f.read_text() for f in train_files], tokenizer, str(converted), str(data), None,

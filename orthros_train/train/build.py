@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from orthros_train.common.safetensors_io import NoSafetensorsError, SafetensorsFileError, SafetensorsReader
 from orthros_train.data.schedule import build_scheduled_data
 from orthros_train.errors import UserError
 from orthros_train.logging_setup import RANK_ZERO
@@ -24,7 +25,7 @@ from orthros_train.options import CommBackend, DataSource, Device
 from orthros_train.parallel import collectives
 from orthros_train.parallel.model import build_parallel_model
 from orthros_train.parallel.setup import DistributedEnv, init_parallel
-from orthros_train.parallel.state_dict import LazyCheckpoint, load_reference_shards
+from orthros_train.parallel.state_dict import load_reference_shards
 from orthros_train.train.config import RunConfig
 from orthros_train.train.distill import Distillation, build_teacher
 from orthros_train.train.memory import GIB, memory_fit_problem, memory_summary
@@ -126,8 +127,8 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
     if not cfg.init.init_from:
         return build_parallel_model(cfg.model, cfg.parallel, seed=cfg.trainer.seed).to(device)
     try:
-        weights = LazyCheckpoint(cfg.init.init_from)  # opened first: a bad path fails before any build
-    except FileNotFoundError as exc:
+        weights = SafetensorsReader(cfg.init.init_from)  # opened first: a bad path fails before any build
+    except NoSafetensorsError as exc:
         where = "it does not exist" if not Path(cfg.init.init_from).exists() else str(exc)
         raise UserError(
             f"model.init_from={cfg.init.init_from} holds no *.safetensors weights ({where}):"
@@ -135,7 +136,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
             " from `orthros-train --config-name tiny_cpu`), point it at a checkpoint's model/ or"
             " final/ directory, or set model.init_from=null to start from random weights"
         ) from exc
-    except ValueError as exc:  # a truncated or corrupt weights file, named with its size
+    except SafetensorsFileError as exc:  # a truncated or corrupt weights file, named with its size
         raise UserError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
     model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
     try:

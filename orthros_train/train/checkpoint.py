@@ -51,11 +51,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from orthros_train.common.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsFileError, SafetensorsReader
 from orthros_train.errors import UserError
 from orthros_train.logging_setup import RANK_ZERO
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.parallel import collectives
-from orthros_train.parallel.state_dict import LazyCheckpoint, gather_reference_tensor, reference_shapes, shard_tensor
+from orthros_train.parallel.state_dict import gather_reference_tensor, reference_shapes, shard_tensor
 from orthros_train.train.checkpoint_store import (
     CheckpointError,
     CheckpointStore,
@@ -220,7 +221,7 @@ def _write_text(path: Path, text: str) -> None:
 class _Suffixed(Mapping[str, torch.Tensor]):
     """``name -> tensor`` view of the ``<name>.<key>`` entries of a reference-layout file set."""
 
-    def __init__(self, lazy: LazyCheckpoint, key: str) -> None:
+    def __init__(self, lazy: SafetensorsReader, key: str) -> None:
         self.lazy, self.suffix = lazy, "." + key
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -267,7 +268,7 @@ def load_reference_weights(engine: Any, cfg: OrthrosConfig, directory: Path) -> 
     """Collective: the reference-layout weights of ``directory`` become this run's weights and fp32
     masters, in its TP/DP/ZeRO layout; one full tensor and this rank's part in memory at a time."""
     ds = DeepSpeedState(engine)
-    lazy = LazyCheckpoint(directory)
+    lazy = SafetensorsReader(directory)
     for name, p in reference_parameters(engine.module, cfg):
         ds.set_master(p, _local_part(name, lazy, p, cfg, directory, name))
 
@@ -286,12 +287,12 @@ def load_reference_optimizer(engine: Any, cfg: OrthrosConfig, directory: Path) -
     step = int(index["step"])
     if step == 0:
         return 0
-    missing_files = sorted({f for f in index["weight_map"].values() if not (directory / f).is_file()})
-    if missing_files:
-        raise CheckpointError(f"{directory} lacks optimizer shard(s) {missing_files} named by index.json")
+    try:  # before any state changes: a shard index.json names but the folder lacks is named here
+        lazy = SafetensorsReader(directory, index_name="index.json")
+    except SafetensorsFileError as exc:
+        raise CheckpointError(f"the optimizer state of this checkpoint is incomplete: {exc}") from exc
     ds = DeepSpeedState(engine)
     ds.prepare_moments(step)
-    lazy = LazyCheckpoint(directory)
     for name, p in reference_parameters(engine.module, cfg, trainable=True):
         for key in index["keys"]:
             value = _local_part(name, _Suffixed(lazy, key), p, cfg, directory, f"{name}.{key}")
@@ -369,7 +370,7 @@ class CheckpointManager:
         try:
             weights = ShardedTensorWriter(
                 tmp / MODEL_DIR, "model", shard_bytes, rank, world, budget, sink,
-                index_name="model.safetensors.index.json", single_name="model.safetensors",
+                index_name=INDEX_NAME, single_name=WEIGHTS_NAME,
                 metadata={"format": "pt"},
             )  # fmt: skip
             stream_weights(ds, cfg, weights)

@@ -11,12 +11,10 @@ import logging
 import math
 import re
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
+from orthros_train.common.overrides import check_types
 from orthros_train.data import DataConfig
 from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
@@ -477,109 +475,12 @@ def resolve_batch_geometry(
     return BatchGeometry(world_size, dp, micro, accum, global_batch)
 
 
-def _hint_name(hint: Any) -> str:
-    """``int``, ``float or null``, ``list[list[int]]``: how an error names the expected type."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if len(args) < len(typing.get_args(hint)):  # Optional[...]
-        return " or ".join(_hint_name(a) for a in args) + " or null"
-    origin = typing.get_origin(hint)
-    if origin is not None:
-        return f"{origin.__name__}[{', '.join(_hint_name(a) for a in typing.get_args(hint))}]"
-    return "any" if hint is Any else getattr(hint, "__name__", str(hint))
-
-
-def _expected(cls: type, key: str) -> str:
-    """The declared type of ``key`` (``wandb.mode``, ``seq_len_schedule[0]``) in section ``cls``."""
-    hint: Any = cls
-    for part in key.split("."):
-        name = part.split("[")[0]
-        if not is_dataclass(hint):
-            break
-        hint = typing.get_type_hints(hint).get(name, Any)
-    return _hint_name(hint)
-
-
-def _lookup(values: Any, key: str) -> Any:
-    """The value at ``wandb.mode`` / ``seq_len_schedule[0]`` of a section's plain dict."""
-    for part in key.replace("[", ".").replace("]", "").split("."):
-        try:
-            values = values[int(part)] if isinstance(values, list) else values[part]
-        except (KeyError, IndexError, ValueError, TypeError):
-            return "?"
-    return values
-
-
-def _refuse_non_booleans(cls: type, values: dict[str, Any], name: str) -> None:
-    """OmegaConf takes yes/no/on/off/1/0 for a bool; a recipe's booleans are true or false only."""
-    hints = typing.get_type_hints(cls)
-    for key, value in values.items():
-        hint = hints.get(key)
-        if is_dataclass(hint) and isinstance(value, dict):
-            _refuse_non_booleans(hint, value, f"{name}.{key}")
-        elif bool in (hint, *typing.get_args(hint)) and not isinstance(value, bool):
-            if value is None and hint is not bool:  # Optional[bool] takes null
-                continue
-            raise UserError(f"{name}.{key}={value!r}: expected a boolean, true or false")
-
-
-# Field metadata of a float that may be NaN or infinite: ``field(default=..., metadata=NONFINITE_OK)``.
-NONFINITE_OK = {"nonfinite_ok": True}
-
-
-def _non_finite(value: Any, key: str) -> tuple[str, float] | None:
-    """The first NaN/inf number inside ``value`` (a number, list or dict): its full key and value."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return key, value
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = ((f"[{i}]", v) for i, v in enumerate(value))
-    else:
-        return None
-    for sub, item in items:
-        found = _non_finite(item, f"{key}{sub}" if str(sub).startswith("[") else f"{key}.{sub}")
-        if found:
-            return found
-    return None
-
-
-def refuse_non_finite(cls: type, values: dict[str, Any], name: str) -> None:
-    """Every number of a recipe section is finite unless its field says otherwise (NONFINITE_OK):
-    NaN slips through every range check (``nan > 0`` is false) and inf trains a NaN model. Nested
-    sections (``trainer.wandb``) and lists/dicts of numbers are walked too."""
-    meta = {f.name: f.metadata for f in fields(cls)} if is_dataclass(cls) else {}
-    hints = typing.get_type_hints(cls) if is_dataclass(cls) else {}
-    for key, value in values.items():
-        if meta.get(key, {}).get("nonfinite_ok"):
-            continue
-        if is_dataclass(hints.get(key)) and isinstance(value, dict):
-            refuse_non_finite(hints[key], value, f"{name}.{key}")
-            continue
-        found = _non_finite(value, f"{name}.{key}")
-        if found:
-            raise UserError(f"{found[0]}={found[1]}: must be a finite number (not NaN or inf)")
-
-
 def typed_section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
     """One recipe section as its dataclass, checked against the dataclass as an OmegaConf
     structured config: an unknown key or a value of the wrong type (an int given a float or a
     word, a bool given anything but true/false) fails here naming the full key, the value and the
     expected type, before the section's own checks (``__post_init__``) run."""
-    values = dict(values or {})
-    _refuse_non_booleans(cls, values, name)
-    try:
-        # OmegaConf's structured-config validation (the same Hydra applies to ConfigStore
-        # schemas) rather than a type checker of our own.
-        checked = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(cls), values))
-    except ConfigKeyError as exc:
-        known = sorted(f.name for f in fields(cls))
-        raise UserError(f"unknown key {name}.{exc.full_key} in the recipe; valid keys of {name}: {known}") from exc
-    except OmegaConfBaseException as exc:
-        key = exc.full_key
-        raise UserError(
-            f"{name}.{key}={_lookup(values, key)!r}: expected {_expected(cls, key)} ({exc.msg.splitlines()[0]})"
-        ) from exc
-    refuse_non_finite(cls, checked, name)
+    checked = check_types(cls, values, name)
     try:
         return cls(**checked)
     except TypeError as exc:  # e.g. a required field missing

@@ -361,16 +361,17 @@ def build_teacher(cfg: Any, device: torch.device, tokenizer: Any, tokenizer_key:
     """The run's teacher: ``distill.teacher`` as the dense model, this rank's shard through the
     run's parallel factory (recompute off: nothing is kept for a backward), frozen, in the
     training dtype. Refuses a missing checkpoint, another vocabulary or another tokenizer."""
+    from orthros_train.common.safetensors_io import SafetensorsFileError, SafetensorsReader
     from orthros_train.options import Precision
     from orthros_train.parallel.model import build_parallel_model
-    from orthros_train.parallel.state_dict import LazyCheckpoint, load_reference_shards
+    from orthros_train.parallel.state_dict import load_reference_shards
 
     path = cfg.distill.teacher
     tcfg = teacher_config(path, cfg.model)
     check_teacher_tokenizer(path, tokenizer, tokenizer_key)
     try:
-        weights = LazyCheckpoint(path)
-    except (FileNotFoundError, ValueError) as exc:  # a missing or corrupt weights file
+        weights = SafetensorsReader(path)
+    except SafetensorsFileError as exc:  # a missing or corrupt weights file
         raise UserError(f"distill.teacher={path}: {exc}") from exc
     identity = teacher_identity(path)
     model = build_parallel_model(tcfg, replace(cfg.parallel, recompute=Recompute.none), seed=None)

@@ -135,9 +135,9 @@ def check_teacher_tokenizer(path: str | Path, tokenizer: Any, student_tokenizer_
         log.warning("distill.teacher=%s carries no tokenizer: its vocabulary is assumed to be the student's",
                     path, extra=RANK_ZERO)
         return
-    from transformers import AutoTokenizer
+    from orthros_train.common.tokenizer import load_tokenizer
 
-    theirs = AutoTokenizer.from_pretrained(str(path))
+    theirs = load_tokenizer(path)
     if theirs.get_vocab() != tokenizer.get_vocab():
         raise UserError(
             f"the teacher's tokenizer (distill.teacher={path}, {len(theirs)} tokens) differs from the student's "

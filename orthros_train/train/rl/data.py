@@ -177,11 +177,11 @@ def build_rollout_data(
 
 
 def _tokenizer(init_from: str | None, data_tokenizer: str | None, vocab_size: int):
-    from orthros_train.infer.loading import load_tokenizer
+    from orthros_train.common.tokenizer import load_tokenizer
 
     for path in (init_from, data_tokenizer):
         if path:
-            tokenizer = load_tokenizer(path, required=False)
+            tokenizer = load_tokenizer(path, required=False, pad_with_eos=True)
             if tokenizer is not None:
                 return tokenizer
     return numbered_tokenizer(vocab_size)
