@@ -18,7 +18,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,12 +26,12 @@ from orthros_train.convert.checkpoint_io import (
     CONFIG_NAME,
     ConversionError,
     PlannedTensor,
-    SafetensorsReader,
     copy_side_files,
     dtype_name,
     parse_byte_size,
     parse_dtype,
     read_json,
+    read_source,
     write_destination,
 )
 from orthros_train.convert.families import LM_HEAD, hf_name, orthros_name
@@ -40,6 +40,9 @@ from orthros_train.convert.remote_code import REMOTE_CODE_DIR, REMOTE_CODE_FILES
 from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import rope_type
+
+if TYPE_CHECKING:
+    from orthros_train.common.safetensors_io import SafetensorsReader
 
 SRC_FIX = (
     "the source must be an Orthros checkpoint directory (config.json + *.safetensors) written by "
@@ -122,7 +125,7 @@ def convert_to_hf(
     cast = parse_dtype(dtype)
     shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
 
-    with SafetensorsReader(src, SRC_FIX) as reader:
+    with read_source(src, SRC_FIX) as reader:
         plan = _plan_export(reader, config, cast, src)
         stored = reader.info("embed_tokens.weight").dtype
 
@@ -221,7 +224,7 @@ def export_llama_twin(export: str | Path, dst: str | Path) -> Path:
     """The dense ``LlamaForCausalLM`` directory of an export's weights (gamma/beta dropped), the
     baseline serving benchmarks and tests run beside it: it equals the Orthros model at gamma = 1,
     beta = 0 on sequences inside the window. Tokenizer and generation files are copied along."""
-    from safetensors.torch import load_file, save_file
+    from orthros_train.common.safetensors_io import SafetensorsReader, save_safetensors
 
     export, dst = Path(export), Path(dst)
     hf = json.loads((export / "config.json").read_text())
@@ -234,9 +237,9 @@ def export_llama_twin(export: str | Path, dst: str | Path) -> Path:
     llama.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
                  mlp_bias=False)
     (dst / "config.json").write_text(json.dumps(llama, indent=2))
-    state = {k: v for k, v in load_file(str(export / "model.safetensors")).items()
-             if not k.endswith((".gamma", ".beta"))}
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with SafetensorsReader(export / "model.safetensors") as weights:
+        state = {k: weights[k] for k in weights if not k.endswith((".gamma", ".beta"))}
+    save_safetensors(state, dst / "model.safetensors")
     for p in export.iterdir():
         if p.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             (dst / p.name).write_bytes(p.read_bytes())
