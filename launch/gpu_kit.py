@@ -2,13 +2,16 @@
 
 The GPU node runs a fixed image (``docker/gpu_image_packages.txt``: CPython 3.12 with torch,
 triton and transformers, no megatron-core, DeepSpeed, Hydra, OmegaConf or datasets) and has no
-package registry. This script walks the dependency tree of orthros-train (the ``dependencies`` of
-pyproject.toml; optional extras such as wandb, gguf and lm_eval stay out) for Python 3.12 on
-linux x86_64, stops at every package the image has (its version must satisfy the requirement),
-pins every other package to the version installed in the environment running the script (the
-project's venv, so tests run what ships), downloads those as CPython 3.12 manylinux x86_64 wheels
-(DeepSpeed, a source package, is built here as a pure wheel with ``DS_BUILD_OPS=0``), checks the
-folder resolves against the image from the wheels' own metadata, and prints the node's command::
+package registry. pip resolves orthros-train's runtime requirements (the ``dependencies`` of
+pyproject.toml; optional extras such as wandb, gguf and lm_eval stay out) for CPython 3.12
+manylinux x86_64 wheels (``pip install --dry-run --report``): the image's packages are stub wheels
+without requirements, pinned to the image's versions, so the resolution stops at them and checks
+them against every specifier; every other package is pinned to the version installed in the
+environment running the script (the project's venv, so tests run what ships). Those are then
+downloaded (DeepSpeed and antlr4, source packages, are built here first as pure wheels, DeepSpeed
+with ``DS_BUILD_OPS=0``); the script checks, from the wheels' own metadata and with the target's
+environment markers (pip evaluates markers for the interpreter running it), that the folder
+resolves against the image, and prints the node's command::
 
     python launch/gpu_kit.py                 # -> build/gpu_kit/ (make gpu-kit)
     python launch/gpu_kit.py --check build/gpu_kit
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import json
 import logging
 import os
 import shutil
@@ -34,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -160,83 +164,121 @@ def project_requirements(pyproject: Path) -> list[Requirement]:
 
 @dataclass
 class Resolution:
-    """What the kit holds (pins) and which extras of them something asked for."""
+    """What the kit holds (pins) and, for requirements.txt, the first package that needs each."""
 
     pins: dict[NormalizedName, Version] = field(default_factory=dict)
     needed_by: dict[NormalizedName, str] = field(default_factory=dict)
 
 
-Lookup = Callable[[NormalizedName], "tuple[Version, list[str]] | None"]
+@dataclass(frozen=True)
+class Dist:
+    """A distribution as the requirement walk sees it: name, version, Requires-Dist."""
+
+    name: NormalizedName
+    version: Version
+    requires: tuple[str, ...]
 
 
-def installed_lookup(name: NormalizedName) -> tuple[Version, list[str]] | None:
-    """Version and Requires-Dist of ``name`` in the environment running this script."""
-    try:
-        dist = metadata.distribution(name)
-    except metadata.PackageNotFoundError:
-        return None
-    return Version(dist.version), list(dist.requires or [])
-
-
-def resolve(
-    roots: Iterable[Requirement],
-    image: Mapping[NormalizedName, Version],
-    lookup: Lookup = installed_lookup,
-    target: Target = Target(),
-    root_name: str = "orthros-train",
-) -> Resolution:
-    """Pins for every package the roots need on ``target`` that the image lacks (one version each)."""
-    res = Resolution()
-    problems: list[str] = []
-    done: set[tuple[NormalizedName, str]] = set()
-    queue: list[tuple[str, str, Requirement]] = [(root_name, "", r) for r in roots]
-    while queue:
-        parent, parent_extra, req = queue.pop(0)
-        if not target.wants(req, parent_extra):
+def venv_versions() -> dict[NormalizedName, Version]:
+    """Every distribution of the environment running this script (the project's venv) but the project itself."""
+    found: dict[NormalizedName, Version] = {}
+    for dist in metadata.distributions():
+        name = canonicalize_name(dist.metadata["Name"] or "")
+        try:
+            version = Version(dist.version)
+        except InvalidVersion:
             continue
-        name = canonicalize_name(req.name)
-        if name in image:
-            if not req.specifier.contains(image[name], prereleases=True):
-                problems.append(f"{parent} needs {_shown(req)} but the image has {name}=={image[name]}")
-            continue
-        if name not in res.pins:
-            found = lookup(name)
-            if found is None:
-                problems.append(
-                    f"{parent} needs {_shown(req)} on Python {target.python_str}, which is neither in the image nor "
-                    "installed here, so there is no version to pin: install it into this environment"
-                )
-                continue
-            res.pins[name], requires = found
-            res.needed_by[name] = parent
-        else:
-            requires = (lookup(name) or (res.pins[name], []))[1]
-        if not req.specifier.contains(res.pins[name], prereleases=True):
-            problems.append(f"{parent} needs {_shown(req)} but this environment has {name}=={res.pins[name]}")
-            continue
-        for extra in ["", *sorted(canonicalize_name(e) for e in req.extras)]:
-            if (name, extra) in done:
-                continue
-            done.add((name, extra))
-            for sub in requires:
-                try:
-                    sub_req = Requirement(sub)
-                except InvalidRequirement as err:
-                    problems.append(f"{name}=={res.pins[name]} declares an unreadable requirement {sub!r} ({err})")
-                    continue
-                queue.append((f"{name}=={res.pins[name]}" + (f"[{extra}]" if extra else ""), extra, sub_req))
+        if name and name != "orthros-train":
+            found.setdefault(name, version)  # the first on sys.path is the one that imports
+    return found
+
+
+def stub_version(version: Version) -> str:
+    """The image package's version with a local label no index carries (``2.5.0+image``,
+    ``2.11.0+cu130.image``): pinned to it, pip can only pick the stub wheel. Every specifier but
+    ``===`` treats it as the image's version (PEP 440 ignores a local label unless the specifier has one)."""
+    return f"{version}.image" if version.local else f"{version}+image"
+
+
+def write_image_stubs(image: Mapping[NormalizedName, Version], folder: Path) -> None:
+    """One wheel per image package, without requirements: pip's resolution stops at the image (its
+    packages' own dependencies are the image's business) and checks their versions against every specifier."""
+    for name, version in image.items():
+        dist = f"{name.replace('-', '_')}-{stub_version(version)}"
+        with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"{dist}.dist-info/METADATA",
+                        f"Metadata-Version: 2.1\nName: {name}\nVersion: {stub_version(version)}\n")
+            zf.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            zf.writestr(f"{dist}.dist-info/RECORD", "")
+
+
+def constraints(image: Mapping[NormalizedName, Version], venv: Mapping[NormalizedName, Version]) -> str:
+    """pip's constraints: the image's packages at their stubs, everything else at this venv's version."""
+    pins = {**{n: str(v) for n, v in venv.items()}, **{n: stub_version(v) for n, v in image.items()}}
+    return "".join(f"{name}=={version}\n" for name, version in sorted(pins.items()))
+
+
+def resolve_command(roots: Iterable[Requirement], report: Path, constraints_file: Path, links: Iterable[Path],
+                    target: Target = Target()) -> list[str]:
+    """``pip install --dry-run --report``: pip's resolver, for the target's wheels, with the image as stubs."""
+    plat_args = [a for p in target.platforms() for a in ("--platform", p)]
+    link_args = [a for link in links for a in ("--find-links", str(link))]
+    return ["install", "--dry-run", "--ignore-installed", "--report", str(report), "--only-binary=:all:",
+            "--python-version", target.python_str, "--implementation", "cp", *plat_args, *link_args,
+            "--constraint", str(constraints_file), *(str(r) for r in roots)]
+
+
+def read_report(report: Path, image: Mapping[NormalizedName, Version]) -> dict[NormalizedName, Dist]:
+    """The distributions pip's ``--report`` would install, but the image's (its stubs)."""
+    dists: dict[NormalizedName, Dist] = {}
+    for item in json.loads(report.read_text())["install"]:
+        meta = item["metadata"]
+        name = canonicalize_name(meta["name"])
+        if name not in image:
+            dists[name] = Dist(name, Version(meta["version"]), tuple(meta.get("requires_dist") or ()))
+    return dists
+
+
+def resolve(roots: list[Requirement], image: Mapping[NormalizedName, Version], links: Iterable[Path],
+            target: Target = Target(), venv: Mapping[NormalizedName, Version] | None = None,
+            root_name: str = "orthros-train") -> Resolution:
+    """Pins for every package the roots need on ``target`` that the image lacks, as pip resolves them.
+
+    pip evaluates the environment markers of dependencies against the interpreter running it, not
+    ``--python-version`` (its resolver knows the target only for Requires-Python and wheel tags), so
+    its answer is walked again here with the target's markers: a package pip added only for this
+    interpreter (a backport) is dropped, and one the target needs that pip left out is an error.
+    The walk chooses nothing; every version is pip's, pinned by the constraints to this venv's.
+    """
+    venv = venv_versions() if venv is None else venv
+    with tempfile.TemporaryDirectory(prefix="gpu_kit_resolve.") as tmp:
+        work = Path(tmp)
+        (work / "image").mkdir()
+        write_image_stubs(image, work / "image")
+        (work / "constraints.txt").write_text(constraints(image, venv))
+        _run_pip(resolve_command(roots, work / "report.json", work / "constraints.txt", [work / "image", *links],
+                                 target),
+                 f"resolving the kit with pip for CPython {target.python_str}")
+        dists = read_report(work / "report.json", image)
+    problems, needed_by = _walk(dists, image, roots, target, root_name, "pip's resolution")
+    res = Resolution({n: dists[n].version for n in needed_by}, needed_by)
+    for name, version in sorted(res.pins.items()):
+        if venv.get(name) != version:
+            have = f"this environment has {name}=={venv[name]}" if name in venv else "it is not installed here"
+            problems.append(f"{needed_by[name]} needs {name}, which pip resolves to {version} on Python "
+                            f"{target.python_str}, but {have}: install {name}=={version} into this environment "
+                            "(the kit ships the versions the tests run)")
     if problems:
         raise KitError("the kit does not resolve:\n  " + "\n  ".join(problems))
     return res
 
 
 @dataclass(frozen=True)
-class Wheel:
+class Wheel(Dist):
+    """A wheel file of the kit."""
+
     path: Path
-    name: NormalizedName
-    version: Version
     tags: frozenset[tags.Tag]
-    requires: tuple[str, ...]
 
 
 def read_wheel(path: Path) -> Wheel:
@@ -253,7 +295,8 @@ def read_wheel(path: Path) -> Wheel:
             msg = email.parser.BytesParser().parsebytes(zf.read(meta_names[0]), headersonly=True)
     except zipfile.BadZipFile:
         raise KitError(f"{path.name} is not a valid zip archive (truncated download?); rebuild the kit") from None
-    return Wheel(path, name, version, frozenset(wheel_tags), tuple(msg.get_all("Requires-Dist") or ()))
+    return Wheel(name=name, version=version, requires=tuple(msg.get_all("Requires-Dist") or ()), path=path,
+                 tags=frozenset(wheel_tags))
 
 
 def check_kit(
@@ -286,7 +329,7 @@ def check_kit(
         if wheel is None or not req.specifier.contains(wheel.version, prereleases=True):
             have = f"has {wheel.name}=={wheel.version}" if wheel else "lacks it"
             problems.append(f"the recipes read the files of {text}, and the kit {have}: rebuild it with `make gpu-kit`")
-    return problems + _check_requirements(wheels, image, roots, target, root_name)
+    return problems + _walk(wheels, image, roots, target, root_name, "the kit")[0]
 
 
 def _check_wheels(
@@ -313,15 +356,19 @@ def _check_wheels(
     return problems, wheels
 
 
-def _check_requirements(
-    wheels: Mapping[NormalizedName, Wheel],
+def _walk(
+    dists: Mapping[NormalizedName, Dist],
     image: Mapping[NormalizedName, Version],
     roots: Iterable[Requirement],
     target: Target,
     root_name: str,
-) -> list[str]:
-    """Walk the requirements from the roots through the kit's wheels; the image ends each path."""
+    source: str,
+) -> tuple[list[str], dict[NormalizedName, str]]:
+    """Walk the requirements from the roots through ``dists`` (the kit's wheels, or pip's resolution:
+    ``source`` names it) with the target's markers; the image ends each path. Returns what is wrong
+    and, for every distribution reached, the first package that needs it."""
     problems: list[str] = []
+    needed_by: dict[NormalizedName, str] = {}
     done: set[tuple[NormalizedName, str]] = set()
     queue: list[tuple[str, str, str]] = [(root_name, "", str(r)) for r in roots]
     while queue:
@@ -334,24 +381,25 @@ def _check_requirements(
         if not target.wants(req, parent_extra):
             continue
         name = canonicalize_name(req.name)
-        have, where = (wheels[name].version, "the kit") if name in wheels else (image.get(name), "the image")
+        have, where = (dists[name].version, source) if name in dists else (image.get(name), "the image")
         if have is None:
-            problems.append(f"{parent} needs {_shown(req)}: neither the kit nor the image has {name}")
+            problems.append(f"{parent} needs {_shown(req)}: neither {source} nor the image has {name}")
             continue
         if not req.specifier.contains(have, prereleases=True):
             problems.append(f"{parent} needs {_shown(req)} but {where} has {name}=={have}")
-        if name not in wheels:
+        if name not in dists:
             # The image's own dependencies are its business; extras of an image package are
             # reported because nothing here can tell whether the image installed them.
             problems += [f"{parent} needs {name}[{e}] and the image's {name} extras are unknown" for e in req.extras]
             continue
-        wheel = wheels[name]
+        needed_by.setdefault(name, parent)
+        dist = dists[name]
         for extra in ["", *sorted(canonicalize_name(e) for e in req.extras)]:
             if (name, extra) not in done:
                 done.add((name, extra))
-                queue += [(f"{wheel.name}=={wheel.version}" + (f"[{extra}]" if extra else ""), extra, sub)
-                          for sub in wheel.requires]
-    return problems
+                queue += [(f"{dist.name}=={dist.version}" + (f"[{extra}]" if extra else ""), extra, sub)
+                          for sub in dist.requires]
+    return problems, needed_by
 
 
 def _run_pip(args: list[str], what: str, env: Mapping[str, str] | None = None) -> None:
@@ -363,17 +411,36 @@ def _run_pip(args: list[str], what: str, env: Mapping[str, str] | None = None) -
         tail = "\n    ".join([ln for ln in lines if ln.startswith("ERROR")] or lines[-8:])
         raise KitError(
             f"{what} failed (pip exit {proc.returncode}):\n    {tail}\n"
-            "The kit needs PyPI (or a mirror pip is configured for): check the network and that each pinned "
-            "version has a wheel for this target; the previous kit, if any, is unchanged."
+            "The kit needs PyPI (or a mirror pip is configured for): check the network, that each pinned "
+            "version has a wheel for this target and that every package the project needs beyond the image is "
+            "installed in this environment (its version is the pin); the previous kit, if any, is unchanged."
         )
+
+
+def build_sources(venv: Mapping[NormalizedName, Version], image: Mapping[NormalizedName, Version], dest: Path) -> None:
+    """Wheels of the SOURCE_BUILDS packages this venv has and the image lacks, at the venv's versions, into
+    ``dest``, before the resolution: pip resolves for another interpreter only from wheels, and finds these there."""
+    for name, build_env in SOURCE_BUILDS.items():
+        if name in image or name not in venv:
+            continue
+        spec = f"{name}=={venv[name]}"
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            _run_pip(["wheel", "--no-deps", "--no-binary", name, "--wheel-dir", tmp, spec],
+                     f"downloading and building the {spec} wheel", env=build_env)
+            for built in Path(tmp).glob("*.whl"):
+                if parse_wheel_filename(built.name)[3] != frozenset(tags.parse_tag("py3-none-any")):
+                    raise KitError(f"{built.name} was built for this machine, not as a pure wheel: "
+                                   f"{spec} cannot be shipped as built here")
+                shutil.move(str(built), dest / built.name)
 
 
 def download(
     pins: Mapping[NormalizedName, Version], dest: Path, target: Target = Target(), data: Iterable[str] = ()
 ) -> None:
-    """Wheels of ``pins`` and of the ``data`` pins for the target into ``dest`` (built here for
-    SOURCE_BUILDS)."""
-    binary = [f"{n}=={v}" for n, v in sorted(pins.items()) if n not in SOURCE_BUILDS] + list(data)
+    """Wheels of ``pins`` (but those ``build_sources`` already put in ``dest``) and of the ``data`` pins for
+    the target into ``dest``."""
+    built = {read_wheel(p).name for p in dest.glob("*.whl")}
+    binary = [f"{n}=={v}" for n, v in sorted(pins.items()) if n not in built] + list(data)
     if binary:
         plat_args = [a for p in target.platforms() for a in ("--platform", p)]
         _run_pip(
@@ -381,24 +448,10 @@ def download(
              "--implementation", "cp", *plat_args, "--dest", str(dest), *binary],
             f"downloading {len(binary)} wheels for CPython {target.python_str} ({', '.join(binary)})",
         )
-    for name, build_env in SOURCE_BUILDS.items():
-        if name in pins:
-            spec = f"{name}=={pins[name]}"
-            with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-                _run_pip(
-                    ["wheel", "--no-deps", "--no-binary", name, "--wheel-dir", tmp, spec],
-                    f"building the {spec} wheel", env=build_env,
-                )
-                for built in Path(tmp).glob("*.whl"):
-                    if parse_wheel_filename(built.name)[3] != frozenset(tags.parse_tag("py3-none-any")):
-                        raise KitError(f"{built.name} was built for this machine, not as a pure wheel: "
-                                       f"{spec} cannot be shipped as built here")
-                    shutil.move(str(built), dest / built.name)
-    # pip may keep a source archive next to a wheel it built; only wheels travel.
+    # pip may keep a source archive next to a wheel; only wheels travel.
     for extra in dest.iterdir():
         if not extra.name.endswith(".whl"):
             extra.unlink() if extra.is_file() else shutil.rmtree(extra)
-
 
 def node_command(kit: Path) -> str:
     """The one command the node runs from the repository root: gpu_check installs the kit
@@ -445,17 +498,10 @@ def build(
     check_out(out)
     image = read_image(image_path)
     roots = project_requirements(pyproject)
-    res = resolve(roots, image, target=target)
-    log.info("kit: %s", ", ".join(f"{n}=={v}" for n, v in sorted(res.pins.items())))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.new.", dir=out.parent))
     try:
-        download(res.pins, staging, target, DATA_PACKAGES)
-        problems = check_kit(staging, image, roots, target, max_bytes, data=DATA_PACKAGES)
-        got = {read_wheel(p).name for p in staging.glob("*.whl")}
-        problems += [f"no wheel of {n}=={res.pins[n]} arrived" for n in sorted(set(res.pins) - got)]
-        if problems:
-            raise KitError("the downloaded kit does not resolve:\n  " + "\n  ".join(problems))
+        res = _fill(staging, image, roots, target, max_bytes)
         (staging / "requirements.txt").write_text(
             f"{KIT_HEADER} for CPython {target.python_str} manylinux x86_64 "
             f"(image: {image_path.name}); install with --no-index --no-deps\n"
@@ -469,6 +515,24 @@ def build(
         raise
     return out
 
+
+def _fill(staging: Path, image: Mapping[NormalizedName, Version], roots: list[Requirement], target: Target,
+          max_bytes: int) -> Resolution:
+    """The source builds, pip's resolution, the downloads into ``staging``, then the kit's own check."""
+    venv = venv_versions()
+    build_sources(venv, image, staging)
+    res = resolve(roots, image, [staging], target, venv)
+    for path in staging.glob("*.whl"):
+        if read_wheel(path).name not in res.pins:  # built from source but nothing on the target needs it
+            path.unlink()
+    log.info("kit: %s", ", ".join(f"{n}=={v}" for n, v in sorted(res.pins.items())))
+    download(res.pins, staging, target, DATA_PACKAGES)
+    problems = check_kit(staging, image, roots, target, max_bytes, data=DATA_PACKAGES)
+    got = {read_wheel(p).name for p in staging.glob("*.whl")}
+    problems += [f"no wheel of {n}=={res.pins[n]} arrived" for n in sorted(set(res.pins) - got)]
+    if problems:
+        raise KitError("the downloaded kit does not resolve:\n  " + "\n  ".join(problems))
+    return res
 
 def _publish(staging: Path, out: Path) -> None:
     """Put ``staging`` at ``out``; the previous kit (checked by ``check_out``) goes through a

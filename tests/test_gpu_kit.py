@@ -1,10 +1,12 @@
-"""The GPU-node kit (launch/gpu_kit.py): its resolver on synthetic kits (fast, offline), its
-refusal when a download fails, and the real kit built from PyPI resolving for CPython 3.12
+"""The GPU-node kit (launch/gpu_kit.py): its check on synthetic kits and the pip commands it builds, pip
+faked (fast, offline), its refusal when a download fails, and the real kit built from PyPI resolving for CPython 3.12
 against the image's package list (slow: needs the network)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 from fixtures import REPO
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
@@ -124,21 +127,6 @@ def test_version_pinned_in_the_kit_must_satisfy_its_dependants(good_kit: Path):
     assert gk.check_kit(good_kit, IMAGE_PINS, ROOTS) == ["alpha==1.0 needs beta[fast]>=2 but the kit has beta==1.9"]
 
 
-def test_resolver_pins_what_the_image_lacks_from_the_environment():
-    env = {
-        "alpha": (Version("1.0"), ["torch>=2.0", "beta[fast]>=2", "winonly; sys_platform == 'win32'"]),
-        "beta": (Version("2.1"), ["numpy", "gamma; extra == 'fast'", "never; extra == 'slow'"]),
-        "gamma": (Version("0.5"), ["numpy>=2"]),
-    }
-    res = gk.resolve(ROOTS, IMAGE_PINS, lookup=lambda n: env.get(n))
-    assert res.pins == {"alpha": Version("1.0"), "beta": Version("2.1"), "gamma": Version("0.5")}
-    assert res.needed_by["gamma"] == "beta==2.1[fast]"
-    with pytest.raises(gk.KitError, match=r"beta==2.1\[fast\] needs gamma on Python 3.12, which is neither in the"):
-        gk.resolve(ROOTS, IMAGE_PINS, lookup=lambda n: env.get(n) if n != "gamma" else None)
-    with pytest.raises(gk.KitError, match="orthros-train needs torch>=2.11 but the image has torch==2.6.0"):
-        gk.resolve(ROOTS, image_of(torch="2.6.0", numpy="2.5.0"), lookup=lambda n: env.get(n))
-
-
 def test_image_list_is_read_strictly(tmp_path: Path):
     image = gk.read_image(IMAGE)
     for name in ("torch", "triton", "transformers", "safetensors", "tokenizers", "numpy"):
@@ -162,13 +150,146 @@ def test_optional_packages_are_not_runtime_requirements():
     assert not names & {"wandb", "gguf", "lm-eval", "accelerate"}
 
 
-def test_pins_match_this_environment(good_kit: Path):
-    """The kit pins the versions this venv runs (so tests run what ships)."""
-    res = gk.resolve(gk.project_requirements(REPO / "pyproject.toml"), gk.read_image(IMAGE))
-    for name, version in res.pins.items():
-        assert version == Version(importlib.metadata.version(name)), name
-    assert {"megatron-core", "deepspeed", "hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets",
-            "hjson", "pydantic"} <= set(res.pins)
+def _report_item(name: str, version: str, requires: list[str] = (), requested: bool = False) -> dict:
+    return {"metadata": {"metadata_version": "2.1", "name": name, "version": version, "requires_dist": list(requires)},
+            "download_info": {"url": f"https://files.example/{name}-{version}.whl"}, "requested": requested}
+
+
+# What pip's --report says for the roots alpha, torch and delta, run by Python 3.11: old-backport only for
+# that interpreter (pip evaluates markers for the Python running it), torch and numpy the image's stubs.
+CANNED_REPORT = {"version": "1", "pip_version": "26.3", "install": [
+    _report_item("alpha", "1.0", ["torch>=2.0", "beta[fast]>=2", "old-backport; python_version < '3.12'"], True),
+    _report_item("beta", "2.1", ["numpy", "gamma; extra == 'fast'"]),
+    _report_item("gamma", "0.5", ["numpy>=2"]),
+    _report_item("old-backport", "1.0"),
+    _report_item("delta", "3.0", ["numpy"], True),
+    _report_item("torch", "2.11.0+cu130.image", [], True),
+    _report_item("numpy", "2.5.0+image"),
+]}
+VENV = {canonicalize_name(n): Version(v) for n, v in
+        {"alpha": "1.0", "beta": "2.1", "gamma": "0.5", "old-backport": "1.0", "delta": "3.0", "pip": "26.3",
+         "torch": "2.13.0"}.items()}
+WHEEL_REQUIRES = {item["metadata"]["name"]: item["metadata"]["requires_dist"] for item in CANNED_REPORT["install"]}
+
+
+class FakePip:
+    """``subprocess.run`` of pip: records each command, answers ``install --dry-run`` with ``report``,
+    builds or downloads minimal wheels; ``fail`` (a pip subcommand) exits 1 with pip's kind of error."""
+
+    def __init__(self, report: dict, fail: str | None = None):
+        self.report, self.fail, self.calls = report, fail, []
+
+    def __call__(self, cmd, capture_output=True, text=True, env=None):
+        args = cmd[3:]
+        self.calls.append((list(cmd), dict(env or {})))
+        if args[0] == self.fail:
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: ResolutionImpossible: alpha needs torch<2\n")
+        if args[0] == "wheel":
+            name, version = args[-1].split("==")
+            make_wheel(Path(args[args.index("--wheel-dir") + 1]), name, version, WHEEL_REQUIRES[name])
+        elif args[0] == "install":
+            links = [Path(args[i + 1]) for i, a in enumerate(args) if a == "--find-links"]
+            self.stubs = sorted(p.name for p in links[0].iterdir())
+            self.constraints = Path(args[args.index("--constraint") + 1]).read_text()
+            Path(args[args.index("--report") + 1]).write_text(json.dumps(self.report))
+        elif args[0] == "download":
+            for spec in args[args.index("--dest") + 2:]:
+                name, version = spec.split("==")
+                make_wheel(Path(args[args.index("--dest") + 1]), name, version, WHEEL_REQUIRES.get(name, []))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+
+@pytest.fixture
+def fake_build(tmp_path: Path, monkeypatch):
+    """gpu_kit.build with pip faked: an image of torch and numpy, roots alpha, torch and delta (a source build)."""
+    image = tmp_path / "image.txt"
+    image.write_text("torch==2.11.0+cu130\nnumpy==2.5.0\n")
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "orthros-train"\ndependencies = ["alpha>=1", "torch>=2.11", "delta"]\n')
+    monkeypatch.setattr(gk, "SOURCE_BUILDS", {"delta": {"DS_BUILD_OPS": "0"}})
+    monkeypatch.setattr(gk, "DATA_PACKAGES", ("corpus==1.0",))
+    monkeypatch.setattr(gk, "venv_versions", lambda: dict(VENV))
+
+    def run(report: dict = CANNED_REPORT, fail: str | None = None) -> tuple[FakePip, Path]:
+        pip = FakePip(report, fail)
+        monkeypatch.setattr(gk.subprocess, "run", pip)
+        out = tmp_path / "gpu_kit"
+        gk.build(out, image, pyproject)
+        return pip, out
+
+    return run
+
+
+def test_pip_resolves_the_kit_and_its_report_becomes_the_pins(fake_build):
+    pip, out = fake_build()
+    (wheel_cmd, wheel_env), (resolve_cmd, _), (download_cmd, _) = [(c, e) for c, e in pip.calls]
+    pip_cmd = [sys.executable, "-m", "pip"]
+    assert wheel_cmd[:-2] == [*pip_cmd, "wheel", "--no-deps", "--no-binary", "delta", "--wheel-dir"]
+    assert wheel_cmd[-1] == "delta==3.0" and wheel_env["DS_BUILD_OPS"] == "0"  # the venv's version, no ops
+    plats = [a for p in gk.Target().platforms() for a in ("--platform", p)]
+    assert plats[:2] == ["--platform", "manylinux_2_28_x86_64"] and plats[-1] == "manylinux2014_x86_64"
+    at = resolve_cmd.index
+    assert resolve_cmd == [
+        *pip_cmd, "install", "--dry-run", "--ignore-installed", "--report", resolve_cmd[at("--report") + 1],
+        "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", *plats,
+        "--find-links", resolve_cmd[at("--find-links") + 1], "--find-links", resolve_cmd[at("--find-links") + 3],
+        "--constraint", resolve_cmd[at("--constraint") + 1], "alpha>=1", "torch>=2.11", "delta"]
+    assert Path(resolve_cmd[at("--find-links") + 3]).name.startswith(".gpu_kit.new.")  # the source builds
+    # The image as requirement-free stubs only its pins can pick; everything else at this venv's version.
+    assert pip.stubs == ["numpy-2.5.0+image-py3-none-any.whl", "torch-2.11.0+cu130.image-py3-none-any.whl"]
+    assert pip.constraints.splitlines() == ["alpha==1.0", "beta==2.1", "delta==3.0", "gamma==0.5",
+                                            "numpy==2.5.0+image", "old-backport==1.0", "pip==26.3",
+                                            "torch==2.11.0+cu130.image"]
+    assert download_cmd == [*pip_cmd, "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                            "--implementation", "cp", *plats, "--dest", download_cmd[-5],
+                            "alpha==1.0", "beta==2.1", "gamma==0.5", "corpus==1.0"]  # delta: built, not downloaded
+    # old-backport: pip's answer for Python 3.11, dropped for the 3.12 target
+    assert sorted(p.name for p in out.iterdir()) == [
+        "alpha-1.0-py3-none-any.whl", "beta-2.1-py3-none-any.whl", "corpus-1.0-py3-none-any.whl",
+        "delta-3.0-py3-none-any.whl", "gamma-0.5-py3-none-any.whl", "requirements.txt"]
+    assert (out / "requirements.txt").read_text().splitlines()[1:] == [
+        "alpha==1.0  # needed by orthros-train", "beta==2.1  # needed by alpha==1.0",
+        "delta==3.0  # needed by orthros-train", "gamma==0.5  # needed by beta==2.1[fast]",
+        "corpus==1.0  # data: files the recipes read"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["gpu_kit", "image.txt", "pyproject.toml"]
+
+
+def test_a_package_pip_resolves_beyond_this_environment_is_refused(fake_build, monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(gk, "venv_versions", lambda: {n: v for n, v in VENV.items() if n != "gamma"})
+    with pytest.raises(gk.KitError, match=r"beta==2.1\[fast\] needs gamma, which pip resolves to 0.5 on Python "
+                                          r"3.12, but it is not installed here: install gamma==0.5 into this"):
+        fake_build()
+    report = {"install": [i for i in CANNED_REPORT["install"] if i["metadata"]["name"] != "beta"]}
+    with pytest.raises(gk.KitError, match=r"alpha==1.0 needs beta\[fast\]>=2: neither pip's resolution nor the "):
+        fake_build(report)  # the target needs what pip (marker-evaluating for this interpreter) left out
+    assert not (tmp_path / "gpu_kit").exists() and not list(tmp_path.glob(".gpu_kit.*"))
+
+
+def test_a_failed_pip_resolution_names_pips_error_and_leaves_nothing(fake_build, tmp_path: Path):
+    with pytest.raises(gk.KitError, match=r"resolving the kit with pip for CPython 3.12 failed \(pip exit 1\):\n"
+                                          r"    ERROR: ResolutionImpossible: alpha needs torch<2\n"):
+        fake_build(fail="install")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["image.txt", "pyproject.toml"]
+
+
+def test_stub_versions_pin_the_image_and_keep_its_specifier_semantics():
+    assert gk.stub_version(Version("2.5.0")) == "2.5.0+image"
+    assert gk.stub_version(Version("2.11.0+cu130")) == "2.11.0+cu130.image"
+    stub = Version(gk.stub_version(Version("2.11.0+cu130")))
+    assert all(SpecifierSet(s).contains(stub) for s in (">=2.11", "==2.11.0", "<=2.11.0", "~=2.11", "<3"))
+    assert not SpecifierSet("<2.11").contains(stub) and not SpecifierSet("!=2.11.0").contains(stub)
+
+
+def test_constraints_pin_this_environment_and_the_image(good_kit: Path):
+    """The kit pins the versions this venv runs (so tests run what ships), and the image's stubs."""
+    image = gk.read_image(IMAGE)
+    venv = gk.venv_versions()
+    pins = dict(line.split("==", 1) for line in gk.constraints(image, venv).splitlines())
+    for name in ("megatron-core", "deepspeed", "hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets",
+                 "hjson", "pydantic"):
+        assert pins[name] == importlib.metadata.version(name), name
+    assert pins["torch"] == "2.11.0+cu130.image" and pins["transformers"] == "5.17.0+image"
+    assert "orthros-train" not in pins
 
 
 def test_failed_download_is_an_error_and_keeps_the_previous_kit(tmp_path: Path):
