@@ -150,59 +150,44 @@ def orthros_attention(q, k, v, q_index, q_window, key_valid, sinks=None):
     to its own; a chunk scores them beside its window range, so its scores stay ``chunk x
     (window + sinks)`` wide.
     """
+    b, h, n_q, d = q.shape
+    out = q.new_empty(b, h, n_q, d)
+    kf, vf = k.float(), v.float()
+    gqa = h != k.shape[1]
+    for c0 in range(0, n_q, QUERY_CHUNK):
+        keys, allowed = _chunk_keys(q_index[c0 : c0 + QUERY_CHUNK], q_window[c0 : c0 + QUERY_CHUNK], key_valid, sinks)
+        o = F.scaled_dot_product_attention(
+            q[:, :, c0 : c0 + QUERY_CHUNK].float(),
+            kf[:, :, keys],
+            vf[:, :, keys],
+            attn_mask=allowed[:, None],
+            enable_gqa=gqa,
+        )
+        out[:, :, c0 : c0 + QUERY_CHUNK] = o.to(out.dtype)
+    return out
+
+
+def _chunk_keys(qi, win, key_valid, sinks):
+    """(the keys a chunk of queries scores, which of them each query attends [B or 1, chunk, keys]).
+
+    The keys are the chunk's window range ``lo:hi`` (a slice: no copy) or, with sinks, the sink
+    keys before that range followed by the range (an index: each key once). Padding keys
+    (``key_valid`` false) are masked, except a query's own key."""
+    lo = max(int((qi - win + 1).min()), 0)
+    hi = int(qi.max()) + 1
+    j = torch.arange(lo, hi, device=qi.device)
+    keys = slice(lo, hi)
     if sinks is not None:
-        return _attention_with_sinks(q, k, v, q_index, q_window, key_valid, *sinks)
-    b, h, n_q, d = q.shape
-    out = q.new_empty(b, h, n_q, d)
-    kf, vf = k.float(), v.float()
-    gqa = h != k.shape[1]
-    for c0 in range(0, n_q, QUERY_CHUNK):
-        qi, win = q_index[c0 : c0 + QUERY_CHUNK], q_window[c0 : c0 + QUERY_CHUNK]
-        lo = max(int((qi - win + 1).min()), 0)
-        hi = int(qi.max()) + 1
-        j = torch.arange(lo, hi, device=q.device)
-        allowed = (j[None, :] <= qi[:, None]) & (qi[:, None] - j[None, :] < win[:, None])
-        allowed = allowed[None]
-        if key_valid is not None:
-            allowed = (allowed & key_valid[:, None, lo:hi]) | (j[None, :] == qi[:, None])[None]
-        o = F.scaled_dot_product_attention(
-            q[:, :, c0 : c0 + QUERY_CHUNK].float(),
-            kf[:, :, lo:hi],
-            vf[:, :, lo:hi],
-            attn_mask=allowed[:, None],
-            enable_gqa=gqa,
-        )
-        out[:, :, c0 : c0 + QUERY_CHUNK] = o.to(out.dtype)
-    return out
-
-
-def _attention_with_sinks(q, k, v, q_index, q_window, key_valid, key_sink, span):
-    """``orthros_attention`` with sink keys (a separate function: without sinks the plain path runs
-    unchanged)."""
-    b, h, n_q, d = q.shape
-    out = q.new_empty(b, h, n_q, d)
-    kf, vf = k.float(), v.float()
-    gqa = h != k.shape[1]
-    for c0 in range(0, n_q, QUERY_CHUNK):
-        qi, win = q_index[c0 : c0 + QUERY_CHUNK], q_window[c0 : c0 + QUERY_CHUNK]
-        lo = max(int((qi - win + 1).min()), 0)
-        hi = int(qi.max()) + 1
-        # the sink keys before the window range, then the range: each key once
-        j = torch.cat([torch.arange(min(span, lo), device=q.device), torch.arange(lo, hi, device=q.device)])
-        in_window = (j[None, :] <= qi[:, None]) & (qi[:, None] - j[None, :] < win[:, None])
-        is_sink = key_sink[:, None, j] & (j[None, :] <= qi[:, None])[None]
-        allowed = in_window[None] | is_sink
-        if key_valid is not None:
-            allowed = (allowed & key_valid[:, None, j]) | (j[None, :] == qi[:, None])[None]
-        o = F.scaled_dot_product_attention(
-            q[:, :, c0 : c0 + QUERY_CHUNK].float(),
-            kf[:, :, j],
-            vf[:, :, j],
-            attn_mask=allowed[:, None],
-            enable_gqa=gqa,
-        )
-        out[:, :, c0 : c0 + QUERY_CHUNK] = o.to(out.dtype)
-    return out
+        key_sink, span = sinks
+        j = torch.cat([torch.arange(min(span, lo), device=qi.device), j])
+        keys = j
+    causal = j[None, :] <= qi[:, None]
+    allowed = (causal & (qi[:, None] - j[None, :] < win[:, None]))[None]
+    if sinks is not None:
+        allowed = allowed | (key_sink[:, None, keys] & causal[None])
+    if key_valid is not None:
+        allowed = (allowed & key_valid[:, None, keys]) | (j[None, :] == qi[:, None])[None]
+    return keys, allowed
 
 
 class OrthrosAttention(nn.Module):
@@ -412,45 +397,34 @@ class OrthrosModel(OrthrosPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0
-        num_keys = past + t
         device = x.device
-
-        key_valid = None
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[1] != num_keys:
-                raise ValueError(
-                    f"attention_mask must be 2-D [batch, cached + new tokens] = [{b}, {num_keys}], "
-                    f"got {tuple(attention_mask.shape)}"
-                )
-            if not bool(attention_mask.all()):
-                key_valid = attention_mask.to(device=device, dtype=torch.bool)
+        key_valid = _valid_keys(attention_mask, b, past + t, device)
         if position_ids is None:
-            if key_valid is not None:
-                position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
-            else:
-                position_ids = torch.arange(past, num_keys, device=device)[None]
+            position_ids = _default_positions(key_valid, past, past + t, device)
         position_ids = position_ids.to(device).expand(b, t)
         if output_index is None:
             output_index = torch.arange(t, device=device)
-        output_index = output_index.to(device)
+        plan = self._attention_plan(position_ids, output_index.to(device), past, key_valid)
+        y = x[:, plan["output_index"]]  # output token p starts as a copy of input token p
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, y = layer(x, y, plan, cache, base_feeds_nothing=i == last)
+        return _with_cache(BaseModelOutputWithPast, cache if use_cache else None, last_hidden_state=self.norm(y))
 
+    def _attention_plan(self, position_ids, output_index, past, key_valid):
+        """What every layer's attention needs for this call: RoPE of the base tokens and of the
+        output tokens, each query's key index and window (base queries first, then output ones),
+        the valid and sink keys, and the base row each output token pairs with (MoE routing)."""
+        b, t = position_ids.shape
+        device = position_ids.device
+        num_keys = past + t
         inv_freq, attention_factor = rope_inv_freq(self.config)
         base_cos, base_sin = rope_cos_sin(inv_freq.to(device), position_ids, attention_factor)
         base_index = past + torch.arange(t, device=device)
         out_q_index = base_index[output_index]
-        window = self.config.base_window
-        sinks = None
-        n_sinks = getattr(self.config, "sink_tokens", 0)
-        if n_sinks:
-            # a row's sink keys: its first ``sink_tokens`` valid keys (after any left padding)
-            if key_valid is None:
-                key_sink = (torch.arange(num_keys, device=device) < n_sinks)[None].expand(b, num_keys)
-            else:
-                key_sink = key_valid & (key_valid.long().cumsum(-1) <= n_sinks)
-            span = int(key_sink.any(0).nonzero().max()) + 1 if bool(key_sink.any()) else 0
-            sinks = (key_sink, span)
         out_q_window = torch.full_like(out_q_index, num_keys + 1)  # unbounded: every earlier key
-        plan = {
+        window = self.config.base_window
+        return {
             "base_cos": base_cos,
             "base_sin": base_sin,
             "out_cos": base_cos[:, output_index],
@@ -460,15 +434,44 @@ class OrthrosModel(OrthrosPreTrainedModel):
             "out_q_index": out_q_index,
             "out_q_window": out_q_window,
             "key_valid": key_valid,
-            "sinks": sinks,
+            "sinks": _sink_keys(getattr(self.config, "sink_tokens", 0), key_valid, b, num_keys, device),
             "num_keys": num_keys,
-            "output_index": output_index,  # the base row each output token pairs with (MoE routing)
+            "output_index": output_index,
         }
-        y = x[:, output_index]  # output token p starts as a copy of input token p
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x, y = layer(x, y, plan, cache, base_feeds_nothing=i == last)
-        return _with_cache(BaseModelOutputWithPast, cache if use_cache else None, last_hidden_state=self.norm(y))
+
+
+def _valid_keys(attention_mask, b, num_keys, device):
+    """The non-padding keys [B, num_keys] of a left-padded batch (None when every key is valid)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[1] != num_keys:
+        raise ValueError(
+            f"attention_mask must be 2-D [batch, cached + new tokens] = [{b}, {num_keys}], "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    if bool(attention_mask.all()):
+        return None
+    return attention_mask.to(device=device, dtype=torch.bool)
+
+
+def _default_positions(key_valid, past, num_keys, device):
+    """Positions of this call's tokens [B or 1, T]: counted from each row's first valid key."""
+    if key_valid is not None:
+        return (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+    return torch.arange(past, num_keys, device=device)[None]
+
+
+def _sink_keys(n_sinks, key_valid, b, num_keys, device):
+    """``(key_sink [B, num_keys], span)``: each row's first ``n_sinks`` valid keys (after any left
+    padding) and the key index past the last of them in any row; None without sink tokens."""
+    if not n_sinks:
+        return None
+    if key_valid is None:
+        key_sink = (torch.arange(num_keys, device=device) < n_sinks)[None].expand(b, num_keys)
+    else:
+        key_sink = key_valid & (key_valid.long().cumsum(-1) <= n_sinks)
+    span = int(key_sink.any(0).nonzero().max()) + 1 if bool(key_sink.any()) else 0
+    return key_sink, span
 
 
 class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
