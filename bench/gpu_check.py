@@ -131,8 +131,6 @@ for _p in (str(REPO), str(BENCH)):  # run as `python3 bench/gpu_check.py` from a
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from orthros_train.common.files import write_atomic  # noqa: E402 - after REPO is on sys.path
-
 TARGETS = {
     "output_vs_sdpa": 0.80,  # output-stream TFLOP/s / the faster SDPA backend's TFLOP/s, >=
     "base_time_ratio": 1.30,  # base-stream time / (its pairs at the output stream's rate), <=
@@ -240,20 +238,22 @@ class Run:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for name, text in (("gpu_check.json", json.dumps(r, indent=1, default=str) + "\n"),
                            ("gpu_check.md", markdown(r))):  # fmt: skip
-            write_atomic(self.out_dir / name, text, durable=False)  # a reader never sees half a report
+            tmp = self.out_dir / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.out_dir / name)  # a reader never sees half a report
 
     def bundle(self) -> None:
         """``gpu_check_logs.tar.gz``: every log and metrics file of the scratch folder, each cut to
         its last ``LOG_TAIL_BYTES`` (the trainer's error is at the end)."""
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tmp = self.out_dir / ".gpu_check_logs.tar.gz.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
             for path in sorted(self.scratch.rglob("*")):
                 if path.is_file() and (path.suffix in (".log", ".jsonl") or path.parent == self.logs):
                     data = path.read_bytes()[-LOG_TAIL_BYTES:]
                     info = tarfile.TarInfo(str(path.relative_to(self.scratch)))
                     info.size, info.mtime = len(data), int(path.stat().st_mtime)
                     tar.addfile(info, io.BytesIO(data))
-        write_atomic(self.out_dir / "gpu_check_logs.tar.gz", buffer.getvalue(), durable=False)
+        os.replace(tmp, self.out_dir / "gpu_check_logs.tar.gz")
 
     def on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -1254,14 +1254,20 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _md_table(title: str, rows: list[dict], columns: list[tuple[str, Callable[[dict], object]]]) -> list[str]:
+    """``title``, then a markdown table with one line per row: ``columns`` are (header, cell of a row)."""
+    lines = [title, "", "| " + " | ".join(h for h, _ in columns) + " |", "|" + " --- |" * len(columns)]
+    return lines + ["| " + " | ".join(f"{cell(r)}" for _, cell in columns) + " |" for r in rows]
+
+
 def _md_kernels(k: dict | None) -> list[str]:
     if not k or not k.get("rows"):
         return []
-    lines = [f"## Kernels ({k.get('shape')})", "", "| T | case | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for r in k["rows"]:
-        lines.append(f"| T={r['T']} | {r['case']} | {_f(r['fwd_ms'], '.3f')} | {_f(r['fwd_tflops'], '.1f')} | "
-                     f"{_f(r['bwd_ms'], '.3f')} | {_f(r['bwd_tflops'], '.1f')} |")  # fmt: skip
+    lines = _md_table(f"## Kernels ({k.get('shape')})", k["rows"], [
+        ("T", lambda r: f"T={r['T']}"), ("case", lambda r: r["case"]),
+        ("fwd ms", lambda r: _f(r["fwd_ms"], ".3f")), ("fwd TFLOP/s", lambda r: _f(r["fwd_tflops"], ".1f")),
+        ("bwd ms", lambda r: _f(r["bwd_ms"], ".3f")), ("bwd TFLOP/s", lambda r: _f(r["bwd_tflops"], ".1f")),
+    ])  # fmt: skip
     if k.get("deterministic_bwd_ceiling"):
         lines += ["", f"Deterministic backward ceiling: {k['deterministic_bwd_ceiling']}."]
     return lines + [""]
@@ -1270,12 +1276,11 @@ def _md_kernels(k: dict | None) -> list[str]:
 def _md_inference(s: dict | None) -> list[str]:
     if not s or not s.get("rows"):
         return []
-    lines = [f"## Prefill / decode ({s.get('layers')} layers)", "", "| model | prompt | TTFT ms | decode tokens/s |",
-             "| --- | --- | --- | --- |"]  # fmt: skip
-    for r in s["rows"]:
-        lines.append(f"| {r['model']} | {r['prompt']} | {_f(r['ttft_ms'], '.0f')} | "
-                     f"{_f(r['decode_tokens_per_s'], '.1f')} |")  # fmt: skip
-    return lines + [""]
+    return _md_table(f"## Prefill / decode ({s.get('layers')} layers)", s["rows"], [
+        ("model", lambda r: r["model"]), ("prompt", lambda r: r["prompt"]),
+        ("TTFT ms", lambda r: _f(r["ttft_ms"], ".0f")),
+        ("decode tokens/s", lambda r: _f(r["decode_tokens_per_s"], ".1f")),
+    ]) + [""]  # fmt: skip
 
 
 def _md_serving(sv: dict | None) -> list[str]:
