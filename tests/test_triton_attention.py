@@ -360,3 +360,15 @@ def test_tile_work_is_proportional_to_the_mask(kind):
     assert work["visited"] <= bound * ideal + 64 * t  # + one full-document tile (prefill's query)
     if kind in ("base", "prefill"):
         assert work["visited"] < 0.05 * t * t  # linear in T, far from the T^2/2 of full causal
+
+
+def test_autotuning_is_keyed_on_a_length_bucket_and_large_tiles_on_head_dim() -> None:
+    from orthros_train.ops import triton_attention as ta
+
+    assert ta.length_bucket(10, 100) == 1 << 10 and ta.length_bucket(5000, 4096) == 8192
+    assert ta.length_bucket(10, 1 << 20) == 1 << 18  # clamped: one bucket for the longest contexts
+    assert ta.tile_fits(128, 128, 64) and not ta.tile_fits(128, 128, 128) and ta.tile_fits(128, 64, 128)
+    tuners = ta._autotuned("fwd", ta._attn_fwd_kernel, ["BLOCK_D"])
+    first, again, other = tuners["full", 1024], tuners["full", 1024], tuners["full", 4096]
+    assert first is again and first is not other and first.fn is other.fn  # one kernel, tuned per bucket
+    assert (128, 128, 8, 2) in ta._GPU_CONFIGS["fwd"]["full"]  # the large forward tile is on the GPU list

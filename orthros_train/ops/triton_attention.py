@@ -88,7 +88,9 @@ CLASSES = ("band", "full")
 _GPU_CONFIGS = {
     "fwd": {
         "band": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3)],
-        "full": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3)],
+        # 128 x 128: the output stream's long causal rows at head_dim 64 (0 spills, 80 KB shared in
+        # the sm_90 compile report; at head_dim 128 it spills 24 bytes, so ``tile_fits`` drops it)
+        "full": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2)],
     },
     "dq": {
         "band": [(64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)],
@@ -115,6 +117,16 @@ _GPU_CONFIGS_FP32 = {
     "dkdv": {"band": [(16, 32, 8, 2), (32, 32, 8, 2)], "full": [(16, 32, 8, 2), (32, 32, 8, 2)]},
     "dkdv_atomic": {"band": [(16, 32, 8, 2), (32, 32, 8, 2)], "full": [(16, 32, 8, 2), (32, 32, 8, 2)]},
 }
+# The largest tiles keep their accumulators in registers only up to this head dim.
+LARGE_TILE = 128 * 128
+LARGE_TILE_MAX_HEAD_DIM = 64
+
+
+def tile_fits(block_m: int, block_n: int, head_dim: int) -> bool:
+    """Whether a tile of ``block_m x block_n`` compiles without spills at ``head_dim``."""
+    return block_m * block_n < LARGE_TILE or head_dim <= LARGE_TILE_MAX_HEAD_DIM
+
+
 # The interpreter cannot benchmark: one config per kernel and class.
 _INTERP_BLOCKS = {"band": (16, 16), "full": (32, 32)}
 
@@ -566,26 +578,49 @@ def _config_key(cfg: triton.Config) -> tuple[int, int, int, int]:
     return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
 
-def _autotuned(kernel: str, fn, key: list[str], **kw) -> dict:
-    """One autotuner per stream class (each class keeps its own best config); the prune keeps
-    the configs listed for the input dtype (fp32 tiles need twice the shared memory) and, for
-    dk/dv, for the dq variant (``ATOMIC_DQ``, passed as a keyword: the autotuner hands it over
-    with the other keyword arguments)."""
-    out = {}
-    variants = (kernel, f"{kernel}_atomic") if kernel == "dkdv" else (kernel,)
-    for cls in CLASSES:
+def length_bucket(rows: int, n_k: int) -> int:
+    """The autotuners' size key of a launch: the power of two at or above its rows and keys,
+    clamped to [1K, 256K]. The best tile depends on the problem's size (a short sequence fills
+    the GPU only with small tiles, a long one wants the largest), but keying on exact lengths
+    would benchmark every config again for each new packing of SFT data."""
+    n = max(rows, n_k, 1)
+    return min(max(triton.next_power_of_2(n), 1 << 10), 1 << 18)
+
+
+class _Autotuners(dict):
+    """One autotuner per (stream class, length bucket), built on first use; each keeps its own
+    best config (the compiled kernels are shared: they live on the jit function). The prune
+    keeps the configs listed for the input dtype (fp32 tiles need twice the shared memory) and,
+    for dk/dv, for the dq variant (``ATOMIC_DQ``, passed as a keyword: the autotuner hands it
+    over with the other keyword arguments)."""
+
+    def __init__(self, kernel: str, fn, key: list[str], **kw) -> None:
+        super().__init__()
+        self.kernel, self.fn, self.key, self.kw = kernel, fn, key, kw
+
+    def __missing__(self, cls_bucket: tuple[str, int]):
+        cls, kernel = cls_bucket[0], self.kernel
+        variants = (kernel, f"{kernel}_atomic") if kernel == "dkdv" else (kernel,)
         lists = {(name, fp32): _config_list(name, cls, fp32) for name in variants for fp32 in (False, True)}
         union = list({_config_key(c): c for cfgs in lists.values() for c in cfgs}.values())
 
-        def prune(configs, named_args, _lists=lists, **kwargs):
+        def prune(configs, named_args, **kwargs):
             if INTERPRET:
                 return configs
             name = f"{kernel}_atomic" if kwargs.get("ATOMIC_DQ", named_args.get("ATOMIC_DQ")) else kernel
-            keep = {_config_key(c) for c in _lists[(name, named_args["Q"].dtype == torch.float32)]}
-            return [c for c in configs if _config_key(c) in keep]
+            q = named_args["Q"]
+            keep = {_config_key(c) for c in lists[(name, q.dtype == torch.float32)]}
+            return [c for c in configs if _config_key(c) in keep
+                    and tile_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], q.shape[-1])]
 
-        out[cls] = triton.autotune(configs=union, key=key, prune_configs_by={"early_config_prune": prune}, **kw)(fn)
-    return out
+        tuner = triton.autotune(configs=union, key=self.key, prune_configs_by={"early_config_prune": prune},
+                                **self.kw)(self.fn)
+        self[cls_bucket] = tuner
+        return tuner
+
+
+def _autotuned(kernel: str, fn, key: list[str], **kw) -> _Autotuners:
+    return _Autotuners(kernel, fn, key, **kw)
 
 
 _FWD = _autotuned("fwd", _attn_fwd_kernel, ["BLOCK_D", "GROUP", "HEAD_PACK", "PRECISION"])
@@ -624,6 +659,8 @@ def kernel_specs(head_dim: int, group: int, dtype: torch.dtype) -> list[dict]:
                 table = "dkdv_atomic" if variant else kernel
                 for cfg in _config_list(table, cls, dtype == torch.float32):
                     bm, bn, w, s = _config_key(cfg)
+                    if not tile_fits(bm, bn, head_dim):
+                        continue
                     consts = {"GROUP": group, "D": head_dim, "BLOCK_D": block_d, "EVEN_D": head_dim == block_d,
                               "UPCAST": False, "PRECISION": _precision(dtype), "BLOCK_M": bm, "BLOCK_N": bn}
                     if kernel == "dkdv":
@@ -792,7 +829,7 @@ def attention_forward(
     pack = head_pack(common["GROUP"])
     for cls, rows in plan.launches():
         _launch(
-            _FWD[cls],
+            _FWD[cls, length_bucket(rows, n_k)],
             lambda meta, rows=rows: (triton.cdiv(rows * pack, meta["BLOCK_M"]), h_q // pack),
             (
                 q, k, v, out, lse, plan.perm, plan.start, plan.end, plan.rows(cls),
@@ -842,7 +879,7 @@ def attention_backward(
         accumulate = len(launches) == 2 and cls == "full"
         dk_out, dv_out = (dk_part, dv_part) if len(launches) == 2 and cls == "band" else (dk, dv)
         _launch(
-            _BWD_DKDV[cls],
+            _BWD_DKDV[cls, length_bucket(n_q, n_k)],
             lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), h_kv),
             (
                 q, k, v, dout, dk_out, dv_out, dk_part, dv_part, dq_acc, lse, delta,
@@ -859,7 +896,7 @@ def attention_backward(
         return dq_acc.to(q.dtype), dk, dv
     for cls, rows in plan.launches():
         _launch(
-            _BWD_DQ[cls],
+            _BWD_DQ[cls, length_bucket(rows, n_k)],
             lambda meta, rows=rows: (triton.cdiv(rows * pack, meta["BLOCK_M"]), h_q // pack),
             (
                 q, k, v, dout, dq, lse, delta, plan.perm, plan.start, plan.end, plan.rows(cls),
