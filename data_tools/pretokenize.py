@@ -37,6 +37,7 @@ from data_tools.sources import (
     record_text,
     source_fingerprint,
 )
+from orthros_train.common.files import write_json_atomic
 from orthros_train.common.tokenizer import load_tokenizer
 from orthros_train.data.cache import BuildLock
 from orthros_train.data.chat import (
@@ -270,10 +271,7 @@ def _work_items(records: Iterator[Record], opts: TokenizeOptions, done: set[int]
 
 
 def _write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(path, data, indent=2)
 
 
 def _shard_ok(output: str, entry: dict) -> bool:
@@ -292,8 +290,8 @@ def run(opts: TokenizeOptions) -> dict:
     """Run one ``orthros-data`` build; returns the summary (also written to ``OUTPUT.json``).
 
     Holds ``OUTPUT.lock`` while it runs: a second build of the same output waits, then finds it
-    complete (or resumes it). The lock is an exclusive-create file with a heartbeat
-    (``orthros_train.data.cache.BuildLock``) rather than ``flock``, because outputs usually sit on
+    complete (or resumes it). The lock is a hard-linked lock file with a heartbeat
+    (``orthros_train.data.cache.BuildLock`` on ``common.lock``) rather than ``flock``, because outputs usually sit on
     a file system shared by nodes (NFS, Lustre), where ``flock`` may not exclude another node.
     """
     check_output_writable(opts.output)

@@ -12,7 +12,7 @@ built last, so a rebuild says in the log which cache went stale and why.
 A folder is built under a private name and renamed into place once complete with its
 ``fingerprint.json`` inside, so a reader never sees half a cache and a crash leaves only a
 ``*.tmp-*`` folder that the next build ignores. Concurrent builders take turns through
-``BuildLock``.
+``BuildLock`` (the project's one lock, ``common.lock``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,12 @@ import logging
 import os
 import shutil
 import socket
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from orthros_train.common.files import sha256_file, write_json_atomic
+from orthros_train.common.lock import HeartbeatLock, LockOwner
 from orthros_train.data.indexed import DataError
 
 log = logging.getLogger(__name__)
@@ -194,139 +192,38 @@ class CacheLockTimeout(TimeoutError):
     """A build lock was not released (nor went stale) within the waiting time."""
 
 
-class BuildLock:
-    """An exclusive-create lock file (``O_CREAT | O_EXCL``) with a heartbeat, held for a block.
+class BuildLock(HeartbeatLock):
+    """``common.lock.HeartbeatLock`` on ``path``, waited for: builders of one cache take turns.
 
-    Why not ``flock``: caches live under ``data.cache_dir``, by default in the home directory,
-    which on clusters is an NFS/Lustre/GPFS mount shared by the nodes of a job and of other
-    jobs; ``flock`` there is node-local or unsupported depending on the mount options, so two
-    nodes could both build. Exclusive create is atomic on those file systems.
-
-    The holder writes ``host``, ``pid``, ``started`` and a unique token into the file and touches
-    it every ``heartbeat`` seconds. A waiter takes a lock over when its holder is a dead process
-    on this host, or when the file's mtime has not moved for ``stale_after`` seconds of the
-    waiter's own clock (no cross-host clock comparison), and logs whose lock it was. Two waiters
-    judging one lock stale at the same instant could both build; every build here writes a
-    private folder renamed into place, so that costs time, never correctness.
+    Caches live under ``data.cache_dir``, by default in the home directory, which on clusters is an
+    NFS/Lustre/GPFS mount shared by the nodes of a job and of other jobs; the lock works there
+    (``flock`` would be node-local). A waiter takes a lock over when its holder is a dead process
+    on this host or its heartbeat stood still for ``stale_after`` seconds, and logs whose lock it
+    was; ``timeout`` (None: wait as long as the holder lives) ends the wait with
+    ``CacheLockTimeout``. Every build here writes a private folder renamed into place, so even a
+    wrong takeover would cost time, never correctness.
     """
+
+    holder_noun = "build"
 
     def __init__(self, path: str, stale_after: float = 120.0, heartbeat: float | None = None,
                  poll: float = 0.2, timeout: float | None = None) -> None:
-        self.path = path
-        self.stale_after = float(stale_after)
-        self.heartbeat = heartbeat if heartbeat is not None else max(0.05, self.stale_after / 6)
-        self.poll = poll
-        self.timeout = timeout
-        self.token = uuid.uuid4().hex
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__(path, stale_after=stale_after, heartbeat=heartbeat, poll=poll, timeout=timeout, log=log)
 
-    def holder(self) -> dict | None:
-        try:
-            with open(self.path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+    def busy(self, holder: LockOwner | None, waited: float) -> Exception:
+        who = holder.describe() if holder else "an unreadable lock file"
+        return CacheLockTimeout(f"{self.path}: still held by {who} after {waited:.0f} s; if that process is gone, "
+                                "delete the file")
 
-    def _try_create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        except OSError as e:  # a read-only or foreign folder: say which, not a bare traceback
-            raise CacheError(f"{self.path}: cannot create the lock file ({e.strerror or e}); the folder must be "
-                             "writable (for the trainer's caches: point data.cache_dir at a writable folder)") from e
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "token": self.token}
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
-        return True
-
-    def _dead_here(self, holder: dict | None) -> bool:
-        if not holder or holder.get("host") != socket.gethostname():
-            return False
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, KeyError, ValueError, TypeError, OverflowError):
-            return False
-        return False
-
-    def acquire(self) -> None:
-        try:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CacheError(f"{self.path}: cannot create its folder ({e.strerror or e}); the folder must be "
-                             "writable") from e
-        start = time.monotonic()
-        seen: tuple | None = None  # (mtime_ns, when we first saw it) of the current holder's file
-        announced = False
-        while not self._try_create():
-            try:
-                mtime = os.stat(self.path).st_mtime_ns
-            except FileNotFoundError:
-                continue  # released between our create and stat: try again at once
-            now = time.monotonic()
-            if seen is None or seen[0] != mtime:
-                seen = (mtime, now)
-            holder = self.holder()
-            if holder is None and now - seen[1] < max(1.0, self.poll * 5):
-                time.sleep(self.poll)  # being written right now
-                continue
-            if self._dead_here(holder) or now - seen[1] >= self.stale_after:
-                reason = "its process is gone" if self._dead_here(holder) else (
-                    f"no heartbeat for {now - seen[1]:.0f} s")
-                log.warning("taking over the lock %s held by %s (%s)", self.path, _who(holder), reason)
-                current = self.holder()
-                if current == holder:  # still the lock we judged stale (see the class docstring)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(self.path)
-                seen = None
-                continue
-            if not announced:
-                log.info("waiting for %s, held by %s", self.path, _who(holder))
-                announced = True
-            if self.timeout is not None and now - start > self.timeout:
-                raise CacheLockTimeout(
-                    f"{self.path}: still held by {_who(holder)} after {self.timeout:.0f} s; if that "
-                    "process is gone, delete the file"
-                )
-            time.sleep(self.poll)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name=f"lock-heartbeat {self.path}", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        holder = self.holder()
-        if holder is not None and holder.get("token") == self.token:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-        else:
-            log.warning("the lock %s was taken over while held (by %s)", self.path, _who(holder))
+    def cannot_write(self, exc: OSError) -> Exception:
+        # a read-only or foreign folder: say which, not a bare traceback
+        what = "the lock file" if self.path.parent.is_dir() else "its folder"
+        return CacheError(f"{self.path}: cannot create {what} ({exc.strerror or exc}); the folder must be writable "
+                          "(for the trainer's caches: point data.cache_dir at a writable folder)")
 
     def __enter__(self) -> BuildLock:
         self.acquire()
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _who(holder: dict | None) -> str:
-    if not holder:
-        return "an unknown process"
-    started = holder.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
-    return f"pid {holder.get('pid')} on {holder.get('host')} since {when}"
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from itertools import chain
 
 import numpy as np
 
+from orthros_train.common.files import write_json_atomic
 from orthros_train.data.cache import BuildLock, build_once, describe_change, tokenizer_digest
 from orthros_train.data.indexed import (
     DataError,
@@ -149,10 +150,7 @@ def _write_one_shard(output, kind, tokenizer, tokenizer_path, eod_token, source,
         summary = {"kind": kind, "tokenizer": info, "source": source, "complete": True,
                    "documents": writer.documents, "tokens": writer.tokens, "records": records,
                    "skipped": {}, "shards": [entry]}
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2)
-        os.replace(tmp, path)
+        write_json_atomic(path, summary, indent=2)
         return summary
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.common.files import write_atomic
 from orthros_train.common.overrides import check_types, parse_key_values
 from orthros_train.errors import UserError
 
@@ -131,10 +132,7 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
 def write_json(data: Any, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-    tmp.replace(path)
-    return path
+    return write_atomic(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
 
 
 def _jsonable(obj: Any) -> Any:
