@@ -19,6 +19,37 @@ from orthros_train.parallel.context import context_plan
 from orthros_train.phase import pretrain_layout, sft_layout
 
 
+def _simulated_gather(plans, kvs: list[torch.Tensor], calls: list[str]):
+    """``gather_for(rank)``: the all-gather of CP rank ``rank`` simulated in one process, from every
+    rank's local K/V rows ``kvs`` (rank-major, as the collective returns them). It tells the three
+    gathers a rank makes apart by what it sends (the whole chunk pair, its sink rows, or a halo)
+    and records each in ``calls`` ("full", "sinks", "halo"), so tests can check which ran."""
+    c = plans[0].chunk_len
+    cp = len(plans)
+
+    def sink_rows(r: int) -> torch.Tensor:  # what rank r sends to the gather of sink rows
+        meta = plans[r]._sink_meta(kvs[r].device)
+        mine = kvs[r][meta["local_rows"]]
+        return torch.cat([mine, mine.new_zeros(meta["width"] - mine.shape[0], *mine.shape[1:])])
+
+    def gather_for(rank: int):
+        def gather(x: torch.Tensor) -> torch.Tensor:  # every rank's contribution, rank-major
+            if x.shape[0] == 2 * c:
+                calls.append("full")
+                return torch.cat(kvs)
+            meta = plans[rank]._meta.get("sinks")
+            if meta is not None and x.shape[0] == meta["width"] and torch.equal(x, sink_rows(rank)):
+                calls.append("sinks")
+                return torch.cat([sink_rows(r) for r in range(cp)])
+            calls.append("halo")
+            tail = x.shape[0] // 2
+            return torch.cat([torch.cat([y[c - tail : c], y[2 * c - tail :]]) for y in kvs])
+
+        return gather
+
+    return gather_for
+
+
 def _simulated_cp_error(cfg, layout, cp: int, backend: str = "reference", heads=(4, 2), dim=8, grads=False):
     """Max |CP attention - naive attention with sinks| over every rank's queries (and q/k/v
     grads); also returns how many calls each rank made to its all-gather, by gathered row count."""
@@ -40,26 +71,7 @@ def _simulated_cp_error(cfg, layout, cp: int, backend: str = "reference", heads=
     vp = torch.cat([v, v.new_zeros(pad, *v.shape[1:])])
     kvs = [torch.cat([kp[p.base_key_index], vp[p.base_key_index]], 1) for p in plans]
     calls: list[str] = []
-
-    def sink_rows(r: int) -> torch.Tensor:  # what rank r sends to the gather of sink rows
-        meta = plans[r]._sink_meta(k.device)
-        mine = kvs[r][meta["local_rows"]]
-        return torch.cat([mine, mine.new_zeros(meta["width"] - mine.shape[0], *mine.shape[1:])])
-
-    def gather_for(rank: int):
-        def gather(x: torch.Tensor) -> torch.Tensor:  # every rank's contribution, rank-major
-            if x.shape[0] == 2 * c:
-                calls.append("full")
-                return torch.cat(kvs)
-            meta = plans[rank]._meta.get("sinks")
-            if meta is not None and x.shape[0] == meta["width"] and torch.equal(x, sink_rows(rank)):
-                calls.append("sinks")
-                return torch.cat([sink_rows(r) for r in range(cp)])
-            calls.append("halo")
-            tail = x.shape[0] // 2
-            return torch.cat([torch.cat([y[c - tail : c], y[2 * c - tail :]]) for y in kvs])
-
-        return gather
+    gather_for = _simulated_gather(plans, kvs, calls)
 
     worst, total = 0.0, 0.0
     for p in plans:
