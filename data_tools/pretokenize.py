@@ -332,82 +332,126 @@ def _run(opts: TokenizeOptions) -> dict:
         "source": {"inputs": files, "fingerprint": source_fingerprint(files)},
         "settings": opts.settings(),
     }
-
-    shards: dict[int, dict] = {}
-    old = _read_summary(out_json, opts.overwrite) if os.path.exists(out_json) else None
-    # shards of an output being overwritten, removed once the new one is complete (kept in the
-    # manifest until then, so a resumed or repeated run after a crash still removes them)
-    replaced: list[str] = list(old.get("replacing", [])) if old is not None else []
-    if old is not None and opts.overwrite:
-        replaced += [e["prefix"] for e in old.get("shards", []) if isinstance(e, dict) and e.get("prefix")]
-        old = None
-    if old is not None:
-        same = all(old.get(k) == v for k, v in identity.items() if k != "tokenizer")
-        if not same or old.get("tokenizer", {}).get("vocab_size") != info["vocab_size"]:
-            raise DataError(
-                f"{out_json}: exists for other inputs, tokenizer or settings; "
-                "choose another --output or pass --overwrite"
-            )
-        if old.get("complete"):
-            log.info("%s is complete; nothing to do", out_json)
-            return old
-        shards = {e["index"]: e for e in old.get("shards", []) if _shard_ok(opts.output, e)}
-        if shards:
-            log.info("resuming: keeping %d finished shards", len(shards))
+    done, shards, replaced = _plan_resume(opts, out_json, identity, info)
+    if done is not None:
+        return done
     policy = BadInputPolicy(opts.on_error)
+    late = BadInputPolicy(opts.on_error)  # bad records found while encoding (chat rendering)
 
     def manifest(complete: bool) -> dict:
-        entries = [shards[i] for i in sorted(shards)]
-        totals = Counter()
-        for e in entries:
-            totals.update(e.get("skipped", {}))
-        return {
-            **identity,
-            "complete": complete,
-            "documents": sum(e["documents"] for e in entries),
-            "tokens": sum(e["tokens"] for e in entries),
-            "records": sum(e["records"] for e in entries),
-            "on_error": opts.on_error,
-            "skipped": dict(totals),
-            "skipped_examples": {**late.examples, **policy.examples},
-            "seconds_this_run": round(time.time() - t0, 3),
-            "shards": entries,
-            **({"replacing": sorted(set(replaced))} if replaced and not complete else {}),
-        }
+        return _manifest(identity, opts, shards, replaced, {**late.examples, **policy.examples}, t0, complete)
 
     if opts.overwrite and os.path.exists(out_json):
         # from the first rewritten shard on, the old output is gone: say so before touching a shard,
         # so no reader takes half-rewritten shards for the complete old dataset
         _write_json(out_json, {**identity, "complete": False, "shards": [], "replacing": sorted(set(replaced))})
     records = iter_records(files, opts.txt_sample_by, opts.hub_split, opts.hub_config)
-    items = _work_items(records, opts, set(shards), policy)
-    pool = None
-    if opts.workers > 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        pool = ctx.Pool(opts.workers, initializer=_init_worker, initargs=(opts,))
-        results = _ordered_map(pool, items, window=4 * opts.workers)
-    else:
-        results = map(_Encoder(opts, tok), items)
-
+    pool, results = _start_encoding(opts, tok, _work_items(records, opts, set(shards), policy))
     total = count_records(files, opts.txt_sample_by, opts.hub_split) if opts.progress else None
     progress = _Progress(opts.progress, total)
+    try:
+        for shard, entry in _write_shards(results, opts.output, info["vocab_size"], progress, late):
+            shards[shard] = entry
+            _write_json(out_json, manifest(False))  # a crash from here on resumes after this shard
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+        raise
+    finally:
+        progress.close()
+    if pool is not None:
+        pool.close()
+        pool.join()
+    return _finish(opts, out_json, manifest, replaced, progress.tokens / max(time.time() - t0, 1e-9))
+
+
+def _plan_resume(
+    opts: TokenizeOptions, out_json: str, identity: dict, info: dict
+) -> tuple[dict | None, dict[int, dict], list[str]]:
+    """What an earlier run at ``--output`` leaves to do: (its summary if it is complete, else None;
+    its finished shards to keep, by index; the shard prefixes of an output being overwritten).
+
+    The shards of an overwritten output are removed once the new one is complete; until then they
+    stay in the manifest (``replacing``), so a resumed or repeated run after a crash still removes
+    them. An output of other inputs, tokenizer or settings is refused unless ``--overwrite``.
+    """
+    shards: dict[int, dict] = {}
+    old = _read_summary(out_json, opts.overwrite) if os.path.exists(out_json) else None
+    replaced: list[str] = list(old.get("replacing", [])) if old is not None else []
+    if old is not None and opts.overwrite:
+        replaced += [e["prefix"] for e in old.get("shards", []) if isinstance(e, dict) and e.get("prefix")]
+        old = None
+    if old is None:
+        return None, shards, replaced
+    same = all(old.get(k) == v for k, v in identity.items() if k != "tokenizer")
+    if not same or old.get("tokenizer", {}).get("vocab_size") != info["vocab_size"]:
+        raise DataError(
+            f"{out_json}: exists for other inputs, tokenizer or settings; "
+            "choose another --output or pass --overwrite"
+        )
+    if old.get("complete"):
+        log.info("%s is complete; nothing to do", out_json)
+        return old, shards, replaced
+    shards = {e["index"]: e for e in old.get("shards", []) if _shard_ok(opts.output, e)}
+    if shards:
+        log.info("resuming: keeping %d finished shards", len(shards))
+    return None, shards, replaced
+
+
+def _manifest(identity: dict, opts: TokenizeOptions, shards: dict[int, dict], replaced: list[str],
+              skipped_examples: dict, t0: float, complete: bool) -> dict:
+    """The summary written to ``OUTPUT.json``: after every finished shard (``complete`` False, what
+    a resume reads) and once at the end."""
+    entries = [shards[i] for i in sorted(shards)]
+    totals = Counter()
+    for e in entries:
+        totals.update(e.get("skipped", {}))
+    return {
+        **identity,
+        "complete": complete,
+        "documents": sum(e["documents"] for e in entries),
+        "tokens": sum(e["tokens"] for e in entries),
+        "records": sum(e["records"] for e in entries),
+        "on_error": opts.on_error,
+        "skipped": dict(totals),
+        "skipped_examples": skipped_examples,
+        "seconds_this_run": round(time.time() - t0, 3),
+        "shards": entries,
+        **({"replacing": sorted(set(replaced))} if replaced and not complete else {}),
+    }
+
+
+def _start_encoding(opts: TokenizeOptions, tok, items: Iterator[tuple]):
+    """``(pool, results)``: the encoded work items in order, from ``opts.workers`` processes (pool
+    None: encoded in this process, one at a time)."""
+    if opts.workers <= 1:
+        return None, map(_Encoder(opts, tok), items)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism; no nested threads
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    pool = ctx.Pool(opts.workers, initializer=_init_worker, initargs=(opts,))
+    return pool, _ordered_map(pool, items, window=4 * opts.workers)
+
+
+def _write_shards(results, output: str, vocab_size: int, progress: _Progress,
+                  late: BadInputPolicy) -> Iterator[tuple[int, dict]]:
+    """Write the encoded items into shards; yields ``(index, manifest entry)`` as each shard is
+    finished. Bad records found while encoding go to ``late`` and count in their shard's entry.
+    A failure aborts the shard being written (no half shard is left under its name)."""
     writer: ShardWriter | None = None
-    late = BadInputPolicy(opts.on_error)  # bad records found while encoding (chat rendering)
     shard_late: Counter = Counter()
     try:
         for item in results:
             if item[0] == "docs":
                 _, shard, flat, lengths = item
                 if writer is None:
-                    writer = ShardWriter(shard_prefix(opts.output, shard), info["vocab_size"])
+                    writer = ShardWriter(shard_prefix(output, shard), vocab_size)
                 for doc in np.split(flat, np.cumsum(lengths)[:-1]):
                     writer.add_document(doc)
                 progress.update(len(lengths), int(lengths.sum()))
             elif item[0] == "chats":
                 _, shard, convs = item
                 if writer is None:
-                    writer = ShardWriter(shard_prefix(opts.output, shard), info["vocab_size"], multimodal=True)
+                    writer = ShardWriter(shard_prefix(output, shard), vocab_size, multimodal=True)
                 for conv in convs:
                     if conv[0] == "bad":
                         late.bad(conv[1], conv[2], conv[3])
@@ -419,27 +463,23 @@ def _run(opts: TokenizeOptions) -> dict:
                 raise item[1]
             else:
                 _, shard, skipped, n_records = item
-                skipped = dict(Counter(skipped) + shard_late)
-                shard_late = Counter()
                 entry = {"index": shard, "prefix": None, "documents": 0, "tokens": 0,
-                         "records": n_records, "skipped": skipped}
+                         "records": n_records, "skipped": dict(Counter(skipped) + shard_late)}
+                shard_late = Counter()
                 if writer is not None:
                     writer.finish()
                     entry.update(prefix=os.path.basename(writer.prefix), **writer.record())
                     writer = None
-                shards[shard] = entry
-                _write_json(out_json, manifest(False))
+                yield shard, entry
     except BaseException:
         if writer is not None:
             writer.abort()
-        if pool is not None:
-            pool.terminate()
         raise
-    finally:
-        progress.close()
-    if pool is not None:
-        pool.close()
-        pool.join()
+
+
+def _finish(opts: TokenizeOptions, out_json: str, manifest, replaced: list[str], tokens_per_second: float) -> dict:
+    """Write the complete summary and remove the shards of an overwritten output; an output with
+    no document is an error, and leaves no summary that promises a resume."""
     summary = manifest(True)
     if summary["documents"] == 0:
         if replaced:  # an overwritten output: keep the list of its old shards for the next run to remove
@@ -449,7 +489,7 @@ def _run(opts: TokenizeOptions) -> dict:
         what = (f"no usable records (skipped: {summary['skipped']})" if summary["records"]
                 else "no records at all (empty input)")
         raise DataError(f"{', '.join(opts.inputs)}: {what}; nothing was written")
-    summary["tokens_per_second_this_run"] = round(progress.tokens / max(time.time() - t0, 1e-9), 1)
+    summary["tokens_per_second_this_run"] = round(tokens_per_second, 1)
     _write_json(out_json, summary)
     _remove_stale_shards(opts.output, replaced, {e["prefix"] for e in summary["shards"] if e.get("prefix")})
     return summary
