@@ -218,16 +218,7 @@ def gpu_bench(args) -> dict:
                 o_f, o_b = fwd_bwd_ms(orthros_fn(q, k, v, qi, qw, cu), (q, k, v), True)
                 record(layout, t, name, pairs, o_f, o_b, sdpa_speedup_fwd=sd_f / o_f, sdpa_speedup_bwd=sd_b / o_b)
                 if streams == "both" and not args.no_flex:
-                    try:
-                        bm = flex_mask(qi, qw, cu, t, dev, compile_mask=True)
-                        qf = q.detach().transpose(0, 1)[None].requires_grad_()
-                        kf = k.detach().transpose(0, 1)[None].requires_grad_()
-                        vf = v.detach().transpose(0, 1)[None].requires_grad_()
-                        f_f, f_b = fwd_bwd_ms(flex_fn(qf, kf, vf, bm, compiled=True), (qf, kf, vf), True)
-                        record(layout, t, "flex", pairs, f_f, f_b)
-                        del qf, kf, vf, bm
-                    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
-                        record(layout, t, "flex", pairs, None, None, error=f"{type(exc).__name__}: {exc}"[:200])
+                    _bench_flex(record, layout, t, pairs, q, k, v, (qi, qw, cu), dev)
                 del q
         torch.cuda.empty_cache()
     return {
@@ -239,6 +230,22 @@ def gpu_bench(args) -> dict:
         "rows": rows,
         "targets": targets(rows),
     }
+
+
+def _bench_flex(record, layout: str, t: int, pairs: int, q, k, v, queries, dev) -> None:
+    """FlexAttention (compiled) on the same mask as a row of ``gpu_bench``; a failure is recorded
+    as the row's error and the benchmark goes on."""
+    qi, qw, cu = queries
+    try:
+        bm = flex_mask(qi, qw, cu, t, dev, compile_mask=True)
+        qf = q.detach().transpose(0, 1)[None].requires_grad_()
+        kf = k.detach().transpose(0, 1)[None].requires_grad_()
+        vf = v.detach().transpose(0, 1)[None].requires_grad_()
+        f_f, f_b = fwd_bwd_ms(flex_fn(qf, kf, vf, bm, compiled=True), (qf, kf, vf), True)
+        record(layout, t, "flex", pairs, f_f, f_b)
+        del qf, kf, vf, bm
+    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+        record(layout, t, "flex", pairs, None, None, error=f"{type(exc).__name__}: {exc}"[:200])
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -320,7 +327,20 @@ def cpu_smoke(args) -> dict:
         err = float((flex_out[0].transpose(0, 1) - out2.detach()).abs().max())
         checks.append({"check": f"{layout}: FlexAttention mask vs reference (fwd)", "max_abs_err": err,
                        "ok": err < 1e-5})
-    # decode: ragged cache lengths, base + output query per row
+    checks.append(_smoke_decode_check(h, hkv, d, w))
+    return {
+        "device": f"CPU ({platform.processor() or platform.machine()}), Triton interpreter",
+        "date": date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "smoke": {"config": {"heads": h, "kv_heads": hkv, "head_dim": d, "window": w}, "rows": rows,
+                  "checks": checks},
+        "tile_work": {"blocks": args.blocks, "window": args.window, "rows": tile_work(args)},
+    }
+
+
+def _smoke_decode_check(h: int, hkv: int, d: int, w: int) -> dict:
+    """The decode kernel against the reference on ragged cache lengths, base + output query per row."""
     lens = [300, 17, 1]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     last = (cu[1:] - 1).long()
@@ -334,10 +354,12 @@ def cpu_smoke(args) -> dict:
     dec_ms = (time.perf_counter() - t0) * 1e3
     out2, lse2 = attention_reference(q, k, v, qi, qw, cu)
     err = max(float((out - out2).abs().max()), float((lse - lse2).abs().max()))
-    checks.append({"check": f"decode (ragged {lens}, split 64): vs reference", "max_abs_err": err, "ok": err < 1e-5,
-                   "ms": dec_ms})
+    return {"check": f"decode (ragged {lens}, split 64): vs reference", "max_abs_err": err, "ok": err < 1e-5,
+            "ms": dec_ms}
 
-    # work proportional to the mask at the real sizes (host mirror of the kernel's tile bounds)
+
+def tile_work(args) -> list[dict]:
+    """Work proportional to the mask at the real sizes (host mirror of the kernel's tile bounds)."""
     work = []
     for t in args.seqlens:
         for layout in LAYOUTS:
@@ -348,15 +370,7 @@ def cpu_smoke(args) -> dict:
                 work.append({"layout": layout, "T": t, "stream": streams, "unmasked_pairs": wk["unmasked"],
                              "visited_pairs": wk["visited"], "visited_over_unmasked": wk["visited"] / wk["unmasked"],
                              "visited_over_causal": wk["visited"] / (t * (t + 1) / 2)})
-    return {
-        "device": f"CPU ({platform.processor() or platform.machine()}), Triton interpreter",
-        "date": date.today().isoformat(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "smoke": {"config": {"heads": h, "kv_heads": hkv, "head_dim": d, "window": w}, "rows": rows,
-                  "checks": checks},
-        "tile_work": {"blocks": args.blocks, "window": args.window, "rows": work},
-    }
+    return work
 
 
 def print_cpu(res: dict) -> None:
@@ -600,10 +614,18 @@ def hopper_probe(head_dim: int = 128) -> list[dict]:
     Reports registers/spills/shared and whether the PTX holds TMA copies (``cp.async.bulk.tensor``),
     wgmma and ``setmaxnreg`` (the register split warp specialization relies on).
     """
+    band_fwd_tma = _band_fwd_tma_kernel()
+    rows = []
+    for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 64, 8, 3)):
+        for ws in (False, True):
+            rows.append(_compile_tma_probe(band_fwd_tma, head_dim, bm, bn, warps, stages, ws))
+    return rows
+
+
+def _band_fwd_tma_kernel():
+    """The probe's kernel (defined here: triton is imported only when the probe runs)."""
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     @triton.jit
     def band_fwd_tma(Q, K_desc, V_desc, Out, PERM, QSTART, QEND, stride_qm, stride_qh, stride_om, stride_oh,
@@ -639,30 +661,36 @@ def hopper_probe(head_dim: int = 128) -> list[dict]:
         tl.store(Out + qi[:, None] * stride_om + hk * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
                  mask=row_ok[:, None])
 
-    rows = []
-    for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 64, 8, 3)):
-        for ws in (False, True):
-            consts = {"D": head_dim, "BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws}
-            desc = f"tensordesc<bf16[{bn}, {head_dim}]>"
-            sig = {"Q": "*bf16", "K_desc": desc, "V_desc": desc, "Out": "*bf16", "PERM": "*i32", "QSTART": "*i32",
-                   "QEND": "*i32", "n_rows": "i32", "qk_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
-            sig.update({n: "i32" for n in band_fwd_tma.arg_names if n.startswith("stride")})
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(band_fwd_tma.arg_names)
-                     if sig[n].startswith("*") or n.startswith("stride")}
-            row = {"kernel": "band fwd, TMA K/V", "warp_specialize": ws, "head_dim": head_dim, "dtype": "bf16",
-                   "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}}
-            try:
-                kern = triton.compile(ASTSource(band_fwd_tma, {n: sig[n] for n in band_fwd_tma.arg_names},
-                                                constexprs=consts, attrs=attrs),
-                                      target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": warps, "num_stages": stages})
-                ptx = kern.asm["ptx"]
-                row.update(_ptxas_stats(ptx), shared_bytes=int(kern.metadata.shared),
-                           tma="cp.async.bulk.tensor" in ptx, wgmma="wgmma" in ptx, setmaxnreg="setmaxnreg" in ptx)
-            except Exception as exc:  # noqa: BLE001 - the compiler refusing is the finding
-                row["error"] = f"{type(exc).__name__}: {exc}"[-300:]
-            rows.append(row)
-    return rows
+    return band_fwd_tma
+
+
+def _compile_tma_probe(band_fwd_tma, head_dim: int, bm: int, bn: int, warps: int, stages: int, ws: bool) -> dict:
+    """One config of the probe compiled for sm_90: its ptxas stats and which Hopper features the PTX
+    uses, or the compiler's error (a refusal is a finding, not a failure)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {"D": head_dim, "BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws}
+    desc = f"tensordesc<bf16[{bn}, {head_dim}]>"
+    sig = {"Q": "*bf16", "K_desc": desc, "V_desc": desc, "Out": "*bf16", "PERM": "*i32", "QSTART": "*i32",
+           "QEND": "*i32", "n_rows": "i32", "qk_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
+    sig.update({n: "i32" for n in band_fwd_tma.arg_names if n.startswith("stride")})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(band_fwd_tma.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride")}
+    row = {"kernel": "band fwd, TMA K/V", "warp_specialize": ws, "head_dim": head_dim, "dtype": "bf16",
+           "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}}
+    try:
+        kern = triton.compile(ASTSource(band_fwd_tma, {n: sig[n] for n in band_fwd_tma.arg_names},
+                                        constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+        ptx = kern.asm["ptx"]
+        row.update(_ptxas_stats(ptx), shared_bytes=int(kern.metadata.shared),
+                   tma="cp.async.bulk.tensor" in ptx, wgmma="wgmma" in ptx, setmaxnreg="setmaxnreg" in ptx)
+    except Exception as exc:  # noqa: BLE001 - the compiler refusing is the finding
+        row["error"] = f"{type(exc).__name__}: {exc}"[-300:]
+    return row
 
 
 def compile_sm90(args) -> list[dict]:

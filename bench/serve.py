@@ -238,7 +238,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="20m", choices=sorted(PRESETS))
     p.add_argument("--lengths", default="1024,4096,16384", help="prompt lengths (comma-separated)")
@@ -255,24 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                         "beside the plain Llama; the accepted-token rate is reported")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    args = p.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",") if x]
-    batches = [int(x) for x in args.batches.split(",") if x]
-    check_lengths = [int(x) for x in args.window_check.split(",") if x]
-    if not lengths or min(lengths) < 2 or not batches or min(batches) < 1:
-        p.error("--lengths need values >= 2 and --batches values >= 1")
-    if args.decode_tokens < 1 or args.repeats < 1 or args.threads < 1:
-        p.error("--decode-tokens, --repeats and --threads need values >= 1")
-    # Set before the engines exist: vLLM's CPU worker turns torch.set_num_threads into a no-op.
-    torch.set_num_threads(args.threads)
-    import vllm
+    return p
 
-    env = {"utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": cpu_name(),
-           "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
-           "torch": torch.__version__, "preset": args.preset, "dtype": "float32", "repeats": args.repeats,
-           "decode_tokens": args.decode_tokens, "mode": "eager" if args.eager else "compiled",
-           "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-           "load_average_start": os.getloadavg()[0]}
+
+def run_engines(args: argparse.Namespace, lengths: list[int], batches: list[int], env: dict):
+    """Build both engines, warm them up and time them: ``(cfg, times, accepted, block_size)``."""
     max_len = max(lengths) + args.decode_tokens + 8
     with tempfile.TemporaryDirectory() as tmp:
         cfg, export, dense = build_models(args.preset, Path(tmp), max_len)
@@ -298,9 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         accepted = {"orthros": acceptance(engines["orthros"])} if spec else {}
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
-    checks = window_check(cfg, check_lengths, block_size, max(args.repeats, 2)) if check_lengths else []
-    env["load_average_end"] = os.getloadavg()[0]
-    env["torch_threads_during_run"] = torch.get_num_threads()
+    return cfg, times, accepted, block_size
+
+
+def result_rows(cfg, times: dict, lengths: list[int], batches: list[int]) -> list[dict]:
+    """One row per (prompt, batch): both engines' times, their ratios and the FLOP limits."""
     rows = []
     for t in lengths:
         for b in batches:
@@ -312,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
                          "pct_of_limit": 100 * ratio / limit, "flop_limit_skip": limit_skip,
                          "pct_of_limit_skip": 100 * ratio / limit_skip,
                          "decode_ratio": o["decode_tok_s_cpu"] / d["decode_tok_s_cpu"]})
+    return rows
+
+
+def print_timings(args: argparse.Namespace, env: dict, cfg, rows: list[dict]) -> None:
+    """The header line, then the TTFT and decode tables."""
     print(f"vLLM {env['vllm']} (torch {env['torch']}), preset {args.preset} (W = {cfg.sliding_window}), fp32, "
           f"{env['mode']}, "
           f"{env['machine']}, {env['cpus']} CPUs, {env['torch_threads_during_run']} torch thread(s), {env['utc']}, "
@@ -333,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['prompt']} | {r['batch']} | {r['orthros_decode_tok_s_cpu']:.1f} "
               f"| {r['llama_decode_tok_s_cpu']:.1f} | {r['decode_ratio']:.2f}x "
               f"| {r['orthros_decode_tok_s_wall']:.1f} | {r['llama_decode_tok_s_wall']:.1f} |")
+
+
+def print_checks(args: argparse.Namespace, cfg, checks: list[dict], block_size: int, accepted: dict) -> None:
+    """The window check's table and the speculative acceptance (which gains its ``accept_rate``)."""
     if checks:
         print(f"\nWindow check: vLLM's CPU paged attention, one layer's base stream ({cfg.num_attention_heads} "
               f"heads / {cfg.num_key_value_heads} kv heads of {cfg.head_dim}, cache blocks of {block_size}), "
@@ -348,6 +346,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{m}: speculative decoding ({args.speculative}, k = {args.num_speculative_tokens}, warm-up included): "
               f"{c.get('accepted', 0)} of {c.get('draft_tokens', 0)} draft tokens accepted ({rate:.1%}), "
               f"{c.get('drafts', 0)} drafts")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    batches = [int(x) for x in args.batches.split(",") if x]
+    check_lengths = [int(x) for x in args.window_check.split(",") if x]
+    if not lengths or min(lengths) < 2 or not batches or min(batches) < 1:
+        p.error("--lengths need values >= 2 and --batches values >= 1")
+    if args.decode_tokens < 1 or args.repeats < 1 or args.threads < 1:
+        p.error("--decode-tokens, --repeats and --threads need values >= 1")
+    # Set before the engines exist: vLLM's CPU worker turns torch.set_num_threads into a no-op.
+    torch.set_num_threads(args.threads)
+    import vllm
+
+    env = {"utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": cpu_name(),
+           "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
+           "torch": torch.__version__, "preset": args.preset, "dtype": "float32", "repeats": args.repeats,
+           "decode_tokens": args.decode_tokens, "mode": "eager" if args.eager else "compiled",
+           "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+           "load_average_start": os.getloadavg()[0]}
+    cfg, times, accepted, block_size = run_engines(args, lengths, batches, env)
+    checks = window_check(cfg, check_lengths, block_size, max(args.repeats, 2)) if check_lengths else []
+    env["load_average_end"] = os.getloadavg()[0]
+    env["torch_threads_during_run"] = torch.get_num_threads()
+    rows = result_rows(cfg, times, lengths, batches)
+    print_timings(args, env, cfg, rows)
+    print_checks(args, cfg, checks, block_size, accepted)
     if args.json:
         args.json.write_text(json.dumps({"environment": env, "rows": rows, "window_check": checks,
                                          "speculative": accepted}, indent=2) + "\n")

@@ -120,9 +120,9 @@ def peer_batch(layout, batch: int, length: int) -> tuple[torch.Tensor, torch.Ten
     return ids, labels.view(batch, length)
 
 
-def run(args: argparse.Namespace) -> dict:
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """``(cfg, orthros, dense, peer)``: the Orthros model of the command line's shape, its dense twin
+    with the same weights, and the transformers peer (None with ``--no-peer``)."""
     cfg = OrthrosConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -139,6 +139,32 @@ def run(args: argparse.Namespace) -> dict:
     peer = None
     if not args.no_peer:
         peer = transformers_peer(cfg).to(device=device, dtype=dtype)
+    return cfg, orthros, dense, peer
+
+
+def sweep_rows(args: argparse.Namespace, cfg: OrthrosConfig, device: torch.device, measure) -> list[dict]:
+    """The prompt/answer sweep of the SFT and RL layouts: the answer fixed while the prompt grows,
+    then the prompt fixed at the longest length while the answer grows."""
+    sweep: list[dict] = []
+    longest = max(args.lengths)
+    points = [(length, args.sweep_answer) for length in sorted(args.lengths)]  # answer fixed, prompt grows
+    points += [(longest, a) for a in sorted(args.sweep_answers) if a != args.sweep_answer]  # prompt fixed
+    for kind in ("sft", "rl"):
+        for length, answer in points:
+            if answer >= length:
+                continue
+            layout = make_layout(kind, args.batch, length, args.vocab, 0.0, n_answer=answer).to(device)
+            row = {"layout": kind, "seq_len": length, "prompt_tokens": length - answer, "answer_tokens": answer,
+                   "outputs": layout.num_outputs, **attention_pairs(layout, cfg.sliding_window)}
+            row["orthros_pairs"] = row["base_pairs"] + row["output_pairs"]
+            sweep.append(measure(layout, row))
+    return sweep
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg, orthros, dense, peer = build_models(args, device, dtype)
     peak = peak_tflops(device)
     cuda = device.type == "cuda"
 
@@ -166,20 +192,7 @@ def run(args: argparse.Namespace) -> dict:
             layout = make_layout(kind, args.batch, length, args.vocab, args.answer_fraction).to(device)
             row = {"layout": kind, "seq_len": length, "tokens": layout.num_tokens, "outputs": layout.num_outputs}
             rows.append(measure(layout, row))
-    sweep = []
-    if args.sweep:
-        longest = max(args.lengths)
-        points = [(length, args.sweep_answer) for length in sorted(args.lengths)]  # answer fixed, prompt grows
-        points += [(longest, a) for a in sorted(args.sweep_answers) if a != args.sweep_answer]  # prompt fixed
-        for kind in ("sft", "rl"):
-            for length, answer in points:
-                if answer >= length:
-                    continue
-                layout = make_layout(kind, args.batch, length, args.vocab, 0.0, n_answer=answer).to(device)
-                row = {"layout": kind, "seq_len": length, "prompt_tokens": length - answer, "answer_tokens": answer,
-                       "outputs": layout.num_outputs, **attention_pairs(layout, cfg.sliding_window)}
-                row["orthros_pairs"] = row["base_pairs"] + row["output_pairs"]
-                sweep.append(measure(layout, row))
+    sweep = sweep_rows(args, cfg, device, measure) if args.sweep else []
     params = sum(p.numel() for p in orthros.parameters())
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
