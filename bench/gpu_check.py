@@ -131,6 +131,8 @@ for _p in (str(REPO), str(BENCH)):  # run as `python3 bench/gpu_check.py` from a
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from orthros_train.common.files import write_atomic  # noqa: E402 - after REPO is on sys.path
+
 TARGETS = {
     "output_vs_sdpa": 0.80,  # output-stream TFLOP/s / the faster SDPA backend's TFLOP/s, >=
     "base_time_ratio": 1.30,  # base-stream time / (its pairs at the output stream's rate), <=
@@ -238,22 +240,20 @@ class Run:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for name, text in (("gpu_check.json", json.dumps(r, indent=1, default=str) + "\n"),
                            ("gpu_check.md", markdown(r))):  # fmt: skip
-            tmp = self.out_dir / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, self.out_dir / name)  # a reader never sees half a report
+            write_atomic(self.out_dir / name, text, durable=False)  # a reader never sees half a report
 
     def bundle(self) -> None:
         """``gpu_check_logs.tar.gz``: every log and metrics file of the scratch folder, each cut to
         its last ``LOG_TAIL_BYTES`` (the trainer's error is at the end)."""
-        tmp = self.out_dir / ".gpu_check_logs.tar.gz.tmp"
-        with tarfile.open(tmp, "w:gz") as tar:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
             for path in sorted(self.scratch.rglob("*")):
                 if path.is_file() and (path.suffix in (".log", ".jsonl") or path.parent == self.logs):
                     data = path.read_bytes()[-LOG_TAIL_BYTES:]
                     info = tarfile.TarInfo(str(path.relative_to(self.scratch)))
                     info.size, info.mtime = len(data), int(path.stat().st_mtime)
                     tar.addfile(info, io.BytesIO(data))
-        os.replace(tmp, self.out_dir / "gpu_check_logs.tar.gz")
+        write_atomic(self.out_dir / "gpu_check_logs.tar.gz", buffer.getvalue(), durable=False)
 
     def on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name

@@ -10,7 +10,6 @@ whose manifest does not verify.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.common.files import fsync_dir, sha256_file, write_atomic
 from orthros_train.common.safetensors_io import ShardedSafetensorsWriter, tensor_bytes
 
 log = logging.getLogger("orthros_train.checkpoint")
@@ -35,37 +35,6 @@ MANIFEST = "manifest.json"
 class CheckpointError(RuntimeError):
     """A save failed on some rank (the previous checkpoint and ``latest`` are untouched), or a
     checkpoint cannot be loaded."""
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a small file so readers see the old or the new content, never a partial one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def build_manifest(root: Path, with_hashes: bool, known: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
