@@ -181,6 +181,10 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos[:, None, :], sin[:, None, :]
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``apply_rope`` as this module's call, so a regional ``torch.compile`` fuses it."""
+        return apply_rope(x, cos, sin)
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [N, heads, head_dim] by the angles of its positions."""
@@ -196,12 +200,21 @@ def _plain_linear(name: str, in_features: int, out_features: int, bias: bool) ->
     return nn.Linear(in_features, out_features, bias=bias)
 
 
+class SiluAndMul(nn.Module):
+    """SwiGLU's activation, ``silu(gate) * up``: a module of its own so a regional
+    ``torch.compile`` fuses its elementwise passes (no parameters; names unchanged)."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, linear: LinearFactory = _plain_linear) -> None:
         super().__init__()
         self.gate_proj = linear("gate_proj", hidden_size, intermediate_size, False)
         self.up_proj = linear("up_proj", hidden_size, intermediate_size, False)
         self.down_proj = linear("down_proj", intermediate_size, hidden_size, False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

@@ -35,7 +35,7 @@ from torch import nn
 from orthros_train.common.safetensors_io import WEIGHTS_NAME, SafetensorsReader, save_safetensors
 from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from orthros_train.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from orthros_train.model.moe import MoEOutput, SparseMoE, StreamPairs
 from orthros_train.ops.attention import UNBOUNDED, orthros_attention, prepare_attention
 from orthros_train.phase.builders import decode_layout, positions_layout, prefill_layout
@@ -89,6 +89,21 @@ class AttentionPlan:
             torch.cat([self.base_key_index, self.out_key_index]),
             torch.cat([base_window, out_window]),
         )
+
+    def rotary_angles(self, rotary: RotaryEmbedding, with_base: bool) -> tuple[tuple, tuple]:
+        """``((cos, sin) of the queries, (cos, sin) of the keys)``, computed by the first layer and
+        reused by every later one and the backward: every layer rotates by the same frequencies
+        (one ``rope_theta`` and ``rope_scaling`` per model), so recomputing them per layer only
+        repeated the same trigonometry."""
+        meta, key = self.attention_meta, ("rope", with_base)
+        if key not in meta:
+            for stream, positions in (("rope_base", self.base_positions), ("rope_out", self.out_positions)):
+                if stream not in meta:
+                    meta[stream] = rotary.cos_sin(positions)
+            base, out = meta["rope_base"], meta["rope_out"]
+            queries = tuple(torch.cat(pair) for pair in zip(base, out)) if with_base else out
+            meta[key] = (queries, base)
+        return meta[key]
 
     def stream_pairs(self, with_base: bool) -> StreamPairs:
         """The rows of an MLP input ``[x; y]`` (or ``y`` alone): each output token and its base token."""
@@ -272,9 +287,8 @@ class OrthrosAttention(nn.Module):
             q_out = q[q.shape[0] - n_out :] * self.gamma + self.beta
             q = torch.cat([q[: q.shape[0] - n_out], q_out])
 
-        q_positions, _, _ = plan.queries(with_base_queries)
-        q = apply_rope(q, *self.rotary.cos_sin(q_positions))
-        k = apply_rope(k, *self.rotary.cos_sin(plan.base_positions))
+        q_angles, k_angles = plan.rotary_angles(self.rotary, with_base_queries)
+        q, k = self.rotary(q, *q_angles), self.rotary(k, *k_angles)
         if cache is not None:
             k, v = cache.extend(self.layer_idx, k, v, plan.new_lengths)
         o = self.core(q, k, v, plan, with_base_queries)

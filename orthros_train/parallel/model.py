@@ -64,6 +64,7 @@ from orthros_train.model.orthros import (
     initial_value,
     plan_for_layout,
 )
+from orthros_train.parallel.compile import apply_regional_compile
 from orthros_train.parallel.context import context_plan
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
 from orthros_train.parallel.state_dict import SPLIT_ROWS, reference_shapes, shard_tensor, split_rule
@@ -360,4 +361,7 @@ def build_parallel_model(
     """This rank's shard of the Orthros model (megatron's parallel state must be initialised),
     randomly initialised with ``seed`` the same way at every TP size; ``seed=None`` leaves the
     weights for the caller to load (``parallel.state_dict.load_reference_shards``)."""
-    return OrthrosForCausalLM(config, TensorParallelFactory(config, pcfg, dtype, seed))
+    model = OrthrosForCausalLM(config, TensorParallelFactory(config, pcfg, dtype, seed))
+    if pcfg.compile:
+        apply_regional_compile(model)
+    return model

@@ -34,6 +34,9 @@ class ParallelConfig:
     # its inputs are kept, its softmax intermediates are not); "full" (each layer recomputed
     # from its input, megatron's recompute_granularity=full/uniform).
     recompute: Recompute = Recompute.none
+    # Regional torch.compile of the token-wise parts of every layer (norms, RoPE, SwiGLU's
+    # activation; parallel/compile.py): same weights and names, fewer passes over the activations.
+    compile: bool = False
     # The processes the layout is planned for: a dry run plans for it (the memory estimate, the
     # accumulation steps); a launch uses the launcher's count. None: data_parallel (or 1) x TP x CP.
     world_size: int | None = None
