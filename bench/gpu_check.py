@@ -944,9 +944,9 @@ def chosen_configs() -> dict[str, str]:
 
     out = {}
     for name, tuners in (("fwd", ta._FWD), ("dq", ta._BWD_DQ), ("dkdv", ta._BWD_DKDV)):
-        for cls, tuner in tuners.items():
+        for (cls, bucket), tuner in tuners.items():
             for key, cfg in getattr(tuner, "cache", {}).items():
-                out[f"{name}[{cls}] {key}"] = str(cfg)
+                out[f"{name}[{cls}, length <= {bucket}] {key}"] = str(cfg)
     return out
 
 
