@@ -26,11 +26,19 @@ attention (query, key) pairs per layer: the base stream's ``T*W`` (linear in the
 output stream's full attention (about ``answer x T``), and the dense baseline's ``T^2/2``.
 
     python bench/train_step.py --sweep --lengths 1024 4096 16384 --sweep-answer 128
+
+``--fused`` adds ``fused`` rows: the Orthros model with ``parallel.compile``'s regional
+``torch.compile`` (norms, RoPE, SwiGLU activation; ``orthros_train/parallel/compile.py``) against
+the same model eager, on the same weights and tokens: the first step's losses (equal to 1e-5) and
+the time ratio. Both do the same FLOPs, so a gain comes only from fewer passes over activations.
+
+    python bench/train_step.py --fused --no-peer --lengths 1024 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -39,6 +47,7 @@ import torch
 
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.ops.reference import UNBOUNDED, key_ranges
+from orthros_train.parallel.compile import apply_regional_compile
 from orthros_train.phase import pretrain_layout, rl_layout, sft_layout
 from orthros_train.phase.layout import IGNORE_INDEX
 from orthros_train.train.metrics import layout_flops, peak_tflops
@@ -161,6 +170,27 @@ def sweep_rows(args: argparse.Namespace, cfg: OrthrosConfig, device: torch.devic
     return sweep
 
 
+def fused_rows(args: argparse.Namespace, orthros: OrthrosForCausalLM, device: torch.device) -> list[dict]:
+    """Regional compile vs eager on the pretraining layout of every length: loss of the first
+    step on identical weights, and the step times (``time_steps``; compile time in the warm-up)."""
+    cuda = device.type == "cuda"
+    rows = []
+    for length in args.lengths:
+        eager, fused = copy.deepcopy(orthros), copy.deepcopy(orthros)
+        apply_regional_compile(fused)
+        layout = make_layout("pretrain", args.batch, length, args.vocab, args.answer_fraction).to(device)
+        losses = [float(m.forward_layout(layout).loss) for m in (eager, fused)]
+        row = {"layout": "fused", "seq_len": length, "eager_loss": losses[0], "fused_loss": losses[1],
+               "loss_diff": abs(losses[1] - losses[0])}
+        for name, model in (("eager", eager), ("fused", fused)):
+            seconds = time_steps(model, lambda m=model, lay=layout: m.forward_layout(lay).loss, args.steps,
+                                 max(args.warmup, 2), cuda)  # the compiles happen in the first steps
+            row[f"{name}_ms"] = seconds * 1e3
+        row["ratio"] = row["fused_ms"] / row["eager_ms"]
+        rows.append(row)
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -193,6 +223,7 @@ def run(args: argparse.Namespace) -> dict:
             row = {"layout": kind, "seq_len": length, "tokens": layout.num_tokens, "outputs": layout.num_outputs}
             rows.append(measure(layout, row))
     sweep = sweep_rows(args, cfg, device, measure) if args.sweep else []
+    fused = fused_rows(args, orthros, device) if args.fused else []
     params = sum(p.numel() for p in orthros.parameters())
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -207,6 +238,7 @@ def run(args: argparse.Namespace) -> dict:
         "answer_fraction": args.answer_fraction,
         "rows": rows,
         "sweep": sweep,
+        "fused": fused,
     }
 
 
@@ -242,6 +274,12 @@ def table(result: dict) -> str:
                 f"{r['output_pairs']:>13}{r['dense_pairs']:>13}{r['orthros_ms']:>12.1f}{r['dense_ms']:>10.1f}"
                 f"{r['ratio']:>7.2f}"
             )
+    if result.get("fused"):
+        lines += ["", "regional torch.compile (parallel.compile) vs eager, pretrain; flop ratio 1.00 (same work: "
+                  "fusion saves passes over activations only)",
+                  f"{'T':>7}{'eager ms':>10}{'fused ms':>10}{'ratio':>7}{'loss diff':>11}"]
+        lines += [f"{r['seq_len']:>7}{r['eager_ms']:>10.1f}{r['fused_ms']:>10.1f}{r['ratio']:>7.2f}"
+                  f"{r['loss_diff']:>11.1e}" for r in result["fused"]]
     return "\n".join(lines)
 
 
@@ -267,6 +305,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers' Llama (SDPA)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument("--fused", action="store_true", help="add regional torch.compile vs eager rows (pretrain)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "train_step.py"
@@ -63,3 +64,16 @@ def test_peer_labels_are_the_layout_targets():
     got = sorted((int(b), int(t - 1), int(labels[b, t])) for b, t in (labels != -100).nonzero())
     want = sorted((int(i) // 10, int(i) % 10, int(y)) for i, y in zip(layout.output_index, layout.labels))
     assert got == want and torch.equal(ids.flatten(), layout.input_ids)
+
+
+@pytest.mark.slow  # inductor compiles the regions (~30 s on one core)
+def test_fused_rows_compare_regional_compile_with_eager():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--json", "--fused", "--no-peer", "--lengths", "48", "--hidden", "32",
+         "--layers", "1", "--heads", "2", "--vocab", "64", "--window", "16", "--steps", "1", "--warmup", "0",
+         "--layouts", "pretrain"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(proc.stdout)["fused"]
+    assert row["seq_len"] == 48 and row["loss_diff"] <= 1e-5 and row["eager_ms"] > 0 and row["ratio"] > 0
