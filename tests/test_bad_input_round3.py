@@ -305,6 +305,8 @@ def test_a_value_error_inside_torch_keeps_its_traceback_and_says_where_to_report
     import orthros_train.train.trainer as trainer_module
 
     class Trainer:  # stands in for the real one: a ValueError from inside torch during training
+        is_main = False  # publishes no Hydra record
+
         def __init__(self, *args, **kwargs) -> None:
             pass
 

@@ -147,12 +147,9 @@ RENAME_ALLOWED = {
     "orthros_train/train/checkpoint_store.py": "publishes a checkpoint directory; renames shards inside its "
     "private directory (made durable by the directory's publication)",
     "orthros_train/data/cache.py": "publishes a cache directory built under a host+pid name, under the build lock",
-    "orthros_train/common/safetensors_io.py": "publishes safetensors files written by the library's save_file "
-    "(to move onto common.files.replace_durably and temp_name)",
+    "orthros_train/common/safetensors_io.py": "queues the sharded writer's rename hook, which is replace_durably",
 }
-TEMP_ALLOWED = {
-    "orthros_train/common/safetensors_io.py": "shard temporaries of one writer (to move onto common.files.temp_name)",
-}
+TEMP_ALLOWED: dict[str, str] = {}
 
 
 def _sources():
