@@ -179,7 +179,7 @@ def fused_rows(args: argparse.Namespace, orthros: OrthrosForCausalLM, device: to
         eager, fused = copy.deepcopy(orthros), copy.deepcopy(orthros)
         apply_regional_compile(fused)
         layout = make_layout("pretrain", args.batch, length, args.vocab, args.answer_fraction).to(device)
-        losses = [float(m.forward_layout(layout).loss) for m in (eager, fused)]
+        losses = [float(m.forward_layout(layout).loss.detach()) for m in (eager, fused)]
         row = {"layout": "fused", "seq_len": length, "eager_loss": losses[0], "fused_loss": losses[1],
                "loss_diff": abs(losses[1] - losses[0])}
         for name, model in (("eager", eager), ("fused", fused)):
