@@ -855,6 +855,8 @@ def kernel_plan(ts: tuple[int, ...], shape: dict) -> list[dict]:
             rows.append({"T": t, "case": f"orthros {layout}[{streams}]", "pairs": pairs})
             if (layout, streams) == ("pretrain", "output"):
                 rows.append({"T": t, "case": f"orthros {layout}[{streams}] atomic bwd", "pairs": pairs})
+            if layout == "pretrain":  # the route GPU ``auto`` takes for it (ops/route.py), side by side
+                rows.append({"T": t, "case": f"varlen {layout}[{streams}]", "pairs": pairs})
     for r in rows:
         fwd, bwd = attn_bench.flops(r["pairs"], h, d)
         r.update(fwd_gflop=fwd / 1e9, bwd_gflop=bwd / 1e9, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None)
@@ -920,7 +922,12 @@ def time_case(run: Run, r: dict, shape: dict, k: torch.Tensor, v: torch.Tensor, 
 
     dev, dtype = k.device, k.dtype
     h, d, t = shape["heads"], shape["head_dim"], k.shape[0]
-    if r["case"].startswith("sdpa"):
+    if r["case"].startswith("varlen"):
+        fn, q = varlen_case(run, r, shape, (k, v), g)
+        if fn is None:
+            return
+        f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (q, k, v), not run.dry, reps=1 if run.dry else 3)
+    elif r["case"].startswith("sdpa"):
         qs = torch.randn(1, h, t, d, device=dev, dtype=dtype, generator=g).requires_grad_()
         ks, vs = (x.detach().transpose(0, 1).repeat_interleave(h // shape["kv_heads"], 0)[None].requires_grad_()
                   for x in (k, v))  # fmt: skip
@@ -936,6 +943,32 @@ def time_case(run: Run, r: dict, shape: dict, k: torch.Tensor, v: torch.Tensor, 
         r["ran"] = True
         return
     r.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_tflops=r["fwd_gflop"] / f_ms, bwd_tflops=r["bwd_gflop"] / b_ms)
+
+
+def varlen_case(run: Run, r: dict, shape: dict, kv: tuple[torch.Tensor, torch.Tensor], g: torch.Generator):
+    """``(fn, q)`` of a FlashAttention varlen row: the installed implementation on the GPU (the
+    plain-torch stand-in in the rehearsal); ``(None, None)`` with the row's error when none is
+    installed (torch's own varlen needs a release whose signature takes ``window_size``)."""
+    import attention as attn_bench
+
+    from orthros_train.ops.route import VarlenPlan, installed_varlen, varlen_streams, whole_streams
+    from orthros_train.ops.sdpa_attention import query_segments
+
+    name = "reference" if run.dry else installed_varlen()
+    if name is None:
+        r["error"] = "no FlashAttention varlen with window_size on this machine (flash-attn, or a newer torch)"
+        return None, None
+    layout, streams = r["case"].split()[1].rstrip("]").split("[")
+    k, v = kv
+    t = k.shape[0]
+    qi, qw, cu = attn_bench.make_queries(layout, t, shape["window"], streams)
+    segments = query_segments(qi, qw, cu)
+    plan = VarlenPlan(name, whole_streams(segments, t, qi.numel()), max(seg.length for seg in segments))
+    q = torch.randn(qi.numel(), shape["heads"], shape["head_dim"], device=k.device, dtype=k.dtype,
+                    generator=g).requires_grad_()
+    r["implementation"] = name
+    cu = cu.to(k.device)
+    return (lambda: varlen_streams(q, k, v, cu, plan)), q
 
 
 def chosen_configs() -> dict[str, str]:

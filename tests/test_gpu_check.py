@@ -294,3 +294,28 @@ def test_bf16_model_keeps_fp32_rope_phases_at_position_131071():
     # what a bf16 inv_freq would have done: a phase error far above bf16's rounding of cos/sin
     bad = (pos.float() * ref.inv_freq.to(torch.bfloat16).float()) - pos.float() * ref.inv_freq
     assert bad.abs().max() > 0.1
+
+
+def test_the_kernel_table_times_the_flashattention_route_beside_the_kernels(tmp_path, monkeypatch):
+    """Every pretraining stream has a varlen row; the rehearsal runs it through the plain-torch
+    stand-in (same numbers as the reference op), and a node without FlashAttention names why."""
+    rows = gpu_check.kernel_plan((64,), gpu_check.DRY_ATTN_SHAPE)
+    varlen = [r for r in rows if r["case"].startswith("varlen")]
+    assert [r["case"] for r in varlen] == ["varlen pretrain[output]", "varlen pretrain[base]"]
+    by = {r["case"]: r for r in rows}
+    assert all(r["pairs"] == by[r["case"].replace("varlen", "orthros")]["pairs"] for r in varlen)
+    shape, g = gpu_check.DRY_ATTN_SHAPE, torch.Generator().manual_seed(0)
+    k, v = (torch.randn(64, shape["kv_heads"], shape["head_dim"], generator=g) for _ in range(2))
+    run = gpu_check.Run(tmp_path / "out", dry=True, scratch=tmp_path / "scratch")
+    fn, q = gpu_check.varlen_case(run, varlen[1], shape, (k, v), g)
+    from orthros_train.ops.reference import attention_reference
+
+    qi, qw, cu = __import__("attention").make_queries("pretrain", 64, shape["window"], "base")
+    torch.testing.assert_close(fn(), attention_reference(q, k, v, qi, qw, cu)[0])
+    assert varlen[1]["implementation"] == "reference"
+    import orthros_train.ops.route as route
+
+    monkeypatch.setattr(route, "installed_varlen", lambda: None)
+    run.dry = False
+    assert gpu_check.varlen_case(run, varlen[0], shape, (k, v), g) == (None, None)
+    assert "no FlashAttention varlen" in varlen[0]["error"]
