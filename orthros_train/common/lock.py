@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import socket
+import stat as stat_module
 import threading
 import time
 import uuid
@@ -72,7 +73,7 @@ def read_owner(path: str | Path) -> LockOwner | None:
     """The owner a lock file names, or None when it is gone or unreadable. ``started`` written as
     seconds since the epoch (older lock files) is read as an ISO time."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(_read_regular(path))
         started = data.get("started")
         if isinstance(started, (int, float)) and not isinstance(started, bool):
             started = datetime.datetime.fromtimestamp(started).astimezone().isoformat(timespec="seconds")
@@ -80,6 +81,18 @@ def read_owner(path: str | Path) -> LockOwner | None:
                          job_id=data.get("job_id"))
     except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError):
         return None
+
+
+def _read_regular(path: str | Path, limit: int = 1 << 16) -> bytes:
+    """The bytes of a lock file; ``OSError`` for anything but a regular file (a FIFO at the lock's
+    name would block a plain read forever, a directory or a device is no lock file either)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat_module.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def pid_alive(pid: Any) -> bool:
@@ -253,8 +266,10 @@ class HeartbeatLock:
                 private.unlink()
 
     def _stat(self) -> os.stat_result | None:
+        """The lock name's own status (``lstat``: a dangling or looping symlink at the name is a
+        lock that exists, not one released a moment ago, which ``acquire`` would retry at once)."""
         try:
-            return os.stat(self.path)
+            return os.lstat(self.path)
         except OSError:
             return None
 
@@ -274,7 +289,7 @@ class HeartbeatLock:
             raise self.cannot_write(exc) from exc
         moved, stat = read_owner(aside), None
         with contextlib.suppress(OSError):
-            stat = os.stat(aside)
+            stat = os.lstat(aside)
         same = (stat is not None and (stat.st_ino, stat.st_mtime_ns) == (judged.st_ino, judged.st_mtime_ns)
                 and (moved.token if moved else None) == (holder.token if holder else None))
         if not same:

@@ -81,8 +81,8 @@ class RunLock(HeartbeatLock):
     def busy(self, holder: LockOwner | None, waited: float) -> Exception:
         if holder is None:
             return RunLockedError(
-                f"trainer.run_dir={self.run_dir} is locked by {self.path}, which cannot be read; "
-                "if no run is using the directory, delete the file"
+                f"trainer.run_dir={self.run_dir} is locked by {self.path}, which is not a readable lock file; "
+                f"if no run is using the directory, delete it (rm -r {self.path})"
             )
         return RunLockedError(
             f"trainer.run_dir={self.run_dir} is in use by another run ({holder.describe()}; "
