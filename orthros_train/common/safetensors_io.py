@@ -88,7 +88,8 @@ def check_safetensors_files(directory: str | Path, fix: str = "") -> None:
     """Open the header of every ``*.safetensors`` in ``directory`` (cheap: no tensor is read), so a
     truncated or corrupt file is named before a model is built."""
     for path in sorted(Path(directory).glob("*.safetensors")):
-        open_safetensors(path, fix)
+        if path.is_file():
+            open_safetensors(path, fix)
 
 
 def read_index(path: Path, fix: str = "") -> dict[str, Any]:
@@ -100,7 +101,9 @@ def read_index(path: Path, fix: str = "") -> dict[str, Any]:
             f"{path} is not a readable index ({' '.join(str(err).split())}): fetch or copy it again.{_fix(fix)}"
         ) from err
     weight_map = body.get("weight_map") if isinstance(body, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+        isinstance(f, str) and f.strip() for f in weight_map.values()
+    ):
         raise SafetensorsFileError(
             f"{path} has no 'weight_map' of tensor names to shard files: fetch or copy it again.{_fix(fix)}"
         )
@@ -139,7 +142,7 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
                 )
         else:
             single = path / WEIGHTS_NAME
-            files = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+            files = [single] if single.is_file() else sorted(f for f in path.glob("*.safetensors") if f.is_file())
             if not files:
                 bins = sorted(p.name for p in path.glob("*.bin"))
                 hint = (

@@ -154,6 +154,11 @@ def load_reference_shards(model: torch.nn.Module, full: Mapping[str, torch.Tenso
                     f"{name} has shape {tuple(full[name].shape)}, the model expects "
                     f"{tuple(reference_shapes(cfg)[name])} (the checkpoint was made for another config)"
                 )
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise UserError(
+                    f"{name} holds NaN or infinite values: the weights are corrupt or were saved from a diverged "
+                    "run; start from an earlier checkpoint or fetch the weights again"
+                )
             param.copy_(value)
 
 

@@ -144,6 +144,8 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
     except ValueError as exc:  # tensors of another shape or name: name the model.* keys that differ
         differ = _config_difference(cfg)
         if not differ:
+            if isinstance(exc, UserError):  # a tensor missing, extra or not finite: say which weights
+                raise UserError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
             raise
         raise UserError(
             f"model.init_from={cfg.init.init_from} holds another model than the recipe's: {'; '.join(differ)}. "
