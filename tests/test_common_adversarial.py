@@ -53,3 +53,83 @@ def test_waiting_lock_takes_an_odd_stale_lock_file_over(tmp_path, kind):
     finally:
         lock.release()
     assert not path.exists() and not path.is_symlink()
+
+
+# -- weights folders -------------------------------------------------------------------------------
+
+
+def _weights(directory, name: str = "model.safetensors", **extra) -> None:
+    import safetensors.torch
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file({"a": torch.ones(2), **extra}, str(directory / name))
+
+
+def test_a_directory_named_like_a_shard_is_not_read_as_one(tmp_path):
+    """``model.safetensors/`` (a folder) was opened as a weights file and called truncated."""
+    from orthros_train.common.safetensors_io import NoSafetensorsError, SafetensorsReader, check_safetensors_files
+
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(NoSafetensorsError, match="no \\*.safetensors weights"):
+        SafetensorsReader(tmp_path)
+    check_safetensors_files(tmp_path)  # nothing to check, nothing to refuse
+    _weights(tmp_path, "only.safetensors")
+    assert list(SafetensorsReader(tmp_path)) == ["a"]
+
+
+def test_an_index_naming_an_empty_shard_is_refused_as_an_index(tmp_path):
+    """An empty shard name pointed at the folder itself ("missing: <the folder's name>")."""
+    import json
+
+    from orthros_train.common.safetensors_io import SafetensorsFileError, SafetensorsReader
+
+    _weights(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": ""}}))
+    with pytest.raises(SafetensorsFileError, match="has no 'weight_map' of tensor names to shard files"):
+        SafetensorsReader(tmp_path)
+
+
+def test_loading_weights_that_hold_nan_names_the_tensor():
+    """NaN weights (a diverged run's checkpoint, corrupted bytes) used to load and train a NaN model
+    to the end, every update skipped, the NaN saved as the final checkpoint."""
+    import torch
+    from fixtures import tiny_config
+
+    from orthros_train.errors import UserError
+    from orthros_train.parallel.model import build_parallel_model
+    from orthros_train.parallel.setup import DistributedEnv, ParallelConfig, destroy_parallel, init_parallel
+    from orthros_train.parallel.state_dict import load_reference_shards
+
+    cfg = tiny_config(64)
+    init_parallel(ParallelConfig(backend="gloo"), cfg, DistributedEnv())
+    try:
+        model = build_parallel_model(cfg, ParallelConfig(), seed=0)
+        state = {k: v.detach().clone() for k, v in model.named_parameters()}
+        state["norm.weight"][0] = float("inf")
+        with pytest.raises(UserError, match="norm.weight holds NaN or infinite values"):
+            load_reference_shards(build_parallel_model(cfg, ParallelConfig(), seed=None), state, cfg)
+        state["norm.weight"][0] = 1.0
+        load_reference_shards(build_parallel_model(cfg, ParallelConfig(), seed=None), state, cfg)
+    finally:
+        destroy_parallel()
+    assert torch.isfinite(state["norm.weight"]).all()
+
+
+# -- trainer switches --------------------------------------------------------------------------------
+
+
+def test_zero_sample_tokens_generates_nothing_and_negative_is_refused():
+    """``trainer.sample_tokens=0`` crashed the end of a finished run (``torch.stack([])``)."""
+    import torch
+    from fixtures import tiny_model
+
+    from orthros_train.errors import UserError
+    from orthros_train.train.config import TrainerConfig
+
+    model = tiny_model(64).eval()
+    ids = torch.zeros((2, 5), dtype=torch.long)
+    new = model.generate_greedy(ids, 0)
+    assert new.shape == (2, 0) and new.dtype == ids.dtype
+    with pytest.raises(UserError, match="trainer.sample_tokens=-1 must be >= 0"):
+        TrainerConfig(sample_tokens=-1)

@@ -524,7 +524,10 @@ class OrthrosForCausalLM(nn.Module):
     def generate_greedy(
         self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None
     ) -> torch.Tensor:
-        """Greedy continuation through prefill + decode; returns the new tokens ``[B, <=max]``."""
+        """Greedy continuation through prefill + decode; returns the new tokens ``[B, <=max]``
+        (``[B, 0]`` for ``max_new_tokens <= 0``)."""
+        if max_new_tokens <= 0:
+            return input_ids.new_empty((input_ids.shape[0], 0))
         logits, cache = self.prefill(input_ids)
         new = []
         for _ in range(max_new_tokens):

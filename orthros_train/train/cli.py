@@ -288,11 +288,12 @@ def run(cfg: DictConfig) -> dict:
             if result.get("preempted"):
                 return result
             prompt = run_cfg.trainer.sample_prompt
-            text = trainer.sample(prompt, run_cfg.trainer.sample_tokens) if prompt else None
+            text = trainer.sample(prompt, run_cfg.trainer.sample_tokens) if prompt and run_cfg.trainer.sample_tokens \
+                else None
             if trainer.is_main:
                 loss = result["eval_loss"]
                 print(f"final eval loss {'n/a' if loss is None else f'{loss:.4f}'}; checkpoint {result['checkpoint']}")
-                if prompt:
+                if text is not None:
                     print(f"sample (greedy, prefill + decode):\n  prompt: {prompt!r}\n  continuation: {text!r}")
         finally:
             if trainer is not None:

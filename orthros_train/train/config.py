@@ -134,7 +134,7 @@ class TrainerConfig:
     loss_spike_factor: float = 3.0  # log a spike when loss > factor x running mean (0 disables)
     fail_at_step: int | None = None  # fault injection for tests: this process dies after that step
     sample_prompt: str | None = None  # greedy continuation printed after training
-    sample_tokens: int = 40
+    sample_tokens: int = 40  # 0: no sample
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
@@ -154,6 +154,8 @@ class TrainerConfig:
         self.resume_changes = ResumeChanges.parse(self.resume_changes, "trainer.resume_changes")
         if self.save_every < 0 or self.keep_last_k < 0 or self.max_nonfinite_steps < 1:
             raise ValueError("trainer.save_every and trainer.keep_last_k must be >= 0, max_nonfinite_steps >= 1")
+        if self.sample_tokens < 0:
+            raise UserError(f"trainer.sample_tokens={self.sample_tokens} must be >= 0 (0: no sample)")
         if self.loss_spike_factor < 0:
             raise UserError(f"trainer.loss_spike_factor={self.loss_spike_factor} must be >= 0 (0 turns it off)")
         for key in ("peak_tflops", "gpu_memory_gib"):
