@@ -10,6 +10,7 @@ import time
 import pytest
 
 from orthros_train.common.lock import HeartbeatLock, read_owner
+from orthros_train.errors import UserError
 from orthros_train.train.run_lock import RunLock, RunLockedError
 
 
@@ -96,7 +97,6 @@ def test_loading_weights_that_hold_nan_names_the_tensor():
     import torch
     from fixtures import tiny_config
 
-    from orthros_train.errors import UserError
     from orthros_train.parallel.model import build_parallel_model
     from orthros_train.parallel.setup import DistributedEnv, ParallelConfig, destroy_parallel, init_parallel
     from orthros_train.parallel.state_dict import load_reference_shards
@@ -124,7 +124,6 @@ def test_zero_sample_tokens_generates_nothing_and_negative_is_refused():
     import torch
     from fixtures import tiny_model
 
-    from orthros_train.errors import UserError
     from orthros_train.train.config import TrainerConfig
 
     model = tiny_model(64).eval()
@@ -133,3 +132,37 @@ def test_zero_sample_tokens_generates_nothing_and_negative_is_refused():
     assert new.shape == (2, 0) and new.dtype == ids.dtype
     with pytest.raises(UserError, match="trainer.sample_tokens=-1 must be >= 0"):
         TrainerConfig(sample_tokens=-1)
+
+
+def test_a_run_dir_that_is_a_file_is_named_as_one(tmp_path):
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(UserError, match=r"trainer.run_dir=.*run is a file, not a directory"):
+        RunLock(tmp_path / "run").acquire()
+    assert (tmp_path / "run").read_text() == "not a directory"
+
+
+# -- tokenizer paths ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", ["{}", "garbage{", "\x00\x01"])
+def test_a_json_file_that_is_no_tokenizer_is_one_line(tmp_path, content):
+    """A ``*.json`` file the tokenizers library cannot parse raised its bare ``Exception``."""
+    from orthros_train.common.tokenizer import TokenizerError, load_tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(content)
+    with pytest.raises(TokenizerError, match=rf"{path}: not a tokenizer.json a fast tokenizer can read"):
+        load_tokenizer(path)
+
+
+def test_a_tokenizer_path_that_is_another_file_or_empty_is_named_as_such(tmp_path):
+    from orthros_train.common.tokenizer import TokenizerError, load_tokenizer
+
+    path = tmp_path / "vocab.txt"
+    path.write_text("a\nb\n")
+    with pytest.raises(TokenizerError, match="is a file but not a tokenizer.json"):
+        load_tokenizer(path)
+    assert load_tokenizer(path, required=False) is None
+    with pytest.raises(TokenizerError, match="the tokenizer path is empty"):
+        load_tokenizer("")
+    assert load_tokenizer("", required=False) is None

@@ -39,11 +39,29 @@ def load_tokenizer(path: str | Path, required: bool = True, pad_with_eos: bool =
     with its EOS token (batched generation and scoring need one; data builds leave the tokenizer
     as saved, since its special tokens are part of the data cache's key)."""
     text = os.path.expanduser(str(path))
+    if not text.strip():
+        if not required:
+            return None
+        raise TokenizerError("the tokenizer path is empty: give a local directory or a tokenizer.json file")
     folder = Path(text)
     if folder.is_file() and text.endswith(".json"):
         from transformers import PreTrainedTokenizerFast
 
-        return _padded(PreTrainedTokenizerFast(tokenizer_file=text), pad_with_eos)
+        try:
+            return _padded(PreTrainedTokenizerFast(tokenizer_file=text), pad_with_eos)
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            reason = " ".join(str(e).split())
+            raise TokenizerError(
+                f"{text}: not a tokenizer.json a fast tokenizer can read ({type(e).__name__}: {reason}); point at "
+                "the tokenizer.json (or the folder) a tokenizer was saved to"
+            ) from e
+    if folder.is_file():
+        if not required:
+            return None
+        raise TokenizerError(
+            f"{text} is a file but not a tokenizer.json: give the folder a tokenizer was saved to "
+            "(tokenizer.save_pretrained) or its tokenizer.json file"
+        )
     if not folder.exists():
         if not required:
             return None

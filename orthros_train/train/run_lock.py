@@ -62,6 +62,8 @@ class RunLock(HeartbeatLock):
     def acquire(self) -> None:
         """Take the lock or raise ``RunLockedError`` naming the live holder; ``ValueError`` when
         the directory cannot be written."""
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"trainer.run_dir={self.run_dir} is a file, not a directory: pick another trainer.run_dir")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             probe = self.run_dir / f".write-test-{uuid.uuid4().hex}"
