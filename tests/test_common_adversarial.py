@@ -166,3 +166,38 @@ def test_a_tokenizer_path_that_is_another_file_or_empty_is_named_as_such(tmp_pat
     with pytest.raises(TokenizerError, match="the tokenizer path is empty"):
         load_tokenizer("")
     assert load_tokenizer("", required=False) is None
+
+
+# -- overrides ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("=5", r"--override '=5' must look like key=value \(the key is empty\)"),
+        ("rope_scaling=[1,2]", r"rope_scaling=\[1, 2\]: expected dict\[str, any\] or null"),
+        ("vocab_size=99999999999999999999", r"vocab_size=99999999999999999999: too large"),
+        ("sliding_window=NaN", r"sliding_window=nan: expected int"),
+        ("rope_theta=-Infinity", r"rope_theta=-inf: must be a finite number"),
+    ],
+)
+def test_eval_overrides_name_the_key_and_value(item, message):
+    """An empty key read "unknown key  in --override", a list for a dict field "='?': expected any",
+    an integer past int64 passed and crashed in torch as an internal error."""
+    from orthros_train.eval.common import parse_overrides
+
+    with pytest.raises(UserError, match=message):
+        parse_overrides([item])
+
+
+def test_an_override_the_model_config_refuses_is_named_not_the_config_file(tmp_path):
+    """``--override sliding_window=-1`` was reported as "config.json: not an Orthros model config"."""
+    from fixtures import tiny_model
+
+    from orthros_train.eval.common import parse_overrides
+    from orthros_train.infer.loading import load_checkpoint
+
+    tiny_model(64).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match=r"config.json with the overrides sliding_window=-1: .*sliding_window must be"):
+        load_checkpoint(tmp_path, **parse_overrides(["sliding_window=-1"]))
+    assert load_checkpoint(tmp_path).config.vocab_size == 64

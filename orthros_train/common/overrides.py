@@ -74,9 +74,15 @@ def refuse_non_booleans(cls: type, values: dict[str, Any], name: str) -> None:
             raise UserError(f"{_label(name, key)}={value!r}: expected a boolean, true or false")
 
 
+INT64_MAX = 2**63 - 1
+
+
 def _non_finite(value: Any, key: str) -> tuple[str, float] | None:
-    """The first NaN/inf number inside ``value`` (a number, list or dict): its full key and value."""
+    """The first NaN/inf number inside ``value`` (a number, list or dict), or an integer no 64-bit
+    integer holds (what torch and every size takes): its full key and value."""
     if isinstance(value, float) and not math.isfinite(value):
+        return key, value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
         return key, value
     if isinstance(value, dict):
         items = value.items()
@@ -104,6 +110,8 @@ def refuse_non_finite(cls: type, values: dict[str, Any], name: str) -> None:
             refuse_non_finite(hints[key], value, _label(name, key))
             continue
         found = _non_finite(value, _label(name, key))
+        if found and isinstance(found[1], int):
+            raise UserError(f"{found[0]}={found[1]}: too large (at most {INT64_MAX})")
         if found:
             raise UserError(f"{found[0]}={found[1]}: must be a finite number (not NaN or inf)")
 
@@ -123,7 +131,7 @@ def check_types(cls: type, values: dict[str, Any] | None, name: str = "", where:
         of = f" of {name}" if name else ""
         raise UserError(f"unknown key {_label(name, exc.full_key)} {where}; valid keys{of}: {known}") from exc
     except OmegaConfBaseException as exc:
-        key = exc.full_key
+        key = exc.full_key or _failing_key(cls, values)
         raise UserError(
             f"{_label(name, key)}={lookup(values, key)!r}: expected {expected_type(cls, key)} "
             f"({exc.msg.splitlines()[0]})"
@@ -131,6 +139,18 @@ def check_types(cls: type, values: dict[str, Any] | None, name: str = "", where:
     assert isinstance(checked, dict)
     refuse_non_finite(cls, checked, name)
     return checked
+
+
+def _failing_key(cls: type, values: dict[str, Any]) -> str:
+    """The key whose value OmegaConf refused when its error names none (a list given for a dict
+    field fails the whole merge): the first key that fails alone."""
+    base = OmegaConf.structured(cls)
+    for key, value in values.items():
+        try:
+            OmegaConf.merge(base, {key: value})
+        except OmegaConfBaseException:
+            return str(key)
+    return ""
 
 
 def parse_key_values(items: list[str] | None, flag: str = "--override") -> dict[str, Any]:
@@ -141,6 +161,8 @@ def parse_key_values(items: list[str] | None, flag: str = "--override") -> dict[
         if "=" not in item:
             raise UserError(f"{flag} {item!r} must look like key=value")
         key, value = item.split("=", 1)
+        if not key.strip():
+            raise UserError(f"{flag} {item!r} must look like key=value (the key is empty)")
         try:
             out[key.strip()] = json.loads(value)
         except json.JSONDecodeError:

@@ -135,7 +135,9 @@ def load_checkpoint(directory: str | Path, **overrides: Any) -> OrthrosForCausal
     (an HF model: its fields are not OrthrosConfig's) or weights of another shape are user errors
     naming the folder, not tracebacks."""
     directory = Path(directory)
-    config = orthros_config({**read_checkpoint_config(directory), **overrides}, directory / "config.json")
+    given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+    where = f"{directory / 'config.json'} with the overrides {given}" if overrides else directory / "config.json"
+    config = orthros_config({**read_checkpoint_config(directory), **overrides}, where)
     model = OrthrosForCausalLM(config)
     try:
         model.load_pretrained_weights(directory)
