@@ -201,3 +201,26 @@ def test_an_override_the_model_config_refuses_is_named_not_the_config_file(tmp_p
     with pytest.raises(UserError, match=r"config.json with the overrides sliding_window=-1: .*sliding_window must be"):
         load_checkpoint(tmp_path, **parse_overrides(["sliding_window=-1"]))
     assert load_checkpoint(tmp_path).config.vocab_size == 64
+
+
+# -- parallel.compile --------------------------------------------------------------------------------
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_the_run(monkeypatch):
+    """Without g++ the lazy ``torch.compile`` failed inside the first step as an internal error."""
+    import importlib.util
+
+    from torch._inductor import cpp_builder
+
+    from orthros_train.parallel.compile import check_compile_toolchain
+
+    def missing():
+        raise RuntimeError("No working C++ compiler found")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    with pytest.raises(UserError, match="parallel.compile=true: no working C\\+\\+ compiler.*parallel.compile=false"):
+        check_compile_toolchain("cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(UserError, match="parallel.compile=true: triton is not installed"):
+        check_compile_toolchain("cuda")
+    check_compile_toolchain("mps")  # no inductor toolchain to check

@@ -25,6 +25,7 @@ from orthros_train.logging_setup import RANK_ZERO
 from orthros_train.model import OrthrosForCausalLM
 from orthros_train.options import Precision
 from orthros_train.parallel import collectives
+from orthros_train.parallel.compile import check_compile_toolchain
 from orthros_train.parallel.engine import build_engine
 from orthros_train.parallel.setup import DistributedEnv
 from orthros_train.parallel.state_dict import gather_full_state_dict
@@ -80,6 +81,8 @@ class Trainer:
         self.device = start_processes(cfg, env or DistributedEnv())
         self.is_main = dist.get_rank() == 0
         check_memory_fit(cfg, self.device)
+        if p.compile:
+            check_compile_toolchain(self.device.type)  # torch.compile would fail inside the first step
         check_teacher(cfg)  # a missing teacher or another vocabulary, before the run directory is touched
         self.run_dir = Path(t.run_dir)
         self.run_lock = lock_run_dir(self.run_dir, job_id)  # before anything reads or writes the directory
