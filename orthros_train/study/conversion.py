@@ -17,6 +17,9 @@ continue with the same rate and warm-up. The Orthros runs save checkpoints at th
 the recovery curve. Optional sections: long-context extension (the Orthros model trained at L,
 extended to ``factor x L`` with YaRN, continued briefly there; ``longctx``) and a real model,
 SmolLM2-135M (``study/smollm2.py``).
+
+``run_conversion_study`` is the list of stages; each returns a frozen record (``study/stages.py``), and
+``conversion.json`` is made of those records in one place (``ConversionOutcome.to_json``).
 """
 
 from __future__ import annotations
@@ -44,10 +47,30 @@ from orthros_train.study.pipeline import (
     pick_lr,
     read_metrics,
     read_results,
-    spread,
+    torch_threads,
     train_run,
 )
 from orthros_train.study.runs import remove_stale, run_parallel
+from orthros_train.study.stages import (
+    ArmEvaluation,
+    Conversion,
+    ConversionOutcome,
+    CurvePoint,
+    Curves,
+    Evaluation,
+    LongContext,
+    RunFacts,
+    SeedRuns,
+    Setting,
+    StudyEnd,
+    StudyHeader,
+    SweepResult,
+    SweepRun,
+    SweepScores,
+    Teacher,
+    TrainedRun,
+)
+from orthros_train.study.stages import summarize_arm as summarize_arm  # the arms' table, also read from here
 
 logger = logging.getLogger(__name__)
 
@@ -215,40 +238,6 @@ def checkpoint_at(run_dir: Path, step: int, steps: int) -> Path:
     return Path(run_dir) / "checkpoints" / CheckpointStore.name(step) / "model"
 
 
-def measures(e: dict[str, Any]) -> dict[str, float | None]:
-    """The numbers of one evaluated model the table compares."""
-    window = e["config"]["sliding_window"]
-    pk = e["passkey"]
-    return {
-        "loss": e["essay_valid"]["loss"],
-        "loss_within_w": loss_between(e, 0, window),
-        "loss_beyond_w": loss_between(e, window),
-        "recall_within_w": e["recall"]["accuracy_within_window"],
-        "recall_beyond_w": e["recall"]["accuracy_beyond_window"],
-        "passkey_pairs_4_8x_w": pk["pairs"]["4-8x_window"]["accuracy"],
-        "passkey_prose_4_8x_w": pk["essays"]["4-8x_window"]["accuracy"],
-    }
-
-
-def summarize_arm(evals: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Each measure's mean over the evaluated models (one per seed) with ``<measure>_std`` beside it."""
-    if not evals:
-        raise ValueError("an arm needs at least one evaluated model")
-    rows = [measures(e) for e in evals]
-    out: dict[str, Any] = {"n": len(rows)}
-    for key in rows[0]:
-        s = spread([r[key] for r in rows])
-        out[key], out[f"{key}_std"] = s["mean"], s["std"]
-    return out
-
-
-def curve_point(fraction: float, step: int, evals: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    s = summarize_arm(evals)
-    keep = ("loss", "loss_beyond_w", "recall_within_w", "recall_beyond_w")
-    return {"fraction": fraction, "step": step, "n": s["n"],
-            **{k: s[k] for k in keep}, **{f"{k}_std": s[f"{k}_std"] for k in keep}}
-
-
 # -- the converted checkpoint ------------------------------------------------------------------------------
 
 
@@ -330,28 +319,6 @@ def check_window(window: int, seq_len: int) -> None:
 # -- the study ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Setting:
-    """How the converted model is continued: peak rate, warm-up fraction, gamma/beta noise, frozen fraction."""
-
-    lr: float
-    warmup: float
-    affine_noise: float = 0.0
-    frozen: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return f"lr{self.lr:g}-warmup{self.warmup:g}-affine{self.affine_noise:g}-frozen{self.frozen:g}"
-
-    def overrides(self, steps: int, seed: int, orthros: bool) -> list[str]:
-        """Cosine from ``lr`` to a tenth of it after the warm-up (the shape of recipes/convert_*)."""
-        out = [f"optim.lr={self.lr:g}", f"optim.min_lr={self.lr / 10:g}", "optim.schedule=cosine",
-               f"optim.warmup_steps={round(self.warmup * steps)}", f"trainer.max_steps={steps}", f"trainer.seed={seed}"]
-        if orthros and self.frozen:
-            out.append(f"++optim.frozen_steps={round(self.frozen * steps)}")
-        return out
-
-
 def check_options(opts: ConversionOptions) -> tuple[list[str], dict[str, Any], int, int]:
     """Everything checked before a file is written: the folder, the teacher, the window. Returns the
     overrides of every small run, the composed dense recipe, its sequence length and the window."""
@@ -378,29 +345,30 @@ def stale_reports(opts: ConversionOptions) -> list[Path]:
 
 
 def run_conversion_study(opts: ConversionOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Teacher, conversion, sweep, seeds, curve, long context (and SmolLM2 if asked); writes
-    ``<out>/conversion.json`` and the report."""
+    """Teacher, conversion, sweep, seeds, evaluation, curves, long context; writes ``<out>/conversion.json``
+    and the report (the SmolLM2 section is ``study/smollm2.py``'s). Finished runs are reused, partial ones
+    resumed (``study/runs.py``)."""
     study = _Study(opts, log)
-    study.teacher_and_conversion()
-    chosen = study.sweep()
-    runs, seconds = study.seeds(chosen)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(opts.eval_threads)
-    try:
-        study.evaluate(runs, seconds, chosen)
-    finally:
-        torch.set_num_threads(threads)
-    results = study.results
-    results["load_average_end"] = load_average()
-    results["study_wall_seconds"] = time.perf_counter() - study.started
+    teacher = study.train_teacher()
+    conversion = study.convert(teacher)
+    sweep = study.sweep(conversion)
+    seeds = study.train_seeds(conversion, sweep)
+    with torch_threads(opts.eval_threads):
+        evaluation = study.evaluate_arms(conversion, seeds)
+        curves = study.measure_curves(conversion, sweep.chosen, seeds, evaluation)
+        sweep_scores = study.evaluate_sweep(sweep)
+        longctx = study.long_context(seeds, sweep.chosen) if opts.longctx else None
+    outcome = ConversionOutcome(study.header, teacher, conversion, sweep, seeds, evaluation, curves, sweep_scores,
+                                longctx, StudyEnd(load_average(), time.perf_counter() - study.started))
+    results = outcome.to_json()
     _check_finite(results)
     write_results(opts, results, log)
     return results
 
 
 class _Study:
-    """One conversion study's state: its options, the composed recipe, the teacher, the converted
-    checkpoints and the results as they fill in (each method is one stage)."""
+    """One conversion study: its options, the composed recipe and the window; each method is one stage and
+    returns its result (``study/stages.py``)."""
 
     def __init__(self, opts: ConversionOptions, log: Callable[[str], None]) -> None:
         from orthros_train.train.cli import git_commit
@@ -412,69 +380,68 @@ class _Study:
         if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
             remove_stale(stale_reports(opts), log)
         self.started = time.perf_counter()
-        self.results: dict[str, Any] = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "git_commit": git_commit(),
-            "command": opts.command, "quick": opts.quick, "overrides": self.base, "window": self.window,
-            "seq_len": self.seq_len, "steps": opts.steps, "seeds": list(opts.seeds), "cpu_count": os.cpu_count(),
-            "load_average_start": load_average(),
-        }
+        self.header = StudyHeader(
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), git_commit=git_commit(), command=opts.command,
+            quick=opts.quick, overrides=tuple(self.base), window=self.window, seq_len=self.seq_len, steps=opts.steps,
+            seeds=tuple(opts.seeds), cpu_count=os.cpu_count(), load_average_start=load_average())
         self.every = save_every(opts.steps, opts.fractions)
-        self.sweep_rows: dict[str, dict[str, Any]] = {}
 
     def train(self, arch: str, run_dir: Path, overrides: list[str]) -> float:
         return train_run(arch, run_dir, merge_overrides(self.base, overrides), self.log, self.opts.train_threads,
                          overwrite=self.opts.overwrite)
 
-    def teacher_and_conversion(self) -> None:
-        """1. The teacher (trained here unless given), and the models conversion makes of it."""
-        opts, results = self.opts, self.results
-        if opts.teacher is None:
-            teacher_dir = self.out / "teacher"
-            extra = [f"optim.lr={TEACHER_LR:g}", f"optim.min_lr={TEACHER_LR:g}", f"trainer.seed={TEACHER_SEED}"]
-            if opts.teacher_steps:
-                extra.append(f"trainer.max_steps={opts.teacher_steps}")
-            seconds = self.train("dense", teacher_dir, extra)
-            self.teacher = teacher_dir / "checkpoints" / "final"
-            results["teacher"] = _run_facts(teacher_dir, seconds, "trained by this study")
-        else:
-            self.teacher = Path(opts.teacher)
-            results["teacher"] = {"checkpoint": "given with --teacher", "source": self.teacher.name}
-        self.converted = convert_dense_checkpoint(self.teacher, self.out / "converted", self.window)
-        results["conversion_check"] = equality_within_window(self.teacher, self.converted, self.seq_len)
-        self.log(f"converted: max |logit difference| to the teacher inside W "
-                 f"{results['conversion_check']['within_w']:.2e}")
-        self.inits = {0.0: self.converted}
-        if opts.affine_noise > 0:  # made before any run starts: the runs train in parallel threads
-            self.inits[opts.affine_noise] = convert_dense_checkpoint(
-                self.teacher, self.out / f"converted-affine{opts.affine_noise:g}", self.window, opts.affine_noise)
+    def train_teacher(self) -> Teacher:
+        """1. The teacher: the one given with --teacher, or trained here."""
+        opts = self.opts
+        if opts.teacher is not None:
+            return Teacher(Path(opts.teacher))
+        teacher_dir = self.out / "teacher"
+        extra = [f"optim.lr={TEACHER_LR:g}", f"optim.min_lr={TEACHER_LR:g}", f"trainer.seed={TEACHER_SEED}"]
+        if opts.teacher_steps:
+            extra.append(f"trainer.max_steps={opts.teacher_steps}")
+        seconds = self.train("dense", teacher_dir, extra)
+        return Teacher(teacher_dir / "checkpoints" / "final", _run_facts(teacher_dir, seconds, "trained by this study"))
 
-    def continue_run(self, arm: str, setting: Setting, seed: int, run_dir: Path) -> float:
+    def convert(self, teacher: Teacher) -> Conversion:
+        """2. The models conversion makes of the teacher, made before any run starts (the runs train in
+        parallel threads), and how far the converted one is from the teacher."""
+        opts, source = self.opts, teacher.checkpoint
+        converted = convert_dense_checkpoint(source, self.out / "converted", self.window)
+        check = equality_within_window(source, converted, self.seq_len)
+        self.log(f"converted: max |logit difference| to the teacher inside W {check['within_w']:.2e}")
+        inits = {0.0: converted}
+        if opts.affine_noise > 0:
+            inits[opts.affine_noise] = convert_dense_checkpoint(
+                source, self.out / f"converted-affine{opts.affine_noise:g}", self.window, opts.affine_noise)
+        return Conversion(source, converted, inits, check)
+
+    def continue_run(self, arm: str, init: Path, setting: Setting, seed: int, run_dir: Path) -> TrainedRun:
         arch = CONTINUED[arm]
-        init = self.inits[setting.affine_noise] if arch == "orthros" else self.teacher
         extra = [f"model.init_from={init}", *setting.overrides(self.opts.steps, seed, arch == "orthros")]
         if self.every:  # the curves' checkpoints (every arm: dense and sliding are the curve's references)
             extra += [f"trainer.save_every={self.every}", "trainer.keep_last_k=0"]
-        return self.train(arch, run_dir, extra)
+        return TrainedRun(run_dir, self.train(arch, run_dir, extra))
 
-    def in_parallel(self, jobs: list[tuple[str, Setting, int, Path]]) -> list[float]:
+    def in_parallel(self, conversion: Conversion, jobs: list[tuple[str, Setting, int, Path]]) -> list[TrainedRun]:
         """``opts.jobs`` training processes at a time; the first failure stops the study."""
-        return run_parallel(self.continue_run, jobs, self.opts.jobs)
+        return run_parallel(self.continue_run, [(arm, conversion.init_of(CONTINUED[arm], setting), setting, seed, d)
+                                                for arm, setting, seed, d in jobs], self.opts.jobs)
 
-    def sweep_runs(self, settings: list[Setting]) -> dict[Setting, float | None]:
+    def sweep_round(self, conversion: Conversion, settings: list[Setting],
+                    done: dict[str, SweepRun]) -> dict[Setting, float | None]:
+        """The settings not yet in ``done`` trained (first seed, Orthros) and added to it; every setting's loss."""
         first = self.opts.seeds[0]
-        todo = [s for s in settings if s.name not in self.sweep_rows]
-        dirs = [self.out / "sweep" / f"{s.name}-seed{first}" for s in todo]
-        times = self.in_parallel([("orthros_continued", s, first, d) for s, d in zip(todo, dirs)])
-        for s, d, t in zip(todo, dirs, times):
-            self.sweep_rows[s.name] = {"setting": s.__dict__, "run_dir": d, "seconds": t,
-                                       "blend_valid_loss": _final_eval_loss(d)}
-        return {s: self.sweep_rows[s.name]["blend_valid_loss"] for s in settings}
+        todo = [s for s in settings if s.name not in done]
+        jobs = [("orthros_continued", s, first, self.out / "sweep" / f"{s.name}-seed{first}") for s in todo]
+        for s, run in zip(todo, self.in_parallel(conversion, jobs)):
+            done[s.name] = SweepRun(s, run, _final_eval_loss(run.run_dir))
+        return {s: done[s.name].blend_valid_loss for s in settings}
 
-    def sweep(self) -> Setting:
-        """2. The sweep (first seed, Orthros): the peak rate at the first warm-up, then, one at a time at
+    def sweep(self, conversion: Conversion) -> SweepResult:
+        """3. The sweep (first seed, Orthros): the peak rate at the first warm-up, then, one at a time at
         the kept rate, the other warm-ups, gamma/beta started off the identity, and the early freeze."""
-        opts = self.opts
-        scores = self.sweep_runs([Setting(lr, opts.warmups[0]) for lr in opts.lrs])
+        opts, done = self.opts, {}
+        scores = self.sweep_round(conversion, [Setting(lr, opts.warmups[0]) for lr in opts.lrs], done)
         best: Setting = pick_lr(scores)
         self.log(f"sweep: rate {best.lr:g} (held-out blend loss {scores[best]:.4f})")
         variants = [best, *(replace(best, warmup=w) for w in opts.warmups[1:])]
@@ -482,85 +449,75 @@ class _Study:
             variants.append(replace(best, affine_noise=opts.affine_noise))
         if opts.frozen > 0:
             variants.append(replace(best, frozen=opts.frozen))
-        chosen: Setting = pick_lr(self.sweep_runs(variants))
+        chosen: Setting = pick_lr(self.sweep_round(conversion, variants, done))
         self.log(f"sweep: kept {chosen.name}")
-        self.results["sweep"] = {
-            "criterion": f"the trainer's held-out blend loss at the end of the run, seed {opts.seeds[0]}",
-            "chosen": chosen.__dict__,
-            "runs": [{**row["setting"], "name": name, "seconds": row["seconds"],
-                      "blend_valid_loss": row["blend_valid_loss"]} for name, row in self.sweep_rows.items()]}
-        return chosen
+        return SweepResult(f"the trainer's held-out blend loss at the end of the run, seed {opts.seeds[0]}", chosen,
+                           tuple(done.values()))
 
-    def seeds(self, chosen: Setting) -> tuple[dict[str, list[Path]], dict[str, list[float]]]:
-        """3. The seeds: every continued arm with the kept rate and warm-up (Orthros with all of it)."""
+    def train_seeds(self, conversion: Conversion, sweep: SweepResult) -> SeedRuns:
+        """4. The seeds: every continued arm with the kept rate and warm-up (Orthros with all of it)."""
+        chosen = sweep.chosen
         first, plain = self.opts.seeds[0], replace(chosen, affine_noise=0.0, frozen=0.0)
         jobs = [(arm, chosen if arm == "orthros_continued" else plain, seed, self.out / arm / f"seed{seed}")
                 for arm in CONTINUED for seed in self.opts.seeds
                 if not (arm == "orthros_continued" and seed == first)]
-        times = self.in_parallel(jobs)
-        runs: dict[str, list[Path]] = {arm: [] for arm in CONTINUED}
-        seconds: dict[str, list[float]] = {arm: [] for arm in CONTINUED}
-        runs["orthros_continued"].append(self.sweep_rows[chosen.name]["run_dir"])
-        seconds["orthros_continued"].append(self.sweep_rows[chosen.name]["seconds"])
-        for (arm, _, _, run_dir), t in zip(jobs, times):
-            runs[arm].append(run_dir)
-            seconds[arm].append(t)
-        facts = _run_facts(runs["orthros_continued"][0], 0.0, "")
-        self.results["tokens_per_step"] = facts["tokens"] // facts["steps"]
-        self.results["train_wall_seconds"] = time.perf_counter() - self.started
-        self.results["load_average_after_training"] = load_average()
-        return runs, seconds
+        trained = self.in_parallel(conversion, jobs)
+        runs: dict[str, list[TrainedRun]] = {arm: [] for arm in CONTINUED}
+        runs["orthros_continued"].append(sweep.run_of(chosen).run)
+        for (arm, *_), run in zip(jobs, trained):
+            runs[arm].append(run)
+        facts = _run_facts(runs["orthros_continued"][0].run_dir, 0.0, "")
+        return SeedRuns({arm: tuple(r) for arm, r in runs.items()}, facts.tokens // facts.steps,
+                        time.perf_counter() - self.started, load_average())
 
     def measure(self, ckpt: Path, **config_overrides: Any) -> dict[str, Any]:
         o = self.opts
         return evaluate_checkpoint(ckpt, self.recipe["data"], self.seq_len, o.recall_documents, o.passkey_documents,
                                    o.valid_tokens, **config_overrides)
 
-    def evaluate(self, runs: dict[str, list[Path]], seconds: dict[str, list[float]], chosen: Setting) -> None:
-        """4. Evaluation: the table, the curves, the sweep's runs, the long-context section."""
-        results = self.results
+    def evaluate_arms(self, conversion: Conversion, seeds: SeedRuns) -> Evaluation:
+        """5. The table: the teacher, the converted model, and every continued arm's final checkpoints."""
         self.log("evaluate: teacher, converted, continued arms")
-        evals = {"teacher": [self.measure(self.teacher)], "converted": [self.measure(self.converted)]}
-        for arm, dirs in runs.items():
-            evals[arm] = [self.measure(d / "checkpoints" / "final") for d in dirs]
-        results["arms"] = {arm: summarize_arm(evals[arm]) for arm in ARMS}
+        arms = {"teacher": ArmEvaluation((self.measure(conversion.teacher),)),
+                "converted": ArmEvaluation((self.measure(conversion.converted),))}
         for arm in CONTINUED:
-            results["arms"][arm]["train_seconds"] = spread(seconds[arm])["mean"]
-        results["runs"] = {arm: [measures(e) | {"seed": s} for e, s in zip(evals[arm], self.opts.seeds)]
-                           for arm in CONTINUED}
-        results["recall_buckets"] = {arm: _bucket_means(evals[arm]) for arm in ARMS}
-        results["position_buckets"] = {arm: _position_means(evals[arm]) for arm in ARMS}
-        results["chance"] = evals["teacher"][0]["recall"]["chance"]
-        self.curves(runs, evals, chosen)
-        for row in results["sweep"]["runs"]:
-            m = measures(self.measure(Path(self.sweep_rows[row["name"]]["run_dir"]) / "checkpoints" / "final"))
-            row.update({k: m[k] for k in ("loss", "loss_beyond_w", "recall_beyond_w")})
-        if self.opts.longctx:
-            results["longctx"] = longctx_section(self.opts, runs["orthros_continued"][0], chosen, self.base,
-                                                 self.recipe, self.window, self.log)
+            runs = seeds.runs[arm]
+            arms[arm] = ArmEvaluation(tuple(self.measure(r.final) for r in runs), tuple(self.opts.seeds),
+                                      tuple(r.seconds for r in runs))
+        return Evaluation({arm: arms[arm] for arm in ARMS})
 
-    def curves(self, runs: dict[str, list[Path]], evals: dict[str, list[dict[str, Any]]], chosen: Setting) -> None:
-        """Every continued arm at the curve's steps; step 0 is the model it starts from, with its own attention."""
+    def measure_curves(self, conversion: Conversion, chosen: Setting, seeds: SeedRuns,
+                       evaluation: Evaluation) -> Curves:
+        """6. Every continued arm at the curve's steps; step 0 is the model it starts from, with its own attention."""
         self.log("evaluate: the recovery curves")
-        steps = self.opts.steps
-        starts = {"orthros_continued": (self.measure(self.inits[chosen.affine_noise]) if chosen.affine_noise
-                                        else evals["converted"][0]),
-                  "dense_continued": evals["teacher"][0],
-                  "sliding_continued": self.measure(self.teacher, attention_type="sliding",
+        steps, arms = self.opts.steps, evaluation.arms
+        starts = {"orthros_continued": (self.measure(conversion.inits[chosen.affine_noise]) if chosen.affine_noise
+                                        else arms["converted"].evals[0]),
+                  "dense_continued": arms["teacher"].evals[0],
+                  "sliding_continued": self.measure(conversion.teacher, attention_type="sliding",
                                                     sliding_window=self.window)}
-        self.results["curves"] = {}
+        curves = {}
         for arm in CONTINUED:
             curve = []
             for fraction, step in curve_steps(steps, self.opts.fractions):
                 if step == 0:
-                    point = [starts[arm]]
+                    point = (starts[arm],)
                 elif step == steps:
-                    point = evals[arm]
+                    point = arms[arm].evals
                 else:
-                    point = [self.measure(checkpoint_at(d, step, steps)) for d in runs[arm]]
-                curve.append(curve_point(fraction, step, point))
-            self.results["curves"][arm] = curve
-        self.results["curve"] = self.results["curves"]["orthros_continued"]
+                    point = tuple(self.measure(checkpoint_at(r.run_dir, step, steps)) for r in seeds.runs[arm])
+                curve.append(CurvePoint(fraction, step, point))
+            curves[arm] = tuple(curve)
+        return Curves(curves)
+
+    def evaluate_sweep(self, sweep: SweepResult) -> dict[str, SweepScores]:
+        """7. Every run of the sweep evaluated like the arms (the sweep's table), by setting name."""
+        return {r.setting.name: SweepScores.of(self.measure(r.run.final)) for r in sweep.runs}
+
+    def long_context(self, seeds: SeedRuns, chosen: Setting) -> LongContext:
+        """8. The long-context section, from the kept Orthros run of the first seed."""
+        return longctx_section(self.opts, seeds.runs["orthros_continued"][0].run_dir, chosen, self.base, self.recipe,
+                               self.window, self.log)
 
 
 def write_results(opts: ConversionOptions, results: dict[str, Any], log: Callable[[str], None] = _log) -> None:
@@ -626,12 +583,12 @@ def _final_eval_loss(run_dir: Path) -> float | None:
     return evals[-1] if evals else None
 
 
-def _run_facts(run_dir: Path, seconds: float, how: str) -> dict[str, Any]:
+def _run_facts(run_dir: Path, seconds: float, how: str) -> RunFacts:
     metrics = read_metrics(run_dir)
     recipe = json.loads((run_dir / "recipe.json").read_text())
-    return {"checkpoint": how, "steps": metrics[-1]["step"], "seed": recipe["trainer"]["seed"],
-            "lr": recipe["optim"]["lr"], "tokens": metrics[-1]["consumed_samples"] * recipe["trainer"]["seq_len"],
-            "blend_valid_loss": _final_eval_loss(run_dir), "train_seconds": seconds}
+    return RunFacts(how, steps=metrics[-1]["step"], seed=recipe["trainer"]["seed"], lr=recipe["optim"]["lr"],
+                    tokens=metrics[-1]["consumed_samples"] * recipe["trainer"]["seq_len"],
+                    blend_valid_loss=_final_eval_loss(run_dir), train_seconds=seconds)
 
 
 def equality_within_window(teacher: Path, converted: Path, seq_len: int) -> dict[str, float]:
@@ -650,20 +607,6 @@ def equality_within_window(teacher: Path, converted: Path, seq_len: int) -> dict
             "max_abs_logit": float(reference.abs().max())}
 
 
-def _bucket_means(evals: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    first = evals[0]["recall"]["buckets"]
-    return [{**{k: b[k] for k in ("label", "low", "high", "beyond_window", "queries")},
-             "accuracy": spread([e["recall"]["buckets"][j]["accuracy"] for e in evals])["mean"]}
-            for j, b in enumerate(first)]
-
-
-def _position_means(evals: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    first = evals[0]["essay_valid"]["buckets"]
-    return [{**{k: b[k] for k in ("label", "low", "high", "beyond_window", "tokens")},
-             "loss": spread([e["essay_valid"]["buckets"][j]["loss"] for e in evals])["mean"]}
-            for j, b in enumerate(first)]
-
-
 def longctx_ranges(window: int, length: int, trained: int) -> dict[str, tuple[int, int]]:
     """Passkey distances at the extended length: inside W, inside the trained length, and beyond it."""
     hay = passkey_haystack_length(length)
@@ -673,7 +616,7 @@ def longctx_ranges(window: int, length: int, trained: int) -> dict[str, tuple[in
 
 
 def longctx_section(opts: ConversionOptions, source_run: Path, setting: Setting, base: list[str],
-                    recipe: dict[str, Any], window: int, log: Callable[[str], None]) -> dict[str, Any]:
+                    recipe: dict[str, Any], window: int, log: Callable[[str], None]) -> LongContext:
     """The Orthros model trained at L, extended to factor x L with YaRN and trained on briefly there,
     beside the same model unextended, all measured at factor x L."""
     trained = recipe["trainer"]["seq_len"]
@@ -711,10 +654,9 @@ def longctx_section(opts: ConversionOptions, source_run: Path, setting: Setting,
         "extended_untrained": measure(src, length, rope_scaling=scaling, **longer),
         "extended_continued": measure(run_dir / "checkpoints" / "final", length),
     }
-    return {"trained_length": trained, "length": length, "factor": opts.longctx_factor, "rope_scaling": scaling,
-            "steps": opts.longctx_steps, "micro_batch_size": micro, "train_seconds": seconds,
-            "tokens": opts.longctx_steps * micro * length, "ranges": {k: list(v) for k, v in ranges.items()},
-            "rows": rows}
+    return LongContext(trained_length=trained, length=length, factor=opts.longctx_factor, rope_scaling=scaling,
+                       steps=opts.longctx_steps, micro_batch_size=micro, run=TrainedRun(run_dir, seconds),
+                       ranges=ranges, rows=rows)
 
 
 def _check_finite(results: dict[str, Any]) -> None:

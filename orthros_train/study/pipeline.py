@@ -1,7 +1,11 @@
-"""Train the study's runs (a learning-rate sweep, then seeds), evaluate them, collect every number in one dict."""
+"""Train the study's runs (a learning-rate sweep, then seeds), evaluate them, collect every number in one dict.
+
+``run_study`` is the list of stages; each returns a frozen record, and ``study.json`` is made of those records
+in one place (``StudyOutcome.to_json``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -10,7 +14,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -415,64 +419,183 @@ def _train_archs(opts: StudyOptions) -> tuple[str, ...]:
     return () if opts.skip_train else (opts.train_archs or opts.archs)
 
 
-def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Sweep, train the seeds (unless ``skip_train``), evaluate, write ``study.json`` and the report."""
-    from orthros_train.train.cli import git_commit
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside (a study's evaluation), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
-    out = Path(opts.out)
+
+# -- the stages' results --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StudyStart:
+    """What the study ran with and where: the first entries of ``study.json``."""
+
+    date: str
+    git_commit: str | None
+    command: str | None
+    quick: bool
+    overrides: tuple[str, ...]  # of every run
+    seeds: tuple[int, ...]
+    lrs: tuple[float, ...]
+    cpu_count: int | None
+    load_average: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"date": self.date, "git_commit": self.git_commit, "command": self.command, "quick": self.quick,
+                "overrides": list(self.overrides), "seeds": list(self.seeds), "lrs": list(self.lrs),
+                "cpu_count": self.cpu_count, "load_average_start": self.load_average}
+
+
+@dataclass(frozen=True)
+class RateSweep:
+    """One model's learning-rate sweep at the first seed: the held-out blend loss of every rate, the kept rate."""
+
+    seed: int
+    best_lr: float
+    losses: Mapping[float, float | None]
+
+    def to_json(self, rows: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        """``rows``: every rate's run evaluated (``_sweep_row``), by rate."""
+        return {"seed": self.seed, "best_lr": self.best_lr,
+                "blend_valid_loss": {f"{lr:g}": loss for lr, loss in self.losses.items()}, "runs": dict(rows)}
+
+
+@dataclass(frozen=True)
+class Training:
+    """The sweep and the seeds: every model's sweep, and the training as a whole."""
+
+    sweeps: Mapping[str, RateSweep]
+    wall_seconds: float | None  # None: nothing trained here (--skip-train)
+    load_average: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"train_wall_seconds": self.wall_seconds, "load_average_after_training": self.load_average}
+
+
+@dataclass(frozen=True)
+class ModelEvaluation:
+    """One model's runs evaluated: the sweep's row of every rate, and every seed at the kept rate."""
+
+    sweep_rows: Mapping[str, dict[str, Any]]
+    runs: tuple[dict[str, Any], ...]  # evaluate_run's record of each seed
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Time to first token (``prefill_eval``) and the load it was measured under."""
+
+    load_average: str
+    measured: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"load_average_prefill": self.load_average, "prefill": self.measured}
+
+
+@dataclass(frozen=True)
+class StudyOutcome:
+    """Every stage's result; ``to_json`` is ``study.json``, in its order of keys."""
+
+    start: StudyStart
+    training: Training
+    evaluations: Mapping[str, ModelEvaluation]
+    prefill: Prefill | None
+    load_average_end: str
+    wall_seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        evaluations, sweeps = self.evaluations, self.training.sweeps
+        return {**self.start.to_json(),
+                "sweep": {arch: sweeps[arch].to_json(e.sweep_rows) for arch, e in evaluations.items()},
+                "runs": {arch: list(e.runs) for arch, e in evaluations.items()},
+                "summary": {arch: aggregate(list(e.runs)) for arch, e in evaluations.items()},
+                **self.training.to_json(), **(self.prefill.to_json() if self.prefill is not None else {}),
+                "load_average_end": self.load_average_end, "study_wall_seconds": self.wall_seconds}
+
+
+# -- the stages -----------------------------------------------------------------------------------------------
+
+
+def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
+    """Sweep, train the seeds (unless ``skip_train``), evaluate, time the prefill; writes ``study.json`` and the
+    report. Finished runs are reused, partial ones resumed (``study/runs.py``)."""
+    overrides = _study_overrides(opts)
+    start = _study_start(opts, overrides)
+    started = time.perf_counter()
+    if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
+        _remove_stale_reports(opts, log)
+    sweeps, trained = _train_sweep_and_seeds(opts, overrides, log)
+    training = Training(sweeps, time.perf_counter() - started if trained else None, load_average())
+    with torch_threads(opts.eval_threads):
+        evaluations = {arch: _evaluate_model(arch, sweeps[arch].best_lr, opts, log) for arch in opts.archs}
+    prefill = _time_prefill(opts, sweeps, log)
+    outcome = StudyOutcome(start, training, evaluations, prefill, load_average(), time.perf_counter() - started)
+    results = outcome.to_json()
+    _check_finite(results)
+    _write_study(opts, results, log)
+    return results
+
+
+def _study_overrides(opts: StudyOptions) -> list[str]:
+    """The Hydra overrides of every run: the quick shape, --steps, then --override."""
     overrides = list(QUICK_OVERRIDES if opts.quick else [])
     if opts.steps is not None:
         overrides.append(f"trainer.max_steps={opts.steps}")
-    overrides += list(opts.overrides)
-    results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "git_commit": git_commit(),  # the commit the study's code ran from (the runs record theirs too)
-        "command": opts.command, "quick": opts.quick, "overrides": overrides, "seeds": list(opts.seeds),
-        "lrs": list(opts.lrs), "cpu_count": os.cpu_count(), "load_average_start": load_average(),
-        "sweep": {}, "runs": {}, "summary": {},
-    }
-    started = time.perf_counter()
-    if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
-        from orthros_train.study.runs import remove_stale
+    return overrides + list(opts.overrides)
 
-        stale = [out / "study.json"]
-        if opts.report is not None:
-            stale += [Path(opts.report), Path(opts.report).parent / Path(opts.report).stem]
-        remove_stale(stale, log)
-    trained = _train_sweep_and_seeds(opts, overrides, results, log)
-    results["train_wall_seconds"] = time.perf_counter() - started if trained else None
-    results["load_average_after_training"] = load_average()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(opts.eval_threads)
-    try:
-        _evaluate_all(results, opts, log)
-    finally:
-        torch.set_num_threads(threads)
-    if "orthros" in opts.archs and opts.prefill_lengths:
-        log(f"prefill benchmark at {opts.prefill_lengths} tokens (load average {load_average()})")
-        results["load_average_prefill"] = load_average()
-        best = results["sweep"]["orthros"]["best_lr"]
-        results["prefill"] = prefill_eval(out / "orthros" / run_name(best, opts.seeds[0]) / "checkpoints" / "final",
-                                          opts)
-    results["load_average_end"] = load_average()
-    results["study_wall_seconds"] = time.perf_counter() - started
-    _check_finite(results)
+
+def _study_start(opts: StudyOptions, overrides: list[str]) -> StudyStart:
+    from orthros_train.train.cli import git_commit
+
+    return StudyStart(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      git_commit=git_commit(),  # the commit the study's code ran from (the runs record theirs too)
+                      command=opts.command, quick=opts.quick, overrides=tuple(overrides), seeds=tuple(opts.seeds),
+                      lrs=tuple(opts.lrs), cpu_count=os.cpu_count(), load_average=load_average())
+
+
+def _remove_stale_reports(opts: StudyOptions, log: Callable[[str], None]) -> None:
+    from orthros_train.study.runs import remove_stale
+
+    stale = [Path(opts.out) / "study.json"]
+    if opts.report is not None:
+        stale += [Path(opts.report), Path(opts.report).parent / Path(opts.report).stem]
+    remove_stale(stale, log)
+
+
+def _time_prefill(opts: StudyOptions, sweeps: Mapping[str, RateSweep], log: Callable[[str], None]) -> Prefill | None:
+    """The prefill benchmark on the kept Orthros run of the first seed (none without Orthros or lengths)."""
+    if "orthros" not in opts.archs or not opts.prefill_lengths:
+        return None
+    log(f"prefill benchmark at {opts.prefill_lengths} tokens (load average {load_average()})")
+    load = load_average()
+    best = sweeps["orthros"].best_lr
+    return Prefill(load, prefill_eval(Path(opts.out) / "orthros" / run_name(best, opts.seeds[0]) / "checkpoints"
+                                      / "final", opts))
+
+
+def _write_study(opts: StudyOptions, results: dict[str, Any], log: Callable[[str], None]) -> None:
+    """``<out>/study.json`` and the report."""
     from orthros_train.eval.common import write_json
 
-    write_json(results, out / "study.json")
+    write_json(results, Path(opts.out) / "study.json")
     if opts.report is not None:
         from orthros_train.study.report import write_report
 
         notes = Path(opts.notes).read_text() if opts.notes else None
         write_report(results, Path(opts.report), notes)
         log(f"report: {opts.report}")
-    return results
 
 
-def _train_sweep_and_seeds(opts: StudyOptions, overrides: list[str], results: dict[str, Any],
-                           log: Callable[[str], None]) -> tuple[str, ...]:
+def _train_sweep_and_seeds(opts: StudyOptions, overrides: list[str], log: Callable[[str], None]
+                           ) -> tuple[dict[str, RateSweep], tuple[str, ...]]:
     """The sweep of every model first (its runs are independent), then the other seeds at the kept
-    rates; fills ``results["sweep"]``; returns the models it trained."""
+    rates; returns every model's sweep and the models it trained."""
     from orthros_train.study.runs import run_parallel
 
     out, train = Path(opts.out), _train_archs(opts)
@@ -487,35 +610,34 @@ def _train_sweep_and_seeds(opts: StudyOptions, overrides: list[str], results: di
     why = "--skip-train evaluates existing runs" if opts.skip_train else f"--train-archs leaves {reused} to --out"
     check_trained([out / arch / run_name(lr, opts.seeds[0]) for arch in reused for lr in opts.lrs], why)
     run_parallel(one, [(arch, lr, opts.seeds[0]) for arch in train for lr in opts.lrs], opts.jobs)
-    for arch in opts.archs:
-        sweep: dict[float, float | None] = {}
-        for lr in opts.lrs:
-            evals = [m["eval_loss"] for m in read_metrics(out / arch / run_name(lr, opts.seeds[0]))
-                     if m.get("eval_loss") is not None]
-            sweep[lr] = evals[-1] if evals else None
-        best = pick_lr(sweep)
-        results["sweep"][arch] = {"seed": opts.seeds[0], "best_lr": best,
-                                  "blend_valid_loss": {f"{lr:g}": loss for lr, loss in sweep.items()}}
-        log(f"{arch}: learning rate {best:g} (held-out blend loss {sweep[best]:.3f})")
-    check_trained([out / arch / run_name(results["sweep"][arch]["best_lr"], seed)
-                   for arch in reused for seed in opts.seeds[1:]], why)
-    run_parallel(one, [(arch, results["sweep"][arch]["best_lr"], seed) for arch in train for seed in opts.seeds[1:]],
-                 opts.jobs)
-    return train
+    sweeps = {arch: _read_sweep(out / arch, opts, log) for arch in opts.archs}
+    check_trained([out / arch / run_name(sweeps[arch].best_lr, seed) for arch in reused for seed in opts.seeds[1:]],
+                  why)
+    run_parallel(one, [(arch, sweeps[arch].best_lr, seed) for arch in train for seed in opts.seeds[1:]], opts.jobs)
+    return sweeps, train
 
 
-def _evaluate_all(results: dict[str, Any], opts: StudyOptions, log: Callable[[str], None]) -> None:
-    """Every run of the sweep and of the seeds; the kept rate's runs make ``runs`` and ``summary``."""
+def _read_sweep(model_dir: Path, opts: StudyOptions, log: Callable[[str], None]) -> RateSweep:
+    """One model's sweep as its runs' metrics tell it: the last held-out blend loss of every rate."""
+    sweep: dict[float, float | None] = {}
+    for lr in opts.lrs:
+        evals = [m["eval_loss"] for m in read_metrics(model_dir / run_name(lr, opts.seeds[0]))
+                 if m.get("eval_loss") is not None]
+        sweep[lr] = evals[-1] if evals else None
+    best = pick_lr(sweep)
+    log(f"{model_dir.name}: learning rate {best:g} (held-out blend loss {sweep[best]:.3f})")
+    return RateSweep(opts.seeds[0], best, sweep)
+
+
+def _evaluate_model(arch: str, best: float, opts: StudyOptions, log: Callable[[str], None]) -> ModelEvaluation:
+    """Every run of one model's sweep and of its seeds; the kept rate's runs make ``runs`` and ``summary``."""
     out = Path(opts.out)
-    for arch in opts.archs:
-        best = results["sweep"][arch]["best_lr"]
-        sweep_runs = {f"{lr:g}": evaluate_run(out / arch / run_name(lr, opts.seeds[0]), opts, log)
-                      for lr in opts.lrs if lr != best}
-        results["sweep"][arch]["runs"] = {lr: _sweep_row(r) for lr, r in sweep_runs.items()}
-        runs = [evaluate_run(out / arch / run_name(best, seed), opts, log) for seed in opts.seeds]
-        results["sweep"][arch]["runs"][f"{best:g}"] = _sweep_row(runs[0])
-        results["runs"][arch] = runs
-        results["summary"][arch] = aggregate(runs)
+    sweep_runs = {f"{lr:g}": evaluate_run(out / arch / run_name(lr, opts.seeds[0]), opts, log)
+                  for lr in opts.lrs if lr != best}
+    rows = {lr: _sweep_row(r) for lr, r in sweep_runs.items()}
+    runs = [evaluate_run(out / arch / run_name(best, seed), opts, log) for seed in opts.seeds]
+    rows[f"{best:g}"] = _sweep_row(runs[0])
+    return ModelEvaluation(rows, tuple(runs))
 
 
 def _sweep_row(r: dict[str, Any]) -> dict[str, Any]:
