@@ -151,7 +151,8 @@ def test_the_dry_run_prints_the_route_and_the_trainer_logs_it(tmp_path, make_tra
         trainer = make_trainer()
         trainer.close()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention route")]
-    assert "attention route on cpu, pretraining: sdpa: off the GPU" in said[0], said
+    assert said == ["attention route on cpu: pretraining -> sdpa; answer spans (SFT/RL) -> sdpa; prefill -> sdpa; "
+                    "decode steps -> sdpa"], said
 
 
 @pytest.mark.gpu

@@ -395,9 +395,9 @@ def hydra_main(cfg: DictConfig) -> None:
         # what the user asked for is wrong, or a run-stopping fault: one clear line, not a traceback
         report_error(f"orthros-train: {first_line(exc)}", rank)
         raise SystemExit(1) from exc
-    except KeyboardInterrupt:  # Ctrl-C before training started (the loop itself saves and returns)
-        print("orthros-train: interrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
-        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+    # Ctrl-C before training started (the loop itself saves and returns) propagates to main's
+    # exit_on_ctrl_c: its os._exit(130) is right also when the Ctrl-C landed inside a C extension's
+    # import, where a SystemExit here made the interpreter re-raise SIGINT on itself (status -2).
     except Exception as exc:
         # Anything else (a ValueError from inside torch included) is a bug: keep its traceback,
         # which a one-line message would hide, and say where to report it.

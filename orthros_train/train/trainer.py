@@ -90,9 +90,10 @@ class Trainer:
         policy = Policy(self.device, zero_stage=p.zero_stage) if cfg.rl is not None else None
         self.data = build_data(cfg, policy)
         self.model = build_model(cfg, self.device)
-        if self.is_main:
-            for layout, route in attention_routes(cfg, self.device.type)[self.device.type].items():
-                log.info("attention route on %s, %s: %s", self.device.type, layout, route)
+        if self.is_main:  # one line: the kernel of each kind of layout (the dry run also says why)
+            routes = attention_routes(cfg, self.device.type)[self.device.type]
+            log.info("attention route on %s: %s", self.device.type,
+                     "; ".join(f"{layout} -> {route.split(':')[0]}" for layout, route in routes.items()))
         # before the engine wraps the model
         objective = build_objective(cfg, self.model, policy, self.device, tokenizer=self.data.tokenizer)
         self.teacher = getattr(objective, "teacher", None)  # distillation's frozen dense twin, if any

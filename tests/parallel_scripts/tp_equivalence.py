@@ -26,10 +26,11 @@ SHAPE = {"num_hidden_layers": 3, "sliding_window": 5, "qk_norm": True}
 
 
 def main() -> None:
+    from orthros_train.common.safetensors_io import SafetensorsReader
     from orthros_train.model import OrthrosForCausalLM
     from orthros_train.parallel.model import build_parallel_model
     from orthros_train.parallel.setup import ParallelConfig, destroy_parallel
-    from orthros_train.parallel.state_dict import LazyCheckpoint, gather_full_state_dict, load_reference_shards
+    from orthros_train.parallel.state_dict import gather_full_state_dict, load_reference_shards
     from orthros_train.phase import pretrain_layout, sft_layout
     from orthros_train.train.step import tensor_parallel_grad_norm
 
@@ -63,7 +64,7 @@ def main() -> None:
         assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
         # ... and each rank holds its shards only, never the whole model.
         assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in ref.parameters())
-        load_reference_shards(model, LazyCheckpoint(ckpt), cfg)
+        load_reference_shards(model, SafetensorsReader(ckpt), cfg)
         worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
         for layout in layouts.values():
             diffs, _, _ = compare_step(ref, model, cfg, layout)
