@@ -16,9 +16,6 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
 from orthros_train.errors import UserError
 
 # Field metadata of a float that may be NaN or infinite: ``field(default=..., metadata=NONFINITE_OK)``.
@@ -122,6 +119,11 @@ def check_types(cls: type, values: dict[str, Any] | None, name: str = "", where:
 
     ``name`` prefixes every key in a message (``optim`` -> ``optim.lr``; empty: the bare key);
     ``where`` says where an unknown key was given (``in the recipe``, ``in --override``)."""
+    # Imported here: the serving environment installs this package without its dependencies (vLLM
+    # pins its own) and imports eval's modules, which import this one; only a check needs OmegaConf.
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
     values = dict(values or {})
     refuse_non_booleans(cls, values, name)
     try:
@@ -144,6 +146,9 @@ def check_types(cls: type, values: dict[str, Any] | None, name: str = "", where:
 def _failing_key(cls: type, values: dict[str, Any]) -> str:
     """The key whose value OmegaConf refused when its error names none (a list given for a dict
     field fails the whole merge): the first key that fails alone."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     base = OmegaConf.structured(cls)
     for key, value in values.items():
         try:
