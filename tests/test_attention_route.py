@@ -22,6 +22,7 @@ CASES = [
     (RouteFacts("cpu", stream_windows=PRETRAIN, varlen="torch"), "sdpa", "off the GPU"),
     (RouteFacts(**GPU, need_lse=True, stream_windows=PRETRAIN), "triton", "log-sum-exp"),
     (RouteFacts(**GPU, stream_windows=PRETRAIN), "varlen", "whole streams"),
+    (RouteFacts(**{**GPU, "varlen": None}, stream_windows=PRETRAIN), "split", "is_causal per document"),
     (RouteFacts(**GPU, needs_mask=False), "sdpa", "no mask"),
     (RouteFacts(**GPU), "triton", "answer spans"),
     (RouteFacts(**{**GPU, "triton": False}), "sdpa", "triton is not installed"),
@@ -33,7 +34,6 @@ NOT_VARLEN = [
     {"dtype": None},  # a caller that did not say its queries' dtype
     {"head_dim": 320},
     {"head_dim": 60},
-    {"varlen": None},  # nothing installed
 ]
 
 
@@ -47,9 +47,17 @@ def test_the_cases_cover_every_row() -> None:
     assert [ROUTES.index(choose_route(facts)) for facts, _, _ in CASES] == list(range(len(ROUTES)))
 
 
+@pytest.mark.parametrize("varlen", ["torch", None])
 @pytest.mark.parametrize("change", NOT_VARLEN)
-def test_whole_streams_fall_back_to_triton(change) -> None:
-    assert choose_route(RouteFacts(**{**GPU, "stream_windows": PRETRAIN, **change})).name == "triton"
+def test_whole_streams_fall_back_to_triton(change, varlen) -> None:
+    """What keeps them off FlashAttention keeps them off the split route too."""
+    assert choose_route(RouteFacts(**{**GPU, "stream_windows": PRETRAIN, "varlen": varlen, **change})).name == "triton"
+
+
+def test_the_split_route_needs_a_causal_and_a_windowed_stream() -> None:
+    no_varlen = {**GPU, "varlen": None}
+    assert choose_route(RouteFacts(**no_varlen, stream_windows=(8,))).name == "triton"  # sliding baseline
+    assert choose_route(RouteFacts(**no_varlen, stream_windows=(UNBOUNDED,), needs_mask=False)).name == "sdpa"
 
 
 def pretrain_queries(lengths, window, streams=2):
@@ -116,6 +124,22 @@ def test_gpu_auto_takes_the_varlen_route_for_pretraining(monkeypatch) -> None:
     assert attention_mod._choose_cuda(index[:60], q_window[:60], cu, 48, dtype=BF16, head_dim=16)[0] == "triton"
 
 
+def test_without_flashattention_the_output_stream_goes_to_sdpa_and_the_base_stream_to_triton(monkeypatch) -> None:
+    """The ``split`` route (a torch whose varlen lacks window_size): numerics of both halves,
+    forward and backward, against the reference op (Triton under the interpreter on CPU)."""
+    monkeypatch.setattr(attention_mod, "installed_varlen", lambda: None)
+    index, q_window, cu = pretrain_queries([20, 1, 27], 8)
+    q, k, v = (t.detach().float().requires_grad_() for t in inputs(96, 48))
+    kind, plans = attention_mod._choose_cuda(index, q_window, cu, 48, dtype=BF16, head_dim=16)
+    assert kind == "split" and [p[1] for p in plans] == ["triton", "sdpa"]
+    out, _ = attention_mod._auto_cuda_output(q, k, v, index, q_window, cu, prepared=(kind, plans))
+    ref, _ = attention_reference(q, k, v, index, q_window, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_describe_routes_names_the_route_of_each_layout(monkeypatch) -> None:
     monkeypatch.setattr(route_mod, "installed_varlen", lambda: "flash_attn_2")
     gpu = route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096)
@@ -123,6 +147,8 @@ def test_describe_routes_names_the_route_of_each_layout(monkeypatch) -> None:
     assert gpu["answer spans (SFT/RL)"].startswith("triton") and gpu["decode steps"].startswith("sdpa")
     assert route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096, sink_tokens=4)["pretraining"] \
         .startswith("triton")
+    monkeypatch.setattr(route_mod, "installed_varlen", lambda: None)
+    assert route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096)["pretraining"].startswith("split")
     assert set(route_mod.describe_routes("cpu", torch.float32, 64, "orthros", 128, 4096).values()) == {
         next(r for r in ROUTES if r.name == "sdpa").name + ": " + ROUTES[1].why}
 

@@ -108,6 +108,8 @@ def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, sink_tokens: int = 0, 
     ))
     if route.name == "varlen":  # every segment is a whole document: the longest is max_seqlen
         return "varlen", VarlenPlan(installed_varlen(), streams, max(seg.length for seg in segments))
+    if route.name == "split":
+        return "split", _plan_split(q_index, q_window, cu_seqlens, n_k, streams, **hints)
     if route.name == "sdpa":
         return "sdpa", segments
     if not sink_tokens:
@@ -117,6 +119,29 @@ def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, sink_tokens: int = 0, 
         return "triton", (sinks, (None, None))
     return "triton", (sinks, _prepare_sink_partials(_prepare_triton, q_index, q_window, cu_seqlens, n_k, sinks,
                                                     sink_tokens, **hints))
+
+
+def _plan_split(q_index, q_window, cu_seqlens, n_k: int, streams: tuple[int, ...], **hints) -> list[tuple]:
+    """Per whole stream ``(rows, kind, payload)``: a causal stream's SDPA segments, a windowed
+    stream's Triton plan (every one of its queries is windowed: ``n_band`` is its size)."""
+    plans = []
+    for s, window in enumerate(streams):
+        rows = slice(s * n_k, (s + 1) * n_k)
+        index, windows = q_index[rows], q_window[rows]
+        if window >= UNBOUNDED:
+            plans.append((rows, "sdpa", query_segments(index, windows, cu_seqlens)))
+        else:
+            plans.append((rows, "triton", _prepare_triton(index, windows, cu_seqlens, n_k, n_band=n_k)))
+    return plans
+
+
+def _split_streams(q, k, v, q_index, q_window, cu_seqlens, plans: list[tuple], scale=None) -> torch.Tensor:
+    """The ``split`` route: each whole stream on its own backend, outputs in the queries' order."""
+    outs = []
+    for rows, kind, payload in plans:
+        fn = attention_sdpa_output if kind == "sdpa" else _BACKENDS["triton"]
+        outs.append(fn(q[rows], k, v, q_index[rows], q_window[rows], cu_seqlens, scale=scale, prepared=payload)[0])
+    return torch.cat(outs)
 
 
 def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, prepared=None, sink_tokens=0, **extra):
@@ -129,6 +154,8 @@ def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, prepar
     kind, payload = prepared
     if kind == "varlen":
         return varlen_streams(q, k, v, cu_seqlens, payload, scale=scale), None
+    if kind == "split":
+        return _split_streams(q, k, v, q_index, q_window, cu_seqlens, payload, scale=scale), None
     if kind == "sdpa":
         return attention_sdpa_output(
             q, k, v, q_index, q_window, cu_seqlens, scale=scale, prepared=payload, sink_tokens=sink_tokens

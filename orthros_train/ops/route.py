@@ -14,6 +14,10 @@ on CPU (``tests/test_attention_route.py``): the row taken, and for the varlen ro
 ``varlen_streams`` against the reference op with ``varlen_reference`` (the same contract in plain
 torch) standing in for the GPU kernel.
 
+Without a FlashAttention varlen that takes a window (the ``split`` row: torch releases whose
+``varlen_attn`` lacks ``window_size``, no flash-attn), the causal stream still goes to SDPA's
+flash/cuDNN kernels with ``is_causal`` per document and only the windowed stream to Triton.
+
 The FlashAttention implementations, best first: flash-attn 3 (``flash_attn_interface``, Hopper),
 flash-attn 2 (``flash_attn``, with ``window_size``), torch's own ``torch.nn.attention.varlen``
 where its signature on the installed torch takes ``window_size``. flash-attn is an optional
@@ -67,6 +71,12 @@ def _flash_shape(f: RouteFacts) -> bool:
         and f.head_dim % 8 == 0
 
 
+def _split_streams(f: RouteFacts) -> bool:
+    """Whole streams of which some are causal (SDPA serves them) and some windowed."""
+    windows = f.stream_windows or ()
+    return UNBOUNDED in windows and any(w != UNBOUNDED for w in windows)
+
+
 ROUTES: tuple[Route, ...] = (
     Route("reference", "the caller merges partial attentions and needs a differentiable LSE off the GPU",
           lambda f: f.device_type != "cuda" and f.need_lse),
@@ -77,6 +87,9 @@ ROUTES: tuple[Route, ...] = (
     Route("varlen", "whole streams over the same keys (pretraining, the baselines): FlashAttention varlen, "
                     "window_size=(W-1, 0) for the base stream, causal for the output stream",
           lambda f: f.stream_windows is not None and not f.sink_tokens and f.varlen is not None and _flash_shape(f)),
+    Route("split", "whole streams without a FlashAttention varlen: the causal stream through SDPA's flash/cuDNN "
+                   "is_causal per document, the windowed stream through our kernels",
+          lambda f: _split_streams(f) and not f.sink_tokens and f.triton and _flash_shape(f)),
     Route("sdpa", "causal from each document's start or single queries: flash attention through SDPA, no mask",
           lambda f: not f.needs_mask),
     Route("triton", "answer spans, prefill, sink tokens, fp32 or no FlashAttention installed: our kernels",
