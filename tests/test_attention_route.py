@@ -145,6 +145,7 @@ def test_describe_routes_names_the_route_of_each_layout(monkeypatch) -> None:
     gpu = route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096)
     assert gpu["pretraining"].startswith("varlen (flash_attn_2): whole streams")
     assert gpu["answer spans (SFT/RL)"].startswith("triton") and gpu["decode steps"].startswith("sdpa")
+    assert f"torch {torch.__version__}, FlashAttention varlen: flash_attn_2" in gpu["decided by"]
     assert route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096, sink_tokens=4)["pretraining"] \
         .startswith("triton")
     monkeypatch.setattr(route_mod, "installed_varlen", lambda: None)

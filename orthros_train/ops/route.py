@@ -231,7 +231,12 @@ def describe_routes(device_type: str, dtype: torch.dtype, head_dim: int, attenti
     def say(route: Route) -> str:
         implementation = f" ({varlen})" if route.name == "varlen" else ""
         return f"{route.name}{implementation}: {route.why}"
-    return {name: say(choose_route(facts)) for name, facts in layouts.items()}
+    routes = {name: say(choose_route(facts)) for name, facts in layouts.items()}
+    if device_type == "cuda":  # a dry run on a login node plans with that node's packages
+        routes["decided by"] = (f"the packages installed here (torch {torch.__version__}, FlashAttention varlen: "
+                                f"{varlen or 'none'}, triton: {'yes' if triton else 'no'}); a node with others may "
+                                "route otherwise (the trainer logs the route it takes)")
+    return routes
 
 
 __all__ = ["ROUTES", "Route", "RouteFacts", "VarlenPlan", "choose_route", "describe_routes", "installed_varlen",

@@ -93,7 +93,8 @@ class Trainer:
         if self.is_main:  # one line: the kernel of each kind of layout (the dry run also says why)
             routes = attention_routes(cfg, self.device.type)[self.device.type]
             log.info("attention route on %s: %s", self.device.type,
-                     "; ".join(f"{layout} -> {route.split(':')[0]}" for layout, route in routes.items()))
+                     "; ".join(f"{layout} -> {route.split(':')[0]}" for layout, route in routes.items()
+                               if layout != "decided by"))
         # before the engine wraps the model
         objective = build_objective(cfg, self.model, policy, self.device, tokenizer=self.data.tokenizer)
         self.teacher = getattr(objective, "teacher", None)  # distillation's frozen dense twin, if any
