@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 _log = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ def pid_alive(pid: Any) -> bool:
     except (PermissionError, ValueError, TypeError, OverflowError):  # someone else's, or not a pid
         return True
     return True
+
+
+_Lock = TypeVar("_Lock", bound="HeartbeatLock")
 
 
 class HeartbeatLock:
@@ -238,7 +241,7 @@ class HeartbeatLock:
                              current.describe() if current else "no lock")
         self.owner = None
 
-    def __enter__(self) -> HeartbeatLock:
+    def __enter__(self: _Lock) -> _Lock:  # the subclass's own type: ``with RunLock(...) as lock``
         self.acquire()
         return self
 

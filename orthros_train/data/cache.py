@@ -221,10 +221,6 @@ class BuildLock(HeartbeatLock):
         return CacheError(f"{self.path}: cannot create {what} ({exc.strerror or exc}); the folder must be writable "
                           "(for the trainer's caches: point data.cache_dir at a writable folder)")
 
-    def __enter__(self) -> BuildLock:
-        self.acquire()
-        return self
-
 
 @contextlib.contextmanager
 def held(path: str, stale_after: float = 120.0) -> Iterator[BuildLock]:

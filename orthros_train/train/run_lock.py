@@ -52,10 +52,7 @@ class RunLock(HeartbeatLock):
         heartbeat_s: float = 30.0,
         stale_after_s: float = 600.0,
     ) -> None:
-        if stale_after_s <= heartbeat_s:
-            raise UserError(f"stale_after_s={stale_after_s} must exceed heartbeat_s={heartbeat_s}")
         self.run_dir = Path(run_dir)
-        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         super().__init__(self.run_dir / LOCK_NAME, stale_after=stale_after_s, heartbeat=heartbeat_s, job_id=job_id,
                          timeout=0, log=log)
 
@@ -75,10 +72,6 @@ class RunLock(HeartbeatLock):
                 "you can write (trainer.run_dir=...), or fix its permissions"
             ) from exc
         super().acquire()
-
-    def __enter__(self) -> RunLock:
-        self.acquire()
-        return self
 
     def busy(self, holder: LockOwner | None, waited: float) -> Exception:
         if holder is None:
