@@ -142,7 +142,6 @@ UNIQUE = ("temp_name(", "uuid", "mkstemp(", "mkdtemp(", "unique", "gethostname()
 
 # Renames outside common/files.py and common/lock.py, each with why it is not a file write.
 RENAME_ALLOWED = {
-    "orthros_train/train/cli.py": "swaps the .hydra directory of a launch (directories, not files)",
     "orthros_train/train/run_dir.py": "publishes a converted-checkpoint directory written under a uuid name",
     "orthros_train/train/checkpoint_store.py": "publishes a checkpoint directory; renames shards inside its "
     "private directory (made durable by the directory's publication)",

@@ -71,19 +71,13 @@ def publish_launch_record(run_dir: str | Path, launch_dir: str | Path) -> bool:
     the run directory, replacing the previous launch's (a resume with new overrides is recorded).
     Returns whether anything was copied."""
     import shutil
-    import tempfile
+
+    from orthros_train.train.run_dir import publish_directory
 
     staged, run_dir = Path(launch_dir) / ".hydra", Path(run_dir)
     if not staged.is_dir() or Path(launch_dir).resolve() == run_dir.resolve():
         return False
-    fresh = Path(tempfile.mkdtemp(prefix=".hydra.tmp-", dir=run_dir))
-    shutil.copytree(staged, fresh, dirs_exist_ok=True)
-    target = run_dir / ".hydra"
-    old = run_dir / f".hydra.old-{os.getpid()}"
-    if target.exists():
-        target.rename(old)
-    fresh.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_directory(run_dir / ".hydra", lambda tmp: shutil.copytree(staged, tmp, dirs_exist_ok=True))
     _move_launch_logs(Path(launch_dir), run_dir)
     shutil.rmtree(launch_dir, ignore_errors=True)
     return True
