@@ -109,7 +109,7 @@ def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, sink_tokens: int = 0, 
     if route.name == "varlen":  # every segment is a whole document: the longest is max_seqlen
         return "varlen", VarlenPlan(installed_varlen(), streams, max(seg.length for seg in segments))
     if route.name == "split":
-        return "split", _plan_split(q_index, q_window, cu_seqlens, n_k, streams, **hints)
+        return "split", _plan_split(q_index, q_window, cu_seqlens, n_k, streams)
     if route.name == "sdpa":
         return "sdpa", segments
     if not sink_tokens:
@@ -121,7 +121,7 @@ def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, sink_tokens: int = 0, 
                                                     sink_tokens, **hints))
 
 
-def _plan_split(q_index, q_window, cu_seqlens, n_k: int, streams: tuple[int, ...], **hints) -> list[tuple]:
+def _plan_split(q_index, q_window, cu_seqlens, n_k: int, streams: tuple[int, ...]) -> list[tuple]:
     """Per whole stream ``(rows, kind, payload)``: a causal stream's SDPA segments, a windowed
     stream's Triton plan (every one of its queries is windowed: ``n_band`` is its size)."""
     plans = []

@@ -71,7 +71,7 @@ def _flash_shape(f: RouteFacts) -> bool:
         and f.head_dim % 8 == 0
 
 
-def _split_streams(f: RouteFacts) -> bool:
+def _causal_and_windowed(f: RouteFacts) -> bool:
     """Whole streams of which some are causal (SDPA serves them) and some windowed."""
     windows = f.stream_windows or ()
     return UNBOUNDED in windows and any(w != UNBOUNDED for w in windows)
@@ -89,7 +89,7 @@ ROUTES: tuple[Route, ...] = (
           lambda f: f.stream_windows is not None and not f.sink_tokens and f.varlen is not None and _flash_shape(f)),
     Route("split", "whole streams without a FlashAttention varlen: the causal stream through SDPA's flash/cuDNN "
                    "is_causal per document, the windowed stream through our kernels",
-          lambda f: _split_streams(f) and not f.sink_tokens and f.triton and _flash_shape(f)),
+          lambda f: _causal_and_windowed(f) and not f.sink_tokens and f.triton and _flash_shape(f)),
     Route("sdpa", "causal from each document's start or single queries: flash attention through SDPA, no mask",
           lambda f: not f.needs_mask),
     Route("triton", "answer spans, prefill, sink tokens, fp32 or no FlashAttention installed: our kernels",
@@ -142,6 +142,7 @@ def installed_varlen() -> str | None:
     return "torch" if "window_size" in inspect.signature(varlen_attn).parameters else None
 
 
+@functools.cache  # called by every layer's attention: resolve the import and signature once
 def varlen_function(name: str) -> VarlenFn:
     """``fn(q, k, v, cu_seqlens, max_len, scale, window_size) -> out`` for an implementation name
     of ``installed_varlen`` (``"reference"``: the plain-torch one, any device)."""
