@@ -408,6 +408,14 @@ class ConversionReport:
     side_files: list[str]
     seconds: float
 
+    @classmethod
+    def of_plan(cls, config: OrthrosConfig, plan: list[PlannedTensor], files: list[Path], side_files: list[str],
+                start: float) -> ConversionReport:
+        """The report of a conversion that wrote ``plan`` into ``files``, started at ``start``
+        (``time.perf_counter``)."""
+        return cls(config=config, num_tensors=len(plan), num_bytes=sum(t.nbytes for t in plan), files=files,
+                   side_files=side_files, seconds=time.perf_counter() - start)
+
     def summary(self) -> str:
         c = self.config
         return (
@@ -465,14 +473,7 @@ def convert_from_hf(
     side = copy_side_files(src, dst)
     # config.json last: a conversion that failed half-way leaves no loadable checkpoint behind.
     (dst / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    return ConversionReport(
-        config=config,
-        num_tensors=len(plan),
-        num_bytes=sum(t.nbytes for t in plan),
-        files=files,
-        side_files=side,
-        seconds=time.perf_counter() - start,
-    )
+    return ConversionReport.of_plan(config, plan, files, side, start)
 
 
 def _source_tensors(

@@ -136,14 +136,7 @@ def convert_to_hf(
 
     side = _copy_remote_code_and_side_files(src, dst, tokenizer)
     _write_export_config(dst, hf_config_from_orthros(config, dtype_name(cast or stored)))
-    return ConversionReport(
-        config=config,
-        num_tensors=len(plan),
-        num_bytes=sum(t.nbytes for t in plan),
-        files=files,
-        side_files=side,
-        seconds=time.perf_counter() - start,
-    )
+    return ConversionReport.of_plan(config, plan, files, side, start)
 
 
 def _orthros_source_config(src: Path) -> OrthrosConfig:
