@@ -377,7 +377,7 @@ class CheckpointManager:
             weights.finish()
             optimizer = ShardedTensorWriter(
                 tmp / OPTIMIZER_DIR, "optimizer", shard_bytes, rank, world, budget, sink,
-                index_name="index.json", first_owner=weights.files,
+                index_name="index.json", first_owner=weights.shards,
             )  # fmt: skip
             optimizer_index = stream_optimizer(ds, cfg, optimizer)
             optimizer.finish(optimizer_index)

@@ -211,11 +211,6 @@ class ShardedTensorWriter(ShardedSafetensorsWriter):
     def writes_index(self) -> bool:
         return self.rank == 0
 
-    @property
-    def files(self) -> int:
-        """Files this save has (or will have, once ``finish`` closes the last)."""
-        return self.shards
-
 
 class FileSink:
     """Runs file writes in order in a thread of its own, so that writing overlaps the gathers.
