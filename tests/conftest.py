@@ -133,7 +133,7 @@ def chat_tokenizer(chat_tokenizer_dir):
 def make_trainer(tmp_path):
     """``make_trainer(*overrides)``: a one-process Trainer of tiny_cpu with ``TINY_TEST_RUN`` in
     ``<tmp_path>/run``, the test's overrides on top. torch.distributed is torn down before the next
-    one is built and after the test."""
+    one is built and after the test, and each one's run lock released."""
     from orthros_train.parallel.setup import destroy_parallel
 
     made = []
@@ -141,12 +141,15 @@ def make_trainer(tmp_path):
     def make(*overrides: str):
         resolved = resolved_recipe("tiny_cpu", *TINY_TEST_RUN, f"trainer.run_dir={tmp_path / 'run'}", *overrides)
         if made:
+            made[-1].close()  # its run lock, released here and not by a finaliser after the test
             destroy_parallel()
         trainer = trainer_for(resolved)
         made.append(trainer)
         return trainer
 
     yield make
+    if made:
+        made[-1].close()
     destroy_parallel()
 
 
