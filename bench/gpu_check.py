@@ -1020,11 +1020,13 @@ def _target(what: str, value: float | None, op: str, key: str) -> dict:
 
 INFER_LAYERS = 4  # the 1.3B shape's width with few layers: a dense 128K prefill of 24 layers is ~1 min
 DECODE_STEPS = 32
+DECODE_BATCHES = (1, 2)
 
 
 def inference_item(t: int) -> Callable:
-    """An item: time to first token of one ``t``-token prompt and decode tokens/s after it, the
-    Orthros model (Triton) beside the dense one (SDPA), ``INFER_LAYERS`` layers of the 1.3B shape."""
+    """An item: time to first token of one ``t``-token prompt, then decode tokens/s of batches of
+    such prompts, eager and with the step captured in a CUDA graph (``generate``'s ``cuda_graph``),
+    the Orthros model (Triton) beside the dense one (SDPA), ``INFER_LAYERS`` layers of the 1.3B shape."""
 
     def item(run: Run, sec: dict) -> dict:
         from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
@@ -1039,39 +1041,78 @@ def inference_item(t: int) -> Callable:
             cfg = OrthrosConfig(**{**shape, "num_hidden_layers": sec["layers"], "attention_type": kind,
                                    "attention_backend": backend})  # fmt: skip
             model = OrthrosForCausalLM(cfg).to(dev, dtype).eval()
-            row = {"model": kind, "prompt": prompt, **prefill_decode(model, prompt, 2 if run.dry else DECODE_STEPS)}
-            if run.dry:
-                row.update(ran=True, ttft_ms=None, decode_tokens_per_s=None)
+            steps = 2 if run.dry else DECODE_STEPS
+            row = {"model": kind, "prompt": prompt, **prefill_decode(run, model, prompt, steps)}
+            if run.dry:  # the rehearsal walks the code, its timings mean nothing
+                row.update({k: None for k in row if k not in ("model", "prompt")}, ran=True)
             sec["rows"].append(row)
             del model
             if not run.dry:
                 torch.cuda.empty_cache()
         by = {r["model"]: r for r in sec["rows"] if r["prompt"] == prompt}
         o, d = by.get("orthros", {}), by.get("dense", {})
-        return {"prompt": prompt, "ttft_dense_over_orthros": _ratio(d.get("ttft_ms"), o.get("ttft_ms")),
-                "decode_orthros_over_dense": _ratio(o.get("decode_tokens_per_s"), d.get("decode_tokens_per_s")),
+        keys = [(f"{way}_orthros_over_dense_b{b}", f"{way}_tokens_per_s_b{b}")
+                for way in ("decode", "graph_decode") for b in DECODE_BATCHES]  # fmt: skip
+        ratios = {name: _ratio(o.get(key), d.get(key)) for name, key in keys}
+        return {"prompt": prompt, "ttft_dense_over_orthros": _ratio(d.get("ttft_ms"), o.get("ttft_ms")), **ratios,
                 "ok": None if run.dry else len(by) == 2}  # fmt: skip
 
     return item
 
 
-def prefill_decode(model, t: int, steps: int) -> dict:
+def prefill_decode(run: Run, model, t: int, steps: int) -> dict:
+    """TTFT of one ``t``-token prompt; per batch size, decode tokens/s eager and graph-captured
+    from the same prefilled cache (cloned). Stops adding batches when the item's time is spent."""
+    from orthros_train.infer.generate import decode, prefill
+    from orthros_train.model.cache import KVCache
+
     dev = next(model.parameters()).device
-    ids = torch.randint(0, model.config.vocab_size, (1, t), device=dev)
+    ids = torch.randint(0, model.config.vocab_size, (max(DECODE_BATCHES), t), device=dev)
+    row: dict = {}
     with torch.no_grad():
-        model.prefill(ids[:, : min(t, 1024)])  # warm-up (autotuning)
+        model.prefill(ids[:1, : min(t, 1024)])  # warm-up (autotuning)
         _sync()
         t0 = time.perf_counter()
-        logits, cache = model.prefill(ids)
+        model.prefill(ids[:1])
         _sync()
-        ttft_ms = (time.perf_counter() - t0) * 1e3
-        logits, cache = model.decode_step(logits.argmax(-1), cache)  # warm-up
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            logits, cache = model.decode_step(logits.argmax(-1), cache)
-        _sync()
-    return {"ttft_ms": ttft_ms, "decode_tokens_per_s": steps / (time.perf_counter() - t0)}
+        row["ttft_ms"] = (time.perf_counter() - t0) * 1e3
+        for b in DECODE_BATCHES:
+            if left_s(run) <= 0:
+                break
+            cache = KVCache(model.config.num_hidden_layers, b)
+            cache.reserve(t + steps + 2)
+            logits, cache = prefill(model, list(ids[:b].cpu()), cache, chunk_size=None)
+            graph_cache = cache.clone()
+            row[f"decode_tokens_per_s_b{b}"] = b * steps / _decode_seconds(
+                lambda nxt, c=cache: decode(model, nxt, c), logits, steps)
+            row[f"graph_decode_tokens_per_s_b{b}"] = b * steps / _graph_decode_seconds(
+                run, model, graph_cache, logits, steps)
+            del cache, graph_cache
+    return row
+
+
+def _decode_seconds(step: Callable, logits: torch.Tensor, steps: int) -> float:
+    """Seconds of ``steps`` greedy steps after one warm-up step."""
+    logits = step(logits.argmax(-1))
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = step(logits.argmax(-1))
+    _sync()
+    return time.perf_counter() - t0
+
+
+def _graph_decode_seconds(run: Run, model, cache, logits: torch.Tensor, steps: int) -> float:
+    """``_decode_seconds`` of the static step, captured on the node (the first step captures:
+    it is the warm-up); the rehearsal runs the same step without a graph."""
+    from orthros_train.infer.static_decode import StaticDecoder
+
+    decoder = StaticDecoder(model, cache, graph=not run.dry)
+    rows = list(range(cache.num_rows))
+    try:
+        return _decode_seconds(lambda nxt: decoder.step(rows, nxt), logits, steps)
+    finally:
+        decoder.close()
 
 
 def _ratio(a, b):
@@ -1311,8 +1352,9 @@ def _md_inference(s: dict | None) -> list[str]:
         return []
     return _md_table(f"## Prefill / decode ({s.get('layers')} layers)", s["rows"], [
         ("model", lambda r: r["model"]), ("prompt", lambda r: r["prompt"]),
-        ("TTFT ms", lambda r: _f(r["ttft_ms"], ".0f")),
-        ("decode tokens/s", lambda r: _f(r["decode_tokens_per_s"], ".1f")),
+        ("TTFT ms", lambda r: _f(r.get("ttft_ms"), ".0f")),
+        *((f"decode tok/s b{b}, {way}", lambda r, k=f"{key}_tokens_per_s_b{b}": _f(r.get(k), ".1f"))
+          for b in DECODE_BATCHES for way, key in (("eager", "decode"), ("CUDA graph", "graph_decode"))),
     ]) + [""]  # fmt: skip
 
 

@@ -356,6 +356,18 @@ def test_bench_prefill_smoke(tmp_path):
     assert result["rows"][1]["cache_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # tiny: 2 layers, 2 kv heads x 16
     assert (out / "bench_prefill.png").is_file() and (tmp_path / "copy.json").is_file()
     assert "prefill dense/Orthros" in (out / "bench_prefill.md").read_text()
+    assert result["decode_step"] == "eager"
+
+
+def test_bench_prefill_times_the_static_decode_step(tmp_path):
+    out = tmp_path / "bench"
+    rc = main(["bench-prefill", "tiny", "--lengths", "64", "--decode-tokens", "2", "--decode-rounds", "1",
+               "--output-dir", str(out), "--no-peer", "--no-plot", "--cuda-graph"])  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "bench_prefill.json").read_text())
+    assert result["decode_step"] == "static"  # CPU: the step without a graph
+    assert result["rows"][0]["orthros_decode_tokens_per_s"] > 0 and result["rows"][0]["dense_decode_tokens_per_s"] > 0
+    assert "Decode step: static." in (out / "bench_prefill.md").read_text()
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -174,8 +174,17 @@ def measure_prefill(
     return {"wall": best, "cpu": best_cpu}, cache, nxt
 
 
-def model_stepper(model: torch.nn.Module, cache: KVCache) -> Stepper:
-    return lambda tok: decode(model, tok, cache).argmax(-1)
+def model_stepper(model: torch.nn.Module, cache: KVCache, cuda_graph: bool = False) -> Stepper:
+    """Greedy steps continuing ``cache``; ``cuda_graph``: the static step (``infer/static_decode.py``),
+    captured before the first timed step on CUDA, run without a graph elsewhere."""
+    if not cuda_graph:
+        return lambda tok: decode(model, tok, cache).argmax(-1)
+    from orthros_train.infer.static_decode import StaticDecoder
+
+    decoder = StaticDecoder(model, cache, graph=next(model.parameters()).device.type == "cuda")
+    decoder.capture()
+    rows = list(range(cache.num_rows))
+    return lambda tok: decoder.step(rows, tok).argmax(-1)
 
 
 def measure_decode(
@@ -253,14 +262,14 @@ def _load_peer(orthros: torch.nn.Module, max_length: int, seed: int):
     return peer_model, peer_name
 
 
-def _decode_steppers(orthros, other, cache: KVCache, first: torch.Tensor, steps: int):
+def _decode_steppers(orthros, other, cache: KVCache, first: torch.Tensor, steps: int, cuda_graph: bool = False):
     """Steppers for Orthros and the dense twin continuing from the same prefill: each gets its own
     copy of ``cache``, with room for ``steps`` more tokens, so neither sees the other's decode."""
     capacity = int(cache.lengths.max()) + steps + 1
     steppers: dict[str, Stepper] = {}
     firsts: dict[str, torch.Tensor] = {}
     for name, m in (("orthros", orthros), ("dense", other)):
-        steppers[name], firsts[name] = model_stepper(m, cache.clone(capacity=capacity)), first
+        steppers[name], firsts[name] = model_stepper(m, cache.clone(capacity=capacity), cuda_graph), first
     return steppers, firsts
 
 
@@ -292,13 +301,15 @@ def bench_prefill(
     overrides: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = print,
     peer: bool = True,
+    cuda_graph: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark; returns ``{"config", "environment", "rows": [...]}`` (one row per length).
 
     Per length: TTFT of Orthros, of the dense baseline and of the transformers peer (both
     baselines skipped above ``max_baseline_length``), then decode tokens/s of all three.
     ``chunk_size`` is the prefill chunking of this repository's models (``"auto"``: each model's
-    default, see ``infer.generate``; None: one forward).
+    default, see ``infer.generate``; None: one forward). ``cuda_graph``: Orthros and the dense twin
+    decode through the static step, captured in a CUDA graph on a GPU (the peer decodes eagerly).
     """
     overrides = dict(overrides or {})
     overrides.setdefault("attention_type", "orthros")
@@ -324,7 +335,8 @@ def bench_prefill(
         if max_baseline_length is None or t <= max_baseline_length:
             peer_cache, peer_first = _baseline_prefill(row, o, other, peer_model, ids, repeats, chunk_size, time_key)
         if decode_tokens > 0:
-            steppers, firsts = _decode_steppers(orthros, other, cache, first, decode_tokens * decode_rounds)
+            steppers, firsts = _decode_steppers(orthros, other, cache, first, decode_tokens * decode_rounds,
+                                                cuda_graph)  # fmt: skip
             if peer_cache is not None:
                 steppers["peer"], firsts["peer"] = peer_stepper(peer_model, peer_cache), peer_first
             _record_decode(row, measure_decode(steppers, firsts, decode_tokens, decode_rounds, device=dev))
@@ -348,6 +360,7 @@ def bench_prefill(
         "batch_size": batch_size,
         "decode_tokens": decode_tokens,
         "decode_rounds": decode_rounds,
+        "decode_step": ("static, CUDA graph" if dev.type == "cuda" else "static") if cuda_graph else "eager",
         "repeats": repeats,
         "prefill_chunk_size": chunk_size,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
@@ -392,7 +405,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"hidden {cfg['hidden_size']}, window {cfg['sliding_window']}, batch {result['batch_size']}; "
         f"{env['device']} {env.get('gpu') or env.get('cpu', '')}, {env['torch_threads']} threads, "
         f"torch {env['torch']}, "
-        f"{result.get('date', '')}. Peer: {result.get('peer', '-')}; dense: this repository's {result['baseline']} "
+        f"{result.get('date', '')}. Decode step: {result.get('decode_step', 'eager')}. "
+        f"Peer: {result.get('peer', '-')}; dense: this repository's {result['baseline']} "
         f"baseline (same weights, attention backend {cfg['attention_backend']}). Times and ratios: "
         f"{result.get('time_basis', 'wall clock')}, best of {result['repeats']}. FLOP limit: dense/Orthros forward "
         "FLOPs per token (Orthros' last-layer skip not credited); 'weak baseline': a ratio above the FLOP ratio "

@@ -144,6 +144,9 @@ def _add_bench_prefill(sub) -> None:
     p.add_argument("--baseline", choices=["dense", "sliding"], default="dense")
     p.add_argument("--max-baseline-length", type=positive_size, default=None, help="skip the baselines above this")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer (Llama/Qwen3, SDPA)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="Orthros and the dense baseline decode through the static step, captured in a CUDA graph "
+                        "on a GPU (generate's cuda_graph); the peer decodes eagerly")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the machine-readable result here")
     p.add_argument("--no-plot", action="store_true")
@@ -353,7 +356,7 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         decode_tokens=args.decode_tokens, repeats=args.repeats,
         chunk_size="auto" if args.prefill_chunk_size is None else (args.prefill_chunk_size or None),
         batch_size=args.batch_size, max_baseline_length=args.max_baseline_length, seed=args.seed,
-        decode_rounds=args.decode_rounds, peer=not args.no_peer,
+        decode_rounds=args.decode_rounds, peer=not args.no_peer, cuda_graph=args.cuda_graph,
         overrides=overrides,
     )  # fmt: skip
     out = Path(args.output_dir)

@@ -18,6 +18,7 @@ keys, which loses SDPA's ``is_causal`` kernel (20 s -> 27 s for the same prompt)
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,7 @@ Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]
 ChunkSize = int | Literal["auto"] | None
 PREFILL_CHUNK = 2048  # prompt tokens per prefill forward under "auto" (see the module docstring)
 StopFn = Callable[[int, list[int]], bool]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -165,6 +167,48 @@ def decode(
     return model.forward_layout(layout, view).logits
 
 
+class _EagerSteps:
+    """``decode`` as a step function (the default)."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+
+    def __call__(self, rows: list[int], next_ids: torch.Tensor) -> torch.Tensor:
+        return decode(self.model, next_ids, self.cache, rows)
+
+    def close(self) -> None:
+        pass
+
+
+class _StaticSteps:
+    """``StaticDecoder`` built at the first decode step (a one-token generation never builds it)."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache) -> None:
+        from orthros_train.infer.static_decode import check_static_decode
+
+        check_static_decode(model)  # refused before the prompt is read, not after
+        self.model, self.cache, self.decoder = model, cache, None
+
+    def __call__(self, rows: list[int], next_ids: torch.Tensor) -> torch.Tensor:
+        if self.decoder is None:
+            from orthros_train.infer.static_decode import StaticDecoder
+
+            graph = model_device(self.model).type == "cuda"
+            if not graph:
+                log.info("cuda_graph on a %s model: the static decode step runs without a graph",
+                         model_device(self.model).type)  # fmt: skip
+            self.decoder = StaticDecoder(self.model, self.cache, graph=graph)
+        return self.decoder.step(rows, next_ids)
+
+    def close(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
+
+
+def _decode_steps(model: torch.nn.Module, cache: KVCache, cuda_graph: bool) -> _EagerSteps | _StaticSteps:
+    return _StaticSteps(model, cache) if cuda_graph else _EagerSteps(model, cache)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -203,7 +247,8 @@ def generate(
     )
     try:
         cache = KVCache(model.config.num_hidden_layers, b)
-        cache.reserve(max(out.prompt_lengths) + params.max_new_tokens)
+        cache.reserve(max(out.prompt_lengths) + params.max_new_tokens)  # cuda_graph: the step's capacity
+        step_fn = _decode_steps(model, cache, params.cuda_graph)
         if params.max_new_tokens == 0:
             return out
         _sync(device)
@@ -230,11 +275,12 @@ def generate(
                 break
             keep = torch.tensor(still)
             active = [active[j] for j in still]
-            logits = decode(model, nxt[keep], cache, active)
+            logits = step_fn(active, nxt[keep])
             nxt = sample_next(logits, params, generator)
             out.decode_steps += 1
         _sync(device)
         out.decode_seconds = time.perf_counter() - t1
+        step_fn.close()
         out.cache_nbytes = cache.nbytes()
         out.cache_bytes_per_token = cache.bytes_per_token()
         return out

@@ -20,6 +20,9 @@ class SamplingParams:
                        ``PREFILL_CHUNK`` for Orthros and sliding models, the whole prompt for dense);
                        chunks continue the KV cache, so no forward ever sees more than this many queries
     seed               seeds the sampling generator (reproducible sampling)
+    cuda_graph         decode through a static step at the cache's capacity (prompt + max_new_tokens),
+                       captured once in a CUDA graph and replayed per token (``infer/static_decode.py``);
+                       a CPU model runs the same static step without a graph. Same tokens as eager
     """
 
     max_new_tokens: int = 64
@@ -29,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     prefill_chunk_size: int | Literal["auto"] | None = "auto"
     seed: int | None = None
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
@@ -43,6 +47,8 @@ class SamplingParams:
             raise UserError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not isinstance(self.cuda_graph, bool):
+            raise UserError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
         chunk = self.prefill_chunk_size
         if chunk is not None and chunk != "auto" and (not isinstance(chunk, int) or chunk < 1):
             raise UserError(f"prefill_chunk_size must be an int >= 1, 'auto' or None, got {chunk!r}")

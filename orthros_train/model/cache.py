@@ -142,6 +142,15 @@ class KVCache:
         self._dest = None
         self._pending = None
 
+    def set_lengths(self, lengths: torch.Tensor) -> None:
+        """Record row lengths written elsewhere (a decode step that kept them on the device)."""
+        lengths = self._check(lengths)
+        if int(lengths.max()) > self.capacity:
+            raise ValueError(f"lengths {lengths.tolist()} exceed the capacity {self.capacity}")
+        self.lengths = lengths.clone()
+        self._dest = None
+        self._pending = None
+
     def clone(self, capacity: int | None = None) -> "KVCache":
         """An independent copy (optionally with more capacity per row)."""
         other = KVCache(self.num_layers, self.num_rows, self.capacity, self.growth)

@@ -421,6 +421,11 @@ class OrthrosForCausalLM(nn.Module):
         full = plan.whole_logits(self.lm_head.full_logits(logits), layout) if return_logits else None
         return OrthrosOutput(logits=full, loss=loss, router_loss=None if router is None else router.detach())
 
+    def logits_of_plan(self, plan: AttentionPlan, cache: KVCache | None = None) -> torch.Tensor:
+        """Full-vocabulary logits of the output tokens of a plan made elsewhere (a decode step
+        whose plan lives on the device: ``infer/static_decode.py``)."""
+        return self.lm_head.full_logits(self.lm_head(self._hidden_states(plan, cache)))
+
     def router_loss(self, plan: AttentionPlan) -> torch.Tensor | None:
         """``router_aux_loss_coef`` x the mean load-balancing loss + ``router_z_loss_coef`` x the mean
         z-loss of the pass's sparse layers (None for a dense model)."""
