@@ -335,15 +335,13 @@ def bench_prefill(
         if max_baseline_length is None or t <= max_baseline_length:
             peer_cache, peer_first = _baseline_prefill(row, o, other, peer_model, ids, repeats, chunk_size, time_key)
         if decode_tokens > 0:
-            steppers, firsts = _decode_steppers(orthros, other, cache, first, decode_tokens * decode_rounds,
-                                                cuda_graph)  # fmt: skip
+            steppers, firsts = _decode_steppers(orthros, other, cache, first, decode_tokens * decode_rounds, cuda_graph)
             if peer_cache is not None:
                 steppers["peer"], firsts["peer"] = peer_stepper(peer_model, peer_cache), peer_first
             _record_decode(row, measure_decode(steppers, firsts, decode_tokens, decode_rounds, device=dev))
         del cache, peer_cache
         if dev.type != "cpu":  # process CPU time says nothing about GPU work
-            for key in [k for k in row if "_cpu" in k]:
-                del row[key]
+            row = {k: v for k, v in row.items() if "_cpu" not in k}
         rows.append(row)
         if log is not None:
             log(format_row(row, time_key))
