@@ -146,7 +146,7 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kind,window,sinks,backend", [MODELS[1], MODELS[4]])
+@pytest.mark.parametrize("kind,window,sinks,backend", [MODELS[1], MODELS[2], MODELS[4]])
 def test_every_step_issues_the_same_ops_and_reads_nothing_back(kind, window, sinks, backend):
     model = model_of(kind, window, sinks, backend)
     decoder = StaticDecoder(model, prefilled(model, 24))
