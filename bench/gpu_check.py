@@ -1044,7 +1044,7 @@ def inference_item(t: int) -> Callable:
             steps = 2 if run.dry else DECODE_STEPS
             row = {"model": kind, "prompt": prompt, **prefill_decode(run, model, prompt, steps)}
             if run.dry:  # the rehearsal walks the code, its timings mean nothing
-                row.update({k: None for k in row if k not in ("model", "prompt")}, ran=True)
+                row.update({k: None for k in row if "_per_s" in k or k.endswith("_ms")}, ran=True)
             sec["rows"].append(row)
             del model
             if not run.dry:
@@ -1083,26 +1083,30 @@ def prefill_decode(run: Run, model, t: int, steps: int) -> dict:
             cache.reserve(t + steps + 2)
             logits, cache = prefill(model, list(ids[:b].cpu()), cache, chunk_size=None)
             graph_cache = cache.clone()
-            row[f"decode_tokens_per_s_b{b}"] = b * steps / _decode_seconds(
-                lambda nxt, c=cache: decode(model, nxt, c), logits, steps)
-            row[f"graph_decode_tokens_per_s_b{b}"] = b * steps / _graph_decode_seconds(
-                run, model, graph_cache, logits, steps)
+            eager_s, eager_tokens = _decode_seconds(lambda nxt, c=cache: decode(model, nxt, c), logits, steps)
+            graph_s, graph_tokens = _graph_decode_seconds(run, model, graph_cache, logits, steps)
+            row[f"decode_tokens_per_s_b{b}"] = b * steps / eager_s
+            row[f"graph_decode_tokens_per_s_b{b}"] = b * steps / graph_s
+            # greedy chains from one cache: the graph's tokens are the eager ones (bf16 ties aside)
+            row[f"graph_tokens_equal_b{b}"] = float((graph_tokens == eager_tokens).float().mean())
             del cache, graph_cache
     return row
 
 
-def _decode_seconds(step: Callable, logits: torch.Tensor, steps: int) -> float:
-    """Seconds of ``steps`` greedy steps after one warm-up step."""
+def _decode_seconds(step: Callable, logits: torch.Tensor, steps: int) -> tuple[float, torch.Tensor]:
+    """Seconds of ``steps`` greedy steps after one warm-up step, and the tokens chosen ``[steps, B]``."""
     logits = step(logits.argmax(-1))
+    tokens = []
     _sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        logits = step(logits.argmax(-1))
+        tokens.append(logits.argmax(-1))
+        logits = step(tokens[-1])
     _sync()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, torch.stack(tokens).cpu()
 
 
-def _graph_decode_seconds(run: Run, model, cache, logits: torch.Tensor, steps: int) -> float:
+def _graph_decode_seconds(run: Run, model, cache, logits: torch.Tensor, steps: int) -> tuple[float, torch.Tensor]:
     """``_decode_seconds`` of the static step, captured on the node (the first step captures:
     it is the warm-up); the rehearsal runs the same step without a graph."""
     from orthros_train.infer.static_decode import StaticDecoder

@@ -261,6 +261,10 @@ def test_rehearsal_walks_every_item_in_order_and_reports_after_each(tmp_path, mo
     kernels = report["sections"]["kernels"]["rows"]
     assert all(r.get("ran") for r in kernels if r["case"].startswith("orthros"))
     assert all(r["fwd_ms"] is None for r in kernels)
+    inference = report["sections"]["inference"]["rows"]  # eager and static decode, batch 1 and 2, both models
+    assert {(r["model"], r["prompt"]) for r in inference} == {(m, p) for m in ("orthros", "dense") for p in (16, 128)}
+    assert all(r[f"graph_tokens_equal_b{b}"] == 1.0 and r[f"graph_decode_tokens_per_s_b{b}"] is None
+               for r in inference for b in gpu_check.DECODE_BATCHES)  # fmt: skip
     assert all(t["met"] is None for t in report["targets"])
     assert "rehearsal: nothing was measured" in (out / "gpu_check.md").read_text()
     files = assert_out_comes_back(out)
