@@ -98,3 +98,16 @@ def test_truncated_safetensors_inside_the_file_is_still_refused_with_the_file(tm
     path.write_bytes(path.read_bytes()[:-4])
     with pytest.raises(SafetensorsFileError, match="model.safetensors"):
         SafetensorsReader(path.parent)
+
+
+def test_a_cpu_model_whose_state_cannot_fit_the_machine_is_refused(monkeypatch):
+    from fixtures import compose_recipe
+
+    import orthros_train.train.build as build
+
+    monkeypatch.setattr(build, "host_memory_gib", lambda: 8.0)
+    build.check_host_memory_fit(compose_recipe("tiny_cpu"))  # a few MiB: passes
+    huge = compose_recipe("tiny_cpu", "model.vocab_size=4000000000")  # a typo's worth of rows
+    with pytest.raises(build.UserError, match=r"need ~[\d,.]+ GiB per process, and this machine has 8.0 GiB.*"
+                                              r"vocab_size=4000000000"):  # fmt: skip
+        build.check_host_memory_fit(huge)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -53,10 +54,40 @@ def start_processes(cfg: RunConfig, env: DistributedEnv) -> torch.device:
     return torch.device("cpu") if t.device == Device.cpu else device
 
 
+def host_memory_gib() -> float | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory_fit(cfg: RunConfig) -> None:
+    """A CPU run whose weights, gradients and optimizer state alone exceed this machine's memory
+    (a typo such as model.vocab_size=2**40) is refused naming the sizes, instead of dying in the
+    allocator or the OOM killer. Activations are left out: the GPU memory model sizes them for
+    kernels a CPU run does not use, so only the state that certainly has to fit is compared."""
+    total = host_memory_gib()
+    if total is None:
+        return
+    stage = memory_summary(cfg)["stages"][0]
+    state = stage["weights"] + stage["grads"] + stage["optimizer"] + stage.get("teacher", 0.0)  # one process's
+    if state > total:
+        m = cfg.model
+        raise UserError(
+            f"the model's weights, gradients and optimizer state need ~{state:,.1f} GiB per process, and this "
+            f"machine has {total:,.1f} GiB: check the model's size "
+            f"(vocab_size={m.vocab_size}, hidden_size={m.hidden_size}, num_hidden_layers={m.num_hidden_layers}, "
+            f"intermediate_size={m.intermediate_size}) or train on GPUs"
+        )
+
+
 def check_memory_fit(cfg: RunConfig, device: torch.device) -> None:
     """Refuse, before anything is allocated, a layout the memory model says overflows this GPU
-    (an out-of-memory error would come minutes later, after the model and data are built)."""
+    (an out-of-memory error would come minutes later, after the model and data are built); on
+    CPU, a model whose state cannot fit the machine at all."""
     if device.type != "cuda":
+        check_host_memory_fit(cfg)
         return
     device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
     peak = memory_summary(cfg)["peak_gib"]
