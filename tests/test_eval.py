@@ -403,6 +403,22 @@ def test_truncated_checkpoint_weights_are_named(ckpt, tmp_path, capsys):
     assert f"{weights}" in err and "truncated or corrupt" in err
 
 
+def test_nan_checkpoint_weights_are_named(ckpt, tmp_path, capsys):
+    import shutil
+
+    import safetensors.torch
+
+    broken = tmp_path / "diverged"
+    shutil.copytree(ckpt, broken)
+    weights = safetensors.torch.load_file(broken / "model.safetensors")
+    weights["layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    safetensors.torch.save_file(weights, broken / "model.safetensors")
+    assert main(["ppl", str(broken), "embedded:paul_graham", "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "layers.1.mlp.down_proj.weight holds NaN or infinite values" in err and "earlier checkpoint" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_device_cuda_without_cuda_is_a_message(ckpt, tmp_path, capsys):
     assert main(["recall", str(ckpt), "--device", "cuda", "--output-dir", str(tmp_path)]) == 2

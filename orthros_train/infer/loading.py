@@ -145,6 +145,12 @@ def load_checkpoint(directory: str | Path, **overrides: Any) -> OrthrosForCausal
         raise
     except ValueError as err:  # a tensor of another shape or name: weights of another model
         raise UserError(f"{directory}: the weights do not fit its config.json ({err})") from err
+    # NaN/inf weights would make every eval number NaN (or a silent 0% accuracy): refuse them here
+    bad = next((n for n, p in model.state_dict().items() if p.is_floating_point() and not bool(p.isfinite().all())),
+               None)  # fmt: skip
+    if bad is not None:
+        raise UserError(f"{directory}: {bad} holds NaN or infinite values: the weights are corrupt or were saved "
+                        "from a diverged run; load an earlier checkpoint")  # fmt: skip
     return model
 
 
