@@ -622,3 +622,21 @@ def test_a_conversion_study_teacher_of_another_shape_is_refused_before_anything_
     assert message.startswith(f"--teacher {teacher} has another shape: hidden_size 64 (the study's 32)"), message
     assert "--override model.hidden_size=64" in message and "vocab_size" not in message  # not a size yet
     check_teacher(teacher, {**study, "hidden_size": 64})  # the study's shape: accepted
+    # the study's tokenizer has 1024 tokens: no override fixes a teacher of another vocabulary
+    with pytest.raises(ValueError, match=r"has a vocabulary of 128 tokens, the study's tokenizer 1024: .* pick a dense "
+                                         r"checkpoint trained with the study's tokenizer"):  # fmt: skip
+        check_teacher(teacher, {**study, "hidden_size": 64}, vocab_size=1024)
+    with pytest.raises(ValueError, match=r"tie_word_embeddings None \(the study's True\)"):  # tying is shape too
+        check_teacher(teacher, {**study, "hidden_size": 64, "tie_word_embeddings": True}, vocab_size=128)
+
+
+def test_a_conversion_study_teacher_check_reads_the_tokenizers_vocabulary(tmp_path) -> None:
+    """The study's recipe states its vocabulary as the tokenizer's: the up-front check resolves it."""
+    from orthros_train.study.conversion import ConversionOptions, check_options
+
+    teacher = tmp_path / "cv_dense"
+    teacher.mkdir()
+    (teacher / "model.safetensors").write_bytes(b"")
+    (teacher / "config.json").write_text(json.dumps({"vocab_size": 128, "attention_type": "dense"}))
+    with pytest.raises(ValueError, match="has a vocabulary of 128 tokens, the study's tokenizer 1024"):
+        check_options(ConversionOptions(out=tmp_path / "out", quick=True, teacher=teacher))

@@ -263,13 +263,14 @@ def convert_dense_checkpoint(src: Path, dst: Path, window: int, affine_noise: fl
     return dst
 
 
-SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "intermediate_size")
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "tie_word_embeddings")
 
 
-def check_teacher(path: Path, model: dict[str, Any] | None = None) -> None:
+def check_teacher(path: Path, model: dict[str, Any] | None = None, vocab_size: int | None = None) -> None:
     """A teacher given by path is a dense checkpoint directory of the study's shape (``model``: the
-    recipe's model section, which the dense and sliding arms train with); else one line with the fix."""
+    recipe's model section, which the dense and sliding arms train with) and of its tokenizer's
+    vocabulary (``vocab_size``); else one line with the fix."""
     path = Path(path)
     config = path / "config.json"
     if not config.is_file() or not any(path.glob("*.safetensors")):
@@ -284,8 +285,13 @@ def check_teacher(path: Path, model: dict[str, Any] | None = None) -> None:
     if kind != "dense":
         raise ValueError(f"--teacher {path}: attention_type is {kind!r}, the study converts a dense model; point "
                          "it at a dense run's checkpoints/final (e.g. orthros-train --config-name study/dense)")
+    if vocab_size is not None and have.get("vocab_size") != vocab_size:
+        raise ValueError(f"--teacher {path} has a vocabulary of {have.get('vocab_size')} tokens, the study's tokenizer "
+                         f"{vocab_size}: its token ids mean other words, so no override makes it this study's "
+                         "teacher; pick a dense checkpoint trained with the study's tokenizer (or drop --teacher)")
     # Only the sizes the recipe states (an interpolation such as the tokenizer's vocabulary is not a size yet).
-    wrong = [k for k in SHAPE_KEYS if model is not None and isinstance(model.get(k), int) and have.get(k) != model[k]]
+    wrong = [k for k in SHAPE_KEYS if model is not None and isinstance(model.get(k), (int, bool))
+             and have.get(k) != model[k]]  # fmt: skip
     if wrong:
         differ = [f"{k} {have.get(k)} (the study's {model[k]})" for k in wrong]
         fix = " ".join(f"model.{k}={have.get(k)}" for k in wrong)
@@ -329,7 +335,9 @@ def check_options(opts: ConversionOptions) -> tuple[list[str], dict[str, Any], i
     window = opts.window or recipe["model"]["sliding_window"]
     check_window(window, seq_len)
     if opts.teacher is not None:
-        check_teacher(opts.teacher, recipe["model"])
+        vocab = recipe["model"].get("vocab_size")
+        vocab = vocab if isinstance(vocab, int) else recipe.get("data", {}).get("tokenizer_vocab_size")
+        check_teacher(opts.teacher, recipe["model"], vocab if isinstance(vocab, int) else None)
     if opts.window is not None:
         base = merge_overrides(base, [f"model.sliding_window={window}"])
     return base, recipe, seq_len, window

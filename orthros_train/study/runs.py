@@ -10,7 +10,8 @@
 * **Signals**: training processes run in their own process group, so a Ctrl-C at the terminal
   reaches the study alone; on SIGINT or SIGTERM the study sends SIGTERM to every child's group (the
   trainer finishes its step and saves a checkpoint), waits for them and exits 130 / 143. A second
-  signal kills the children at once.
+  signal kills the children at once. A study killed outright (SIGKILL, the OOM killer) takes its
+  trainers with it: they asked the kernel for SIGTERM at their parent's death (``common/lifetime.py``).
 * **Failures**: a child that fails is reported in one line naming the run and its log.
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from orthros_train.common.files import write_atomic
+from orthros_train.common.lifetime import child_environment
 
 SPEC = "study_run.json"  # the command a run directory was started with (written before training)
 TIMING = "study_train.json"  # seconds of the last training segment, written when it ends
@@ -78,7 +80,9 @@ class _Children:
             self.refuse_if_stopping()
             # process_group=0: its own group, out of the terminal's foreground group, so that the
             # study alone receives Ctrl-C and stops the child (with everything it started) itself.
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, process_group=0)
+            # child_environment: the trainer asks the kernel for SIGTERM should this study die unannounced
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_environment(env),
+                                    process_group=0)  # fmt: skip
             self.procs.add(proc)
             return proc
 
@@ -258,7 +262,7 @@ def _failure_line(run_dir: Path, returncode: int) -> str:
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         last = next((ln for ln in reversed(lines) if "Error" in ln or ln.startswith("orthros-train")),
                     lines[-1] if lines else "")
-    what = f": {last[:300]}" if last else ""
+    what = f": {last[:1500]}" if last else ""  # the trainer's refusals name keys and fixes: keep them whole
     return f"training run {run_dir} failed (exit {returncode}{what}); its log: {log}"
 
 

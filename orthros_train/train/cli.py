@@ -416,6 +416,9 @@ def main() -> None:
             f"orthros-train: the overrides {overrides[:3]} need a recipe to apply to: add --config-name RECIPE "
             f"(e.g. --config-name tiny_cpu)\n\n{usage()}"
         )
+    from orthros_train.common.lifetime import PARENT_ENV, die_with_parent
+
+    die_with_parent(os.environ.get(PARENT_ENV))  # a study's trainer ends with its study (common/lifetime.py)
     with exit_on_ctrl_c("orthros-train", "before training started; nothing was saved"):
         problem = override_typo(_config_name(args), overrides)
         if problem:

@@ -1,0 +1,54 @@
+"""A child process that ends with the process that started it.
+
+A study starts its training runs as child processes. Ctrl-C and SIGTERM reach the study, which
+stops them itself (``study/runs.py``). A study killed with SIGKILL, or by the out-of-memory
+killer, cannot do that, and its trainers would go on training as orphans. On Linux the kernel can
+signal a process when its parent dies (``prctl(PR_SET_PDEATHSIG)``). The study names itself in
+``PARENT_ENV``, and the trainer's entry point asks for SIGTERM at its parent's death, so the
+trainer saves a checkpoint and stops as it does for a scheduler's SIGTERM. Neither Python nor
+subprocess exposes the call (``preexec_fn`` could, but it is unsafe in a program with threads),
+hence ctypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+PARENT_ENV = "ORTHROS_TRAIN_PARENT_PID"  # set by a parent that wants its children to die with it
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: str | None) -> bool:
+    """Ask for SIGTERM when ``parent_pid`` (the value of ``PARENT_ENV``) dies; True when armed.
+
+    Only when that process is this one's parent: a process started through something else (a
+    launcher in between, an inherited environment) is not tied to it. If the parent died before
+    the request took effect, this process gets its SIGTERM at once."""
+    if not parent_pid or not sys.platform.startswith("linux"):
+        return False
+    with contextlib.suppress(ValueError):
+        expected = int(parent_pid)
+        if os.getppid() != expected:
+            return False
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+                return False
+        except (OSError, AttributeError):
+            return False
+        if os.getppid() != expected:  # the parent is already gone: reparented before the request
+            os.kill(os.getpid(), signal.SIGTERM)
+        return True
+    return False
+
+
+def child_environment(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a child that should end with this process."""
+    return {**env, PARENT_ENV: str(os.getpid())}
+
+
+__all__ = ["PARENT_ENV", "child_environment", "die_with_parent"]
