@@ -79,7 +79,7 @@ class StudyOptions:
 
     def __post_init__(self) -> None:
         if not self.archs:
-            raise ValueError("--archs needs at least one model")
+            raise ValueError(f"--archs needs at least one model, from {', '.join((*ARCHS, *EXTRA_ARCHS))}")
         check_seeds_and_rates(self.seeds, self.lrs)
         stray = [a for a in (self.train_archs or ()) if a not in self.archs]
         if stray:

@@ -177,8 +177,8 @@ def interrupted_exit(prog: str, exc: StudyInterrupted, out: Path) -> int:
     import sys
 
     name = "Ctrl-C" if exc.signum == signal.SIGINT else signal.Signals(exc.signum).name
-    print(f"{prog}: stopped by {name}; training processes stopped with their checkpoints saved; rerun the same "
-          f"command to resume the runs in {out}", file=sys.stderr)
+    print(f"{prog}: stopped by {name}; its training processes stopped, each keeping the checkpoints it had saved; "
+          f"rerun the same command to resume the runs in {out}", file=sys.stderr)
     return STOP_EXIT.get(exc.signum, 128 + exc.signum)
 
 
