@@ -268,3 +268,14 @@ def test_real_quick_study_killed_resumes_and_a_rerun_retrains_nothing(tmp_path) 
     assert sinks["model"]["sink_tokens"] == 4 and sinks["model"]["attention_type"] == "orthros"
     assert set(json.loads((out / "study.json").read_text())["summary"]) == {"orthros", "orthros_sinks"}
     assert "Orthros, 4 sink tokens" in (out / "study.md").read_text()
+
+
+def test_an_out_that_is_a_file_is_named_as_the_out_flag(tmp_path):
+    from orthros_train.study.runs import owned_study
+
+    target = tmp_path / "kitfile"
+    target.write_text("not a folder")
+    with pytest.raises(ValueError, match=rf"^--out {target} is a file, not a directory: pick another --out$"):
+        with owned_study(target, "study"):
+            pass
+    assert target.read_text() == "not a folder"

@@ -142,6 +142,8 @@ def owned_study(out: Path, what: str) -> Iterator[None]:
     raises ``StudyInterrupted`` in the main thread after the children were sent SIGTERM."""
     from orthros_train.train.run_lock import RunLock, RunLockedError
 
+    if Path(out).exists() and not Path(out).is_dir():  # named as the flag the user gave, not as a run_dir
+        raise ValueError(f"--out {out} is a file, not a directory: pick another --out")
     lock = RunLock(out)
     try:
         lock.acquire()
