@@ -79,6 +79,19 @@ def test_a_directory_named_like_a_shard_is_not_read_as_one(tmp_path):
     assert list(SafetensorsReader(tmp_path)) == ["a"]
 
 
+def test_the_reader_is_a_mapping_get_gives_a_default_and_indexing_names_the_missing_tensor(tmp_path):
+    import torch
+
+    from orthros_train.common.safetensors_io import SafetensorsReader
+
+    _weights(tmp_path, "model.safetensors")
+    with SafetensorsReader(tmp_path) as reader:
+        assert torch.equal(reader["a"], torch.ones(2)) and torch.equal(reader.get("a"), torch.ones(2))
+        assert reader.get("b") is None and reader.get("b", 0) == 0 and "b" not in reader
+        with pytest.raises(KeyError, match="the checkpoint has no tensor 'b'"):
+            reader["b"]
+
+
 def test_an_index_naming_an_empty_shard_is_refused_as_an_index(tmp_path):
     """An empty shard name pointed at the folder itself ("missing: <the folder's name>")."""
     import json

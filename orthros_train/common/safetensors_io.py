@@ -194,13 +194,11 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         """Shape, dtype and file of ``name`` without reading it."""
         return self._info[name]
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor from disk now."""
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """Read one tensor from disk now (``get(name)`` is Mapping's: None for a missing name)."""
         if name not in self._info:
             raise KeyError(f"the checkpoint has no tensor {name!r}")
         return self._handles[self._info[name].file].get_tensor(name)
-
-    __getitem__ = get
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
         return name in self._info

@@ -464,7 +464,7 @@ def convert_from_hf(
                 return torch.ones(t.shape, dtype=t.dtype)
             if t.name.endswith(".beta"):
                 return torch.zeros(t.shape, dtype=t.dtype)
-            return reader.get(source_of[t.name]).to(t.dtype)
+            return reader[source_of[t.name]].to(t.dtype)
 
         files = write_destination(src, dst, overwrite, plan, produce, shard_bytes)
 

@@ -130,7 +130,7 @@ def convert_to_hf(
         stored = reader.info("embed_tokens.weight").dtype
 
         def produce(t: PlannedTensor) -> torch.Tensor:
-            return reader.get(orthros_name(t.name)).to(t.dtype)
+            return reader[orthros_name(t.name)].to(t.dtype)
 
         files = write_destination(src, dst, overwrite, plan, produce, shard_bytes)
 
