@@ -41,19 +41,29 @@ def test_run_lock_refuses_an_odd_lock_file_at_once(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ODD_LOCKS)
-def test_waiting_lock_takes_an_odd_stale_lock_file_over(tmp_path, kind):
-    """A waiter judges such a name by its own age (``lstat``) and takes it over once stale."""
+def test_waiting_lock_takes_an_odd_stale_lock_file_over(tmp_path, kind, caplog):
+    """A waiter judges such a name by its own age (``lstat``) and takes it over once stale; a
+    directory that stood there is kept aside and named, never deleted."""
     path = tmp_path / "build.lock"
     _odd_lock(kind, path)
+    if kind == "directory":
+        (path / "notes.txt").write_text("mine")
     old = time.time() - 3600
     os.utime(path, (old, old), follow_symlinks=False)
     lock = HeartbeatLock(path, stale_after=1.0, heartbeat=0.1, timeout=10, poll=0.01)
-    lock.acquire()
+    with caplog.at_level("WARNING"):
+        lock.acquire()
     try:
         assert read_owner(path) is not None and read_owner(path).token == lock.owner.token
     finally:
         lock.release()
     assert not path.exists() and not path.is_symlink()
+    kept = list(tmp_path.glob(".build.lock.stale-*"))
+    if kind == "directory":
+        assert [(k / "notes.txt").read_text() for k in kept] == ["mine"]
+        assert f"it is kept as {kept[0]}" in caplog.text
+    else:
+        assert kept == []
 
 
 # -- weights folders -------------------------------------------------------------------------------

@@ -301,8 +301,13 @@ class HeartbeatLock:
         else:
             who = holder.describe() if holder is not None else "an unreadable lock file"
             self.log.warning("taking over the lock %s held by %s (%s)", self.path, who, reason)
-        with contextlib.suppress(OSError):
+        try:
             aside.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:  # a directory (or other non-file) stood at the lock's name: keep it, and say where
+            self.log.warning("what stood at the lock's name %s was not a lock file; it is kept as %s",
+                             self.path, aside)  # fmt: skip
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat):
