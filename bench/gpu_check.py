@@ -1061,36 +1061,50 @@ def inference_item(t: int) -> Callable:
 
 
 def prefill_decode(run: Run, model, t: int, steps: int) -> dict:
-    """TTFT of one ``t``-token prompt; per batch size, decode tokens/s eager and graph-captured
-    from the same prefilled cache (cloned). Stops adding batches when the item's time is spent."""
-    from orthros_train.infer.generate import decode, prefill
-    from orthros_train.model.cache import KVCache
+    """TTFT of one ``t``-token prompt (after an untimed prefill of the same length: the Triton
+    autotuners key on the length bucket, so a shorter warm-up would leave this one's autotune in
+    the timing); per batch size, decode tokens/s eager and graph-captured from copies of that
+    prompt's cache. A batch repeats the prompt rather than prefilling ``b`` of them: a batch's
+    packed prefill is another length bucket (another cold autotune, ~40 s at 256K) and its decode
+    costs the same. Stops adding batches when the item's time is spent."""
+    from orthros_train.infer.generate import decode
 
     dev = next(model.parameters()).device
-    ids = torch.randint(0, model.config.vocab_size, (max(DECODE_BATCHES), t), device=dev)
+    ids = torch.randint(0, model.config.vocab_size, (1, t), device=dev)
     row: dict = {}
     with torch.no_grad():
-        model.prefill(ids[:1, : min(t, 1024)])  # warm-up (autotuning)
+        model.prefill(ids)  # warm-up: this length's autotune and allocations
         _sync()
         t0 = time.perf_counter()
-        model.prefill(ids[:1])
+        logits, prompt_cache = model.prefill(ids)
         _sync()
         row["ttft_ms"] = (time.perf_counter() - t0) * 1e3
         for b in DECODE_BATCHES:
             if left_s(run) <= 0:
                 break
-            cache = KVCache(model.config.num_hidden_layers, b)
-            cache.reserve(t + steps + 2)
-            logits, cache = prefill(model, list(ids[:b].cpu()), cache, chunk_size=None)
+            cache = repeated_rows(prompt_cache, b, capacity=t + steps + 2)
             graph_cache = cache.clone()
-            eager_s, eager_tokens = _decode_seconds(lambda nxt, c=cache: decode(model, nxt, c), logits, steps)
-            graph_s, graph_tokens = _graph_decode_seconds(run, model, graph_cache, logits, steps)
+            first = logits.expand(b, -1)
+            eager_s, eager_tokens = _decode_seconds(lambda nxt, c=cache: decode(model, nxt, c), first, steps)
+            graph_s, graph_tokens = _graph_decode_seconds(run, model, graph_cache, first, steps)
             row[f"decode_tokens_per_s_b{b}"] = b * steps / eager_s
             row[f"graph_decode_tokens_per_s_b{b}"] = b * steps / graph_s
             # greedy chains from one cache: the graph's tokens are the eager ones (bf16 ties aside)
             row[f"graph_tokens_equal_b{b}"] = float((graph_tokens == eager_tokens).float().mean())
             del cache, graph_cache
     return row
+
+
+def repeated_rows(cache, b: int, capacity: int):
+    """A cache of ``b`` rows, each a copy of ``cache``'s one row, with room for ``capacity`` tokens."""
+    from orthros_train.model.cache import KVCache
+
+    one = cache.clone(capacity=capacity)
+    rows = KVCache(one.num_layers, b, capacity=capacity)
+    rows.k = [None if x is None else x.repeat(b, 1, 1) for x in one.k]  # row r: slots [r * C, (r + 1) * C)
+    rows.v = [None if x is None else x.repeat(b, 1, 1) for x in one.v]
+    rows.set_lengths(one.lengths.repeat(b))
+    return rows
 
 
 def _decode_seconds(step: Callable, logits: torch.Tensor, steps: int) -> tuple[float, torch.Tensor]:
