@@ -1284,7 +1284,8 @@ PLAN: tuple[Item, ...] = (
          "gpu_check.yaml with saves; a run killed with SIGKILL after its first save and resumed: bitwise-equal "
          "losses (shared Triton autotune cache)"),
     *(Item(f"ttft_{t // 1024}k", "inference", 40, 0, 10 if t < 65536 else 25, inference_item(t),
-           f"prefill TTFT and decode tokens/s at {t // 1024}K, Orthros vs dense, {INFER_LAYERS} layers")
+           f"prefill TTFT, decode tokens/s eager and CUDA graph (batch 1, 2) at {t // 1024}K, Orthros vs dense, "
+           f"{INFER_LAYERS} layers")
       for t in (16384, 131072)),
     Item("export_generate", "training", 25, 0, 10, item_export_generate,
          "the reference run's export through transformers: AutoModelForCausalLM + generate"),
