@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orthros_train.errors import UserError, exit_on_ctrl_c, first_line, report_bug
+from orthros_train.errors import UserError, caused_by_ctrl_c, exit_on_ctrl_c, first_line, report_bug
 
 # Seconds of imports (hydra, torch through the config): Ctrl-C there is one line and exit 130.
 with exit_on_ctrl_c("orthros-train"):
@@ -393,6 +393,8 @@ def hydra_main(cfg: DictConfig) -> None:
     # exit_on_ctrl_c: its os._exit(130) is right also when the Ctrl-C landed inside a C extension's
     # import, where a SystemExit here made the interpreter re-raise SIGINT on itself (status -2).
     except Exception as exc:
+        if caused_by_ctrl_c(exc):  # a Ctrl-C a library turned into another exception: main's one line
+            raise KeyboardInterrupt from exc
         # Anything else (a ValueError from inside torch included) is a bug: keep its traceback,
         # which a one-line message would hide, and say where to report it.
         report_bug("orthros-train", exc)
