@@ -139,6 +139,7 @@ class StaticDecoder:
         self.ids = torch.zeros(cache.num_rows, dtype=torch.long, device=device)
         self.plan = static_plan(model, self.rows, self.ids, uses_kernel(model, device))
         self.running: tuple[int, ...] = tuple(range(cache.num_rows))
+        self._running_index = torch.arange(cache.num_rows, device=device)  # self.running on the device
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
 
@@ -150,7 +151,6 @@ class StaticDecoder:
 
     def _set_rows(self, rows: Sequence[int]) -> torch.Tensor:
         rows = tuple(int(r) for r in rows)
-        index = torch.tensor(rows, dtype=torch.long).to(self.ids.device)
         if rows != self.running:  # a row finished: it stops advancing
             if not rows or any(r not in self.running for r in rows):
                 raise ValueError(f"rows {rows} are not a subset of the running rows {self.running}")
@@ -158,10 +158,13 @@ class StaticDecoder:
             mask[list(rows)] = 1
             self.rows.active.copy_(mask.to(self.ids.device))
             self.running = rows
-        full = self.rows.host_lengths[list(rows)]
-        if int(full.max()) >= self.rows.capacity:
+            # copied to the device only when the rows change: a copy from pageable host memory
+            # per token would wait for the device every step
+            self._running_index = torch.tensor(rows, dtype=torch.long).to(self.ids.device)
+        lengths = self.rows.host_lengths[list(rows)]
+        if int(lengths.max()) >= self.rows.capacity:
             raise ValueError(f"a row is full: the cache holds {self.rows.capacity} tokens per row")
-        return index
+        return self._running_index
 
     def step(self, rows: Sequence[int], next_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[len(rows), V]`` after appending ``next_ids`` to ``rows``."""
