@@ -50,6 +50,7 @@ class GenerationOutput:
     cache_nbytes: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    decode_setup_seconds: float = 0.0  # cuda_graph: building and capturing the step, not in decode_seconds
     decode_steps: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -176,6 +177,9 @@ class _EagerSteps:
     def __call__(self, rows: list[int], next_ids: torch.Tensor) -> torch.Tensor:
         return decode(self.model, next_ids, self.cache, rows)
 
+    def prepare(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -189,7 +193,8 @@ class _StaticSteps:
         check_static_decode(model)  # refused before the prompt is read, not after
         self.model, self.cache, self.decoder = model, cache, None
 
-    def __call__(self, rows: list[int], next_ids: torch.Tensor) -> torch.Tensor:
+    def prepare(self) -> None:
+        """Build the decoder over the prefilled cache and capture its graph (outside the decode timing)."""
         if self.decoder is None:
             from orthros_train.infer.static_decode import StaticDecoder
 
@@ -198,6 +203,10 @@ class _StaticSteps:
                 log.info("cuda_graph on a %s model: the static decode step runs without a graph",
                          model_device(self.model).type)  # fmt: skip
             self.decoder = StaticDecoder(self.model, self.cache, graph=graph)
+            self.decoder.capture()
+
+    def __call__(self, rows: list[int], next_ids: torch.Tensor) -> torch.Tensor:
+        self.prepare()
         return self.decoder.step(rows, next_ids)
 
     def close(self) -> None:
@@ -258,6 +267,11 @@ def generate(
         _sync(device)
         t1 = time.perf_counter()
         out.prefill_seconds = t1 - t0
+        if params.cuda_graph and params.max_new_tokens > 1:
+            step_fn.prepare()
+            _sync(device)
+            out.decode_setup_seconds = time.perf_counter() - t1
+            t1 = time.perf_counter()
         active = list(range(b))
         stops = set(params.stop_token_ids)
         for step in range(params.max_new_tokens):

@@ -16,9 +16,9 @@ Here the step's whole state lives in device buffers that never move:
 
 A step does the same ops on the same shapes whatever the lengths, and reads nothing back
 (tests/test_static_decode.py records the ops of two steps on CPU and compares them). Rows that
-finished stay in the batch and stop advancing (their writes land on their next free slot, which
-no query reads); the caller samples only the rows it still runs, so the tokens and the sampling
-generator's draws are those of the eager loop.
+finished stay in the batch and stop advancing (their slot keeps what it holds, and their query
+stays inside their row even when it is full); the caller samples only the rows it still runs, so
+the tokens and the sampling generator's draws are those of the eager loop.
 """
 
 from __future__ import annotations
@@ -63,17 +63,24 @@ class StaticRows:
         self.lengths = cache.lengths.to(device).clone()  # position of each row's next token
         self.active = torch.ones(rows, dtype=torch.long, device=device)  # 1: the row advances
         self.row_starts = torch.arange(rows, device=device) * capacity
-        self.dest = self.row_starts + self.lengths  # the slot each row's new token writes
+        # the position each row's query sits at: its length, kept inside the row for a finished
+        # row that filled it (length C), so its query reads its own slots and not the next row's
+        self.positions = self.lengths.clamp(max=capacity - 1)
+        self.dest = self.row_starts + self.positions  # the slot each row's new token writes
         self.host_lengths = cache.lengths.clone()  # mirrored on the host from the active rows, no sync
 
     def refresh(self) -> None:
-        """Slots of this step's tokens (clamped into the row: a finished row may sit at ``C``)."""
-        torch.add(self.row_starts, self.lengths.clamp(max=self.capacity - 1), out=self.dest)
+        """Positions and slots of this step's tokens (in place: a captured graph reads these buffers)."""
+        torch.clamp(self.lengths, max=self.capacity - 1, out=self.positions)
+        torch.add(self.row_starts, self.positions, out=self.dest)
 
     def extend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, new_lengths: torch.Tensor):
+        """Write the running rows' keys and values; a finished row's slot keeps what it holds (a
+        row that filled its capacity sits on its last real token)."""
         k, v = self.cache.k[layer], self.cache.v[layer]
-        k.index_copy_(0, self.dest, k_new.to(k.dtype))
-        v.index_copy_(0, self.dest, v_new.to(v.dtype))
+        running = self.active.view(-1, *(1,) * (k_new.dim() - 1)).bool()
+        k.index_copy_(0, self.dest, torch.where(running, k_new.to(k.dtype), k.index_select(0, self.dest)))
+        v.index_copy_(0, self.dest, torch.where(running, v_new.to(v.dtype), v.index_select(0, self.dest)))
         return k, v
 
     def advance(self, new_lengths: torch.Tensor) -> None:
@@ -104,8 +111,8 @@ def static_plan(model: OrthrosForCausalLM, rows: StaticRows, ids: torch.Tensor, 
     config, n = model.config, rows.lengths.numel()
     outputs = slice(None) if model.is_orthros else slice(0, 0)  # baselines: no output stream
     return StaticDecodePlan(
-        input_ids=ids, output_rows=torch.arange(n, device=ids.device), base_positions=rows.lengths,
-        out_positions=rows.lengths[outputs], base_key_index=rows.dest, out_key_index=rows.dest[outputs],
+        input_ids=ids, output_rows=torch.arange(n, device=ids.device), base_positions=rows.positions,
+        out_positions=rows.positions[outputs], base_key_index=rows.dest, out_key_index=rows.dest[outputs],
         key_cu_seqlens=(torch.arange(n + 1, device=ids.device) * rows.capacity).to(torch.int32),
         base_window=config.base_window, sink_tokens=config.base_sink_tokens, new_lengths=rows.active,
         capacity=rows.capacity, kernel=kernel,
@@ -195,9 +202,10 @@ class StaticDecoder:
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
         self.rows.active.copy_(active)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._logits = self._forward()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._forward()
+        self._graph, self._logits = graph, logits  # kept only once captured: a failed capture is retried
         log.info("decode step captured in a CUDA graph: %d rows x %d slots", self.ids.numel(), self.rows.capacity)
 
     def close(self) -> None:
