@@ -3,13 +3,24 @@ FlashAttention varlen path's numerics against the reference op with the plain-to
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+
 import pytest
 import torch
 
 from orthros_train.ops import attention as attention_mod
 from orthros_train.ops import route as route_mod
 from orthros_train.ops.reference import UNBOUNDED, attention_reference
-from orthros_train.ops.route import ROUTES, RouteFacts, VarlenPlan, choose_route, varlen_streams, whole_streams
+from orthros_train.ops.route import (
+    ROUTES,
+    RouteFacts,
+    VarlenPlan,
+    choose_route,
+    varlen_reference,
+    varlen_streams,
+    whole_streams,
+)
 from orthros_train.ops.sdpa_attention import query_segments
 
 BF16 = torch.bfloat16
@@ -162,6 +173,120 @@ def test_the_installed_implementation_is_read_from_signatures() -> None:
         assert callable(route_mod.varlen_function(found))
 
 
+# -- the installed implementations, faked: what the node's packages would be called with -------------------
+
+
+class FakeFlash:
+    """A flash-attn module's ``flash_attn_varlen_func`` (keyword-only past v, as the test demands)."""
+
+    def __init__(self, lse: bool = False) -> None:
+        self.calls: list[dict] = []
+        self.lse = lse
+
+    def flash_attn_varlen_func(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, window_size=(-1, -1),
+                               deterministic=False):  # fmt: skip
+        self.calls.append(dict(max_seqlen_q=max_seqlen_q, causal=causal, window_size=window_size,
+                               deterministic=deterministic, kv_heads=k.shape[1]))  # fmt: skip
+        out = varlen_reference(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1),
+                               v.repeat_interleave(q.shape[1] // v.shape[1], 1), cu_seqlens_q, max_seqlen_q,
+                               softmax_scale, window_size)  # fmt: skip
+        return (out, None) if self.lse else out
+
+
+def install_fake(monkeypatch, module: str, fake) -> None:
+    import sys
+    import types
+
+    mod = types.ModuleType(module)
+    mod.flash_attn_varlen_func = fake.flash_attn_varlen_func
+    mod.__spec__ = importlib.machinery.ModuleSpec(module, None)
+    monkeypatch.setitem(sys.modules, module, mod)
+    route_mod.installed_varlen.cache_clear()
+    route_mod.varlen_function.cache_clear()
+    monkeypatch.setattr(route_mod.torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def clear_route_caches():
+    yield
+    route_mod.installed_varlen.cache_clear()
+    route_mod.varlen_function.cache_clear()
+
+
+@pytest.mark.parametrize("module, name, lse", [("flash_attn_interface", "flash_attn_3", True),
+                                               ("flash_attn", "flash_attn_2", False)])  # fmt: skip
+def test_flash_attn_is_called_by_keyword_with_the_run_s_determinism(monkeypatch, clear_route_caches, module, name,
+                                                                    lse) -> None:  # fmt: skip
+    fake = FakeFlash(lse)
+    install_fake(monkeypatch, module, fake)
+    assert route_mod.installed_varlen() == name
+    index, q_window, cu = pretrain_queries([20, 1, 27], 8)
+    q, k, v = inputs(96, 48)
+    plan = VarlenPlan(name, (8, UNBOUNDED), 27)
+    out = varlen_streams(q, k, v, cu, plan)
+    torch.testing.assert_close(out, attention_reference(q, k, v, index, q_window, cu)[0], rtol=1e-12, atol=1e-12)
+    assert [c["window_size"] for c in fake.calls] == [(7, 0), (-1, 0)]
+    assert all(c["causal"] and c["max_seqlen_q"] == 27 and not c["deterministic"] and c["kv_heads"] == 2
+               for c in fake.calls)  # fmt: skip
+    monkeypatch.setattr(route_mod.torch, "are_deterministic_algorithms_enabled", lambda: True)
+    varlen_streams(q, k, v, cu, plan)
+    assert [c["deterministic"] for c in fake.calls[2:]] == [True, True]
+
+
+def test_a_flash_attn_that_does_not_load_is_passed_over(monkeypatch, clear_route_caches) -> None:
+    import importlib.util as util
+
+    real_find, real_import = util.find_spec, importlib.import_module
+    monkeypatch.setattr(util, "find_spec",
+                        lambda n, *a: object() if n == "flash_attn_interface" else real_find(n, *a))  # fmt: skip
+
+    def broken(name, *args):
+        if name == "flash_attn_interface":
+            raise ImportError("undefined symbol: _ZN3c10 (built for another torch)")
+        return real_import(name, *args)
+    monkeypatch.setattr(importlib, "import_module", broken)
+    route_mod.installed_varlen.cache_clear()
+    found = route_mod.installed_varlen()
+    assert found != "flash_attn_3" and found in (None, "flash_attn_2", "torch")
+
+
+def test_a_gpu_older_than_ampere_gets_no_flashattention_route(monkeypatch, clear_route_caches) -> None:
+    install_fake(monkeypatch, "flash_attn", FakeFlash())
+    monkeypatch.setattr(route_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(route_mod.torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    route_mod.installed_varlen.cache_clear()
+    assert route_mod.installed_varlen() is None
+    monkeypatch.setattr(route_mod.torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    route_mod.installed_varlen.cache_clear()
+    assert route_mod.installed_varlen() == "flash_attn_2"
+
+
+def test_torch_varlen_without_gqa_gets_its_key_heads_expanded_once_per_layer(monkeypatch, clear_route_caches) -> None:
+    calls = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):  # torch 2.11's keywords
+        calls.append(k.shape[1])
+        return varlen_reference(q, k, v, cu_q, max_q, scale, window_size)
+    import torch.nn.attention.varlen as torch_varlen
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
+    route_mod._torch_groups_heads.cache_clear()
+    route_mod.varlen_function.cache_clear()
+    expanded = []
+    real_repeat = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave",
+                        lambda t, *a, **kw: expanded.append(1) or real_repeat(t, *a, **kw))  # fmt: skip
+    try:
+        index, q_window, cu = pretrain_queries([20, 28], 8)
+        q, k, v = inputs(96, 48)
+        out = varlen_streams(q, k, v, cu, VarlenPlan("torch", (8, UNBOUNDED), 28))
+    finally:
+        route_mod._torch_groups_heads.cache_clear()
+    torch.testing.assert_close(out, attention_reference(q, k, v, index, q_window, cu)[0], rtol=1e-12, atol=1e-12)
+    assert calls == [4, 4] and len(expanded) == 2  # k and v once, both streams share them
+
+
 def test_the_dry_run_prints_the_route_and_the_trainer_logs_it(tmp_path, make_trainer, caplog) -> None:
     import logging
 
@@ -172,7 +297,8 @@ def test_the_dry_run_prints_the_route_and_the_trainer_logs_it(tmp_path, make_tra
     cfg = compose_recipe("pretrain_1p3b", f"trainer.run_dir={tmp_path / 'plan'}")
     routes = plan_summary(cfg)["attention_route"]  # a GPU recipe: the GPU's routes
     assert set(routes) == {"cuda"} and attention_routes(cfg, "cpu")["cpu"]["pretraining"].startswith("sdpa")
-    expected = "varlen" if route_mod.installed_varlen() else "triton"
+    no_varlen = "split" if "triton" in attention_mod.available_backends() else "sdpa"
+    expected = "varlen" if route_mod.installed_varlen() else no_varlen
     assert routes["cuda"]["pretraining"].startswith(expected) and routes["cuda"]["prefill"].startswith("triton")
     with caplog.at_level(logging.INFO, logger="orthros_train.train.trainer"):
         trainer = make_trainer()

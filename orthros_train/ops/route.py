@@ -27,14 +27,18 @@ extra (its wheels are far larger than torch's own route needs); nothing requires
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from orthros_train.ops.reference import UNBOUNDED, attention_reference
+
+log = logging.getLogger(__name__)
 
 # Head dims and dtypes every FlashAttention implementation here serves.
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -123,55 +127,103 @@ def whole_streams(segments: Sequence, n_k: int, n_q: int) -> tuple[int, ...] | N
     return tuple(min(w, default=UNBOUNDED) for w in windows)
 
 
+# The compute capability each implementation's kernels need: FlashAttention 2 and torch's own
+# from Ampere on; flash-attn 3 builds target Hopper.
+MIN_CAPABILITY = {"flash_attn_3": (9, 0), "flash_attn_2": (8, 0), "torch": (8, 0)}
+
+
+def _importable(module: str, function: str) -> VarlenFn | None:
+    """``module.function`` if it imports. A wheel built for another torch (undefined symbols), or a
+    package of that name without the function, is passed over for the next implementation."""
+    if importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return getattr(importlib.import_module(module), function)
+    except (ImportError, OSError, AttributeError) as e:
+        log.warning("%s is installed but does not load (%s); FlashAttention routing passes it over", module, e)
+        return None
+
+
+def _takes(fn: VarlenFn, *names: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: its keywords are unknown
+        return False
+    return all(name in params for name in names)
+
+
+def _capable(name: str) -> bool:
+    """This machine's GPU runs ``name``'s kernels (no GPU visible, e.g. a login node's dry run: assumed)."""
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability() >= MIN_CAPABILITY[name]
+
+
 @functools.cache
 def installed_varlen() -> str | None:
     """The best FlashAttention varlen implementation with a sliding window on this machine (its
-    name), or None."""
-    if importlib.util.find_spec("flash_attn_interface") is not None:
-        return "flash_attn_3"
-    if importlib.util.find_spec("flash_attn") is not None:
-        from flash_attn import flash_attn_varlen_func
+    name), or None. Each is checked on what is installed (its signature, not its version) and
+    against the GPU's compute capability."""
+    candidates = (
+        ("flash_attn_3", "flash_attn_interface", "flash_attn_varlen_func"),
+        ("flash_attn_2", "flash_attn", "flash_attn_varlen_func"),
+        ("torch", "torch.nn.attention.varlen", "varlen_attn"),  # older releases lack the window
+    )
+    for name, module, function in candidates:
+        fn = _importable(module, function)
+        if fn is not None and _takes(fn, "window_size") and _capable(name):
+            return name
+    return None
 
-        if "window_size" in inspect.signature(flash_attn_varlen_func).parameters:
-            return "flash_attn_2"
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    # Older releases lack the window (checked on the installed torch, not assumed from its version).
-    return "torch" if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+def _deterministic() -> bool:
+    """The run asked for reproducible kernels (``trainer.deterministic``): flash-attn's backward then
+    accumulates dq without atomics; torch's own follows the same switch by itself."""
+    return torch.are_deterministic_algorithms_enabled()
 
 
 @functools.cache  # called by every layer's attention: resolve the import and signature once
 def varlen_function(name: str) -> VarlenFn:
     """``fn(q, k, v, cu_seqlens, max_len, scale, window_size) -> out`` for an implementation name
-    of ``installed_varlen`` (``"reference"``: the plain-torch one, any device)."""
+    of ``installed_varlen`` (``"reference"``: the plain-torch one, any device). Keys and values may
+    have fewer heads than the queries (``expand_kv_heads`` first where the implementation needs it)."""
     if name == "reference":
         return varlen_reference
-    if name == "flash_attn_3":
-        from flash_attn_interface import flash_attn_varlen_func as fa3
+    if name in ("flash_attn_3", "flash_attn_2"):
+        module = "flash_attn_interface" if name == "flash_attn_3" else "flash_attn"
+        fa = importlib.import_module(module).flash_attn_varlen_func
+        # keywords throughout: flash-attn 3's positional order changed between releases
+        deterministic = _takes(fa, "deterministic")
 
-        def run3(q, k, v, cu, max_len, scale, window_size):
-            out = fa3(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True, window_size=window_size)
-            return out[0] if isinstance(out, tuple) else out
-        return run3
-    if name == "flash_attn_2":
-        from flash_attn import flash_attn_varlen_func as fa2
-
-        def run2(q, k, v, cu, max_len, scale, window_size):
-            return fa2(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True, window_size=window_size)
-        return run2
+        def run_flash(q, k, v, cu, max_len, scale, window_size):
+            extra = {"deterministic": _deterministic()} if deterministic else {}
+            out = fa(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+                     softmax_scale=scale, causal=True, window_size=window_size, **extra)  # fmt: skip
+            return out[0] if isinstance(out, tuple) else out  # some flash-attn 3 releases also return the LSE
+        return run_flash
     from torch.nn.attention.varlen import varlen_attn
 
-    gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
-
     def run_torch(q, k, v, cu, max_len, scale, window_size):
-        if q.shape[1] != k.shape[1] and not gqa:  # a release without GQA: repeat the key heads
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        extra = {"enable_gqa": True} if gqa and q.shape[1] != k.shape[1] else {}
+        extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # fewer heads: expand_kv_heads's case
         return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=window_size, **extra)
     return run_torch
+
+
+def expand_kv_heads(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Keys and values with the queries' head count where ``name`` cannot group heads itself (a
+    torch release whose ``varlen_attn`` has no ``enable_gqa``): once per layer, shared by both streams."""
+    if name != "torch" or q.shape[1] == k.shape[1] or _torch_groups_heads():
+        return k, v
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+@functools.cache
+def _torch_groups_heads() -> bool:
+    """The installed torch's ``varlen_attn`` takes fewer key heads than query heads (``enable_gqa``)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return _takes(varlen_attn, "enable_gqa")
 
 
 def varlen_reference(q, k, v, cu_seqlens, max_len, scale, window_size) -> torch.Tensor:
@@ -199,6 +251,7 @@ def varlen_streams(q, k, v, cu_seqlens, plan: VarlenPlan, scale: float | None = 
     keys, outputs in the queries' order."""
     fn = varlen_function(plan.implementation)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k, v = expand_kv_heads(plan.implementation, q, k, v)
     n = k.shape[0]
     cu = cu_seqlens.to(torch.int32)
     outs = []
@@ -240,5 +293,5 @@ def describe_routes(device_type: str, dtype: torch.dtype, head_dim: int, attenti
     return routes
 
 
-__all__ = ["ROUTES", "Route", "RouteFacts", "VarlenPlan", "choose_route", "describe_routes", "installed_varlen",
-           "varlen_function", "varlen_reference", "varlen_streams", "whole_streams"]
+__all__ = ["ROUTES", "Route", "RouteFacts", "VarlenPlan", "choose_route", "describe_routes", "expand_kv_heads",
+           "installed_varlen", "varlen_function", "varlen_reference", "varlen_streams", "whole_streams"]

@@ -9,6 +9,7 @@ import atexit
 import logging
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,29 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def set_determinism(deterministic: bool) -> Callable[[], None]:
+    """``trainer.deterministic``: reproducible kernels from here on (as torchtitan's and
+    Megatron-LM's deterministic modes do). An op torch has no reproducible kernel for warns,
+    naming itself, on first use (``warn_only``: torch lists NLLLoss and float cumsum on CUDA among
+    them, so a strict switch could stop a run at its first step). Returns what puts the process's
+    previous setting back (the trainer's ``close``: a test or notebook goes on in the same process)."""
+    if not deterministic:
+        return lambda: None
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark, torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    # cuBLAS reads its workspace setting when this process creates its first handle (its first
+    # GEMM on the GPU, after this); a value the launcher set is kept.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    log.info("deterministic kernels (trainer.deterministic=true): reproducible steps, slower")
+
+    def restore() -> None:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[3])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:3]
+    return restore
 
 
 def start_processes(cfg: RunConfig, env: DistributedEnv) -> torch.device:
@@ -239,5 +263,6 @@ __all__ = [
     "check_memory_fit",
     "lock_run_dir",
     "seed_everything",
+    "set_determinism",
     "start_processes",
 ]

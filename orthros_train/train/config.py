@@ -129,6 +129,9 @@ class TrainerConfig:
     # the checkpoint's recipe; another model or data is always refused (orthros_train/train/run_dir.py)
     resume_changes: ResumeChanges = ResumeChanges.refuse
     async_save: bool = False  # periodic saves: snapshot to host memory, write/publish in a background thread
+    # true: every kernel reproducible run to run (torch.use_deterministic_algorithms, a fixed cuBLAS
+    # workspace, FlashAttention's atomic-free backward), so a GPU resume continues bit for bit; slower
+    deterministic: bool = False
     # faults
     max_nonfinite_steps: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
     loss_spike_factor: float = 3.0  # log a spike when loss > factor x running mean (0 disables)

@@ -31,7 +31,7 @@ IGNORED = re.compile(
     r"trainer\.(run_dir|resume|resume_changes|dry_run|progress|log_every|eval_every|eval_batches|save_every|"
     r"keep_last_k|checkpoint_hashes|async_save|fail_at_step|sample_prompt|sample_tokens|peak_tflops|gpu|"
     r"gpu_memory_gib|allow_memory_overflow|max_nonfinite_steps|loss_spike_factor|total_tokens|device|"
-    r"micro_batch_size|grad_accum_steps|global_batch_size|overwrite)$)"
+    r"micro_batch_size|grad_accum_steps|global_batch_size|overwrite|deterministic)$)"
 )
 # Changed freely, logged: extending a run, resuming in another precision (the layout reshards).
 NOTED = ("trainer.max_steps", "trainer.precision")

@@ -36,6 +36,7 @@ from orthros_train.train.build import (
     check_memory_fit,
     lock_run_dir,
     seed_everything,
+    set_determinism,
     start_processes,
 )
 from orthros_train.train.checkpoint import (
@@ -77,6 +78,8 @@ class Trainer:
         """``job_id``: the scheduler's job id (``SLURM_JOB_ID``, read by the entry point): a
         requeued job takes its own run-directory lock over."""
         self.cfg, self.recipe = cfg, resolved_recipe or {}
+        self.run_lock = None
+        self._restore_determinism = lambda: None  # set_determinism's restore once applied
         t, p = cfg.trainer, cfg.parallel
         self.device = start_processes(cfg, env or DistributedEnv())
         self.is_main = dist.get_rank() == 0
@@ -87,6 +90,7 @@ class Trainer:
         self.run_dir = Path(t.run_dir)
         self.run_lock = lock_run_dir(self.run_dir, job_id)  # before anything reads or writes the directory
         seed_everything(t.seed)
+        self._restore_determinism = set_determinism(t.deterministic)
         policy = Policy(self.device, zero_stage=p.zero_stage) if cfg.rl is not None else None
         self.data = build_data(cfg, policy)
         self.model = build_model(cfg, self.device)
@@ -153,6 +157,7 @@ class Trainer:
         """Release the run directory (the process may go on, e.g. a test or a notebook)."""
         if self.run_lock is not None:
             self.run_lock.release()
+        self._restore_determinism()
 
     def train_step(self) -> StepStats:
         """One optimizer step over ``grad_accum_steps`` micro batches (``train/step.py``)."""
