@@ -5,8 +5,8 @@ vLLM 0.32 gives every attention layer a cache tensor of logical shape
 ``(blocks, kv_heads, block_size, 2 * head_dim)``, but what sits inside is each backend's own
 business:
 
-* ``PAGED``: FlashAttention, Triton, FlexAttention and FlashInfer with an unquantised cache
-  write K and V side by side along the last dimension: ``kv_cache.transpose(1, 2).split(head_dim,
+* ``PAGED``: FlashAttention, Triton and FlexAttention with an unquantised cache write K and V
+  side by side along the last dimension: ``kv_cache.transpose(1, 2).split(head_dim,
   -1)`` are the ``[blocks, block_size, kv_heads, head_dim]`` views the Triton kernels read
   (``paged_attention.py``; strides, so any physical stride order vLLM picks is read correctly).
 * ``CPU``: the CPU backend puts a block-and-head's keys first and its values after them, the
@@ -14,7 +14,9 @@ business:
   dim-major ``[head_dim, block_size]``. Its own paged-attention op reads it for the output
   stream; only the base stream with sink tokens reads it by hand (``gather_cpu``).
 
-Anything else (a quantised cache, another backend, the CPU backend's AMX packing) is refused at
+FlashInfer writes its cache the same way but its step metadata lacks what the model reads
+(``query_start_loc``, ``seq_lens``, ``block_table``): it is refused with the others. Anything else
+(a quantised cache, another backend, the CPU backend's AMX packing) is refused at
 load with the fix, after ``check_layout`` has written known keys and values with the backend's own
 writer and read them back: a layout that changed under us fails there, not in wrong tokens.
 """
@@ -27,7 +29,8 @@ import torch
 
 PAGED = "paged"
 CPU = "cpu"
-PAGED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")
+PAGED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
+PLAIN_CACHE_DTYPES = ("bfloat16", "float16", "half", "float32", "float")  # unquantised, named explicitly
 
 
 class KVLayoutError(ValueError):
@@ -41,6 +44,12 @@ def layout_for(backend: str, kv_cache_dtype: str, device_type: str) -> str:
             raise KVLayoutError(f"the Orthros model on CPU reads the KV cache of vLLM's CPU_ATTN backend, not "
                                 f"{backend}: drop the attention backend setting")
         return CPU
+    if kv_cache_dtype in PLAIN_CACHE_DTYPES:
+        raise KVLayoutError(
+            f"the Orthros model's own attention kernels read a KV cache in the model's dtype, as "
+            f"--kv-cache-dtype auto keeps it; kv_cache_dtype={kv_cache_dtype!r} is not taken: serve with "
+            "--kv-cache-dtype auto (and --dtype for the model's and the cache's dtype)"
+        )
     if kv_cache_dtype != "auto":
         raise KVLayoutError(
             f"the Orthros model's own attention kernels read an unquantised KV cache, not kv_cache_dtype="

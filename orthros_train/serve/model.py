@@ -304,6 +304,24 @@ class BaseStreamAttention(Attention):
                 and graph_mode != CUDAGraphMode.FULL)
 
 
+def refuse_breakable_graphs() -> None:
+    """vLLM's breakable CUDA graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH``, also turned on by
+    ``VLLM_BATCH_INVARIANT``) capture the whole model and replay all but vLLM's own attention op:
+    this model's per-step planning of its output rows would run once, at capture, and be replayed
+    for every later batch. Refused at model init (vLLM may turn the mode on after the config hook)."""
+    try:
+        from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    except ImportError:  # a vLLM without the mode
+        return
+    if is_breakable_cudagraph_enabled():
+        raise OrthrosServeError(
+            "Orthros models do not run under vLLM's breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1, also set "
+            "by VLLM_BATCH_INVARIANT=1): they plan their output rows per step outside vLLM's attention op, which a "
+            "breakable graph would replay from its capture; unset those variables (the default piecewise and full "
+            "graphs are supported)"
+        )
+
+
 def _output_attention_op(q_out: torch.Tensor, out: torch.Tensor, layer_name: str,
                          kv_written: torch.Tensor | None = None) -> None:
     """``torch.ops.orthros.output_attention``: opaque to torch.compile, as vLLM's attention op is,
@@ -550,6 +568,7 @@ class OrthrosForCausalLM(nn.Module):
         scheduler = vllm_config.scheduler_config
         self.register_buffer("arange", torch.arange(max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)),
                              persistent=False)
+        refuse_breakable_graphs()
         sinks = self.model.layers[0].self_attn.attn.sink_tokens
         logger.info("Orthros model: %d layers, base window %d, %d sink tokens%s, %d query heads / %d kv heads",
                     config.num_hidden_layers, config.base_window, sinks,
@@ -589,6 +608,10 @@ class OrthrosForCausalLM(nn.Module):
         queries = self.model.output_queries
         context = get_forward_context()
         graph_mode = getattr(context, "cudagraph_runtime_mode", CUDAGraphMode.NONE)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Model Runner V2 captures a full graph with the forward context's mode set to NONE (and
+            # replays it without running this code again): a capture is a full graph whatever it says.
+            graph_mode = CUDAGraphMode.FULL
         # A captured graph is keyed by the token count alone: every row carries an output token.
         graph = graph_mode not in (None, CUDAGraphMode.NONE)
         raw = context.attn_metadata

@@ -144,3 +144,44 @@ def test_a_cache_layout_the_model_does_not_read_is_refused_at_load(tmp_path):
     with pytest.raises(Exception, match="--kv-cache-dtype auto"):
         LLM(model=str(export), dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
             kv_cache_dtype="fp8", enforce_eager=True)
+
+
+@pytest.mark.parametrize("runner_v2", [False, True], ids=["v1-runner", "model-runner-v2"])
+@pytest.mark.parametrize("full_graphs_with_ngram", [False, True], ids=["default-graphs", "full-graphs-ngram"])
+def test_bf16_engine_on_the_default_backend_picks_the_fp32_model_s_tokens(tmp_path, monkeypatch, runner_v2,
+                                                                          full_graphs_with_ngram):  # fmt: skip
+    """The production path on Hopper: bf16, vLLM's default backend (FlashAttention 3 for the base
+    stream; the output stream on it between graph pieces, on the Triton kernel inside full graphs,
+    which Model Runner V2 captures with the forward context's mode at NONE), and full graphs with
+    n-gram verification rows. bf16 rounding may flip a near tie, so each chosen token must be the
+    fp32 model's argmax to within 0.15 nats, teacher-forced on the engine's own continuation."""
+    from exports import make_orthros
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from orthros_train.model.orthros import OrthrosForCausalLM
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner_v2 else "0")
+    ckpt, export = make_orthros(tmp_path, head_dim=64)
+    model = OrthrosForCausalLM.from_pretrained(ckpt).eval().cuda()
+    extra = {}
+    if full_graphs_with_ngram:
+        extra = {"compilation_config": {"cudagraph_mode": "FULL"},
+                 "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}}
+    llm = LLM(model=str(export), dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3, seed=0, **extra)
+    g = torch.Generator().manual_seed(4)
+    try:
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for lengths in ([40], [40, 300, 17, 129], [5] * 5, [600, 3, 3, 3]):
+            # repeated stretches give the n-gram drafter something to propose
+            prompts = [(torch.randint(1, 384, (max(n // 2, 1),), generator=g).repeat(2)[:n]).tolist() for n in lengths]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
+            for prompt, o in zip(prompts, outs):
+                tokens = list(o.outputs[0].token_ids)
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
+                logp = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)
+                chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, device="cuda")]
+                assert (logp.max(-1).values - chosen).max() < 0.15, (lengths, tokens)
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -152,6 +152,23 @@ def test_layouts_that_are_not_handled_are_refused_with_the_fix():
         kv_layout.layout_for("FLASH_ATTN", "fp8", "cuda")
     with pytest.raises(kv_layout.KVLayoutError, match="backend FLASHMLA is not one.*--attention-backend FLASH_ATTN"):
         kv_layout.layout_for("FLASHMLA", "auto", "cuda")
+    # FlashInfer writes the same cache, but its step metadata has no query_start_loc / seq_lens /
+    # block_table (the model would fail at its first step): refused at load, with the fix
+    with pytest.raises(kv_layout.KVLayoutError, match="FLASHINFER is not one.*--attention-backend FLASH_ATTN"):
+        kv_layout.layout_for("FLASHINFER", "auto", "cuda")
+    with pytest.raises(kv_layout.KVLayoutError, match="in the model's dtype.*'bfloat16' is not taken.*auto"):
+        kv_layout.layout_for("FLASH_ATTN", "bfloat16", "cuda")
+
+
+def test_breakable_cuda_graphs_are_refused_at_model_init(monkeypatch):
+    from orthros_train.serve.model import refuse_breakable_graphs
+    from orthros_train.serve.refusal import OrthrosServeError
+
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    refuse_breakable_graphs()
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    with pytest.raises(OrthrosServeError, match="breakable CUDA graphs.*unset those variables"):
+        refuse_breakable_graphs()
     with pytest.raises(kv_layout.KVLayoutError, match="expected a KV cache"):
         kv_layout.split_paged(torch.zeros(2, 2, 16, 48), 32)
 
