@@ -291,7 +291,10 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The lengths only bound masks and offset LSE rows: Triton's default specialisation of an int on its
+# divisibility by 16 would compile every config again for each new layout's length (minutes of cold
+# compiles where layouts vary: SFT/RL batches, a benchmark's cases).
+@triton.jit(do_not_specialize=["n_q", "n_k"])
 def _attn_fwd_kernel(
     Q, K, V, Out, LSE, PERM, QSTART, QEND, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om, stride_oh,
@@ -371,7 +374,10 @@ def _bwd_dq_inner(
     return dq
 
 
-@triton.jit
+# The lengths only bound masks and offset LSE rows: Triton's default specialisation of an int on its
+# divisibility by 16 would compile every config again for each new layout's length (minutes of cold
+# compiles where layouts vary: SFT/RL batches, a benchmark's cases).
+@triton.jit(do_not_specialize=["n_q", "n_k"])
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, PERM, QSTART, QEND, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
@@ -458,7 +464,10 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+# The lengths only bound masks and offset LSE rows: Triton's default specialisation of an int on its
+# divisibility by 16 would compile every config again for each new layout's length (minutes of cold
+# compiles where layouts vary: SFT/RL batches, a benchmark's cases).
+@triton.jit(do_not_specialize=["n_q", "n_k"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, DKA, DVA, DQ, LSE, DELTA, PERM, QSTART, QEND, COMP_START, COMP_END, NGROUPS, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
@@ -524,7 +533,7 @@ def _attn_bwd_dkdv_kernel(
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q"])
 def _bwd_delta_kernel(
     OUT, DO, DLSE, DELTA, stride_om, stride_oh, stride_dom, stride_doh, n_q,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
