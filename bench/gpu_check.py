@@ -79,15 +79,19 @@ def _install_kit_and_reexec(argv: list[str]) -> None:
     args, rest = p.parse_known_args(argv)
     if args.out and (why := check_out(args.out)):
         sys.exit(f"gpu_check: error: {why}")
+    wheels = sorted(str(w) for w in Path(args.kit).glob("*.whl"))
+    if not wheels:  # every trainer item would fail on its imports: minutes of a one-shot node for nothing
+        print(f"gpu_check: error: --kit {args.kit} holds no wheels: build it with `make gpu-kit` and send "
+              f"{args.kit} along with the repository (build/ is git-ignored, so a copy of the tracked tree "
+              "lacks it)", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="gpu_check_"))
     site = scratch / "site"
-    wheels = sorted(str(w) for w in Path(args.kit).glob("*.whl"))
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
            "--disable-pip-version-check", "--target", str(site), *wheels]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True) if wheels else None
-    error = (f"{args.kit} holds no wheels" if proc is None else
-             None if proc.returncode == 0 else f"pip exit {proc.returncode}: {proc.stderr.strip()[-600:]}")  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    error = None if proc.returncode == 0 else f"pip exit {proc.returncode}: {proc.stderr.strip()[-600:]}"
     info = {"kit": args.kit, "site": str(site), "wheels": len(wheels), "seconds": round(time.monotonic() - t0, 1),
             "command": " ".join(cmd[:11]) + f" {args.kit}/*.whl", "error": error}  # fmt: skip
     env = {**os.environ, "GPU_CHECK_T0": repr(_T0_WALL), "GPU_CHECK_KIT": json.dumps(info),
@@ -107,6 +111,7 @@ import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import tarfile  # noqa: E402
@@ -132,6 +137,7 @@ for _p in (str(REPO), str(BENCH)):  # run as `python3 bench/gpu_check.py` from a
         sys.path.insert(0, _p)
 
 from orthros_train.common.files import write_atomic  # noqa: E402 - after REPO is on sys.path
+from orthros_train.common.lifetime import child_environment  # noqa: E402
 
 TARGETS = {
     "output_vs_sdpa": 0.80,  # output-stream TFLOP/s / the faster SDPA backend's TFLOP/s, >=
@@ -145,10 +151,10 @@ ALARM_MARGIN_S = 15  # SIGALRM after the budget plus this: the backstop when an 
 # Costs an item's start is weighed against, before they are measured in this run (then the
 # measurement replaces them): a trainer launch (torchrun + megatron-core + DeepSpeed imports,
 # ~10 s per process, NCCL init, the model built) and a cold Triton compile (2-3 s per config, sm_90,
-# measured on CPU). The attention kernels have 13 bf16 configs per shape key (fwd 4+3, dq 3+3,
-# dk/dv 1+1 under triton 3.6, its atomic variant 1+1): one cold autotune is ~40 s, paid once per
-# run thanks to the shared on-disk cache, as every GPU item uses the 1.3B shape's attention
-# geometry (head_dim 64, one query head per KV head).
+# measured on CPU). One cold autotune of the attention kernels, forward and backward of both stream
+# classes, compiles about COLD_AUTOTUNE_CONFIGS configs (~40 s); the lengths are not specialised on
+# (``do_not_specialize``), so later layouts and lengths reuse those compiles and only benchmark
+# them, and the on-disk cache shares them with every process of the run.
 PRIOR_LAUNCH_S = 15.0
 PRIOR_COMPILE_S = 2.5
 COLD_AUTOTUNE_CONFIGS = 16
@@ -222,7 +228,9 @@ class Run:
         return self.deadline - time.monotonic()
 
     def launch_s(self) -> float:
-        return self.costs["launch_s"] or PRIOR_LAUNCH_S
+        """A trainer launch's cost: the measured one is the plan's launch, which stops before the
+        training imports (megatron-core, DeepSpeed: ~10 s), so it never counts for less than the prior."""
+        return max(self.costs["launch_s"] or 0.0, PRIOR_LAUNCH_S)
 
     def need_s(self, item: Item) -> float:
         """Seconds ``item`` needs to start: its launches at the measured cost, its own work, and a
@@ -288,7 +296,11 @@ def run_item(run: Run, item: Item) -> None:
     entry = next(e for e in run.report["items"] if e["name"] == item.name)
     sec = section_entry(run, item.section)
     need = run.need_s(item)
-    if not run.dry and run.left() < need:
+    if item.launches == 0 and run.state.get("cuda_broken"):
+        entry.update(status="skipped", reason=f"this process's CUDA context broke in {run.state['cuda_broken']}: "
+                                               "nothing more runs in it (trainer items run in their own)")  # fmt: skip
+        sec.setdefault("skipped", []).append(item.name)
+    elif not run.dry and run.left() < need:
         entry.update(status="dropped", reason=f"needs ~{need:.0f} s, {max(run.left(), 0):.0f} s left")
         run.report["dropped"].append({"item": item.name, "reason": entry["reason"]})
         sec.setdefault("skipped", []).append(item.name)
@@ -309,11 +321,26 @@ def run_item(run: Run, item: Item) -> None:
             kill_child(run.child)
             run.item_deadline = math.inf
             entry["seconds"] = round(time.monotonic() - t0, 1)
+            if item.launches == 0 and (why := cuda_fault(run)):
+                run.state["cuda_broken"] = entry["cuda_fault"] = f"{item.name} ({why})"
     sec["seconds"] = round(sum(e.get("seconds") or 0 for e in run.report["items"] if e["section"] == item.section), 1)
     if all(e["status"] not in ("pending", "running") for e in run.report["items"] if e["section"] == item.section):
         sec["status"] = "done"
     run.write()
     _quietly(run.bundle)
+
+
+def cuda_fault(run: Run) -> str | None:
+    """The error this process's CUDA context is stuck in, or None. A kernel's fault (an illegal
+    address, a launch failure) is sticky: every later CUDA call in the process fails with it, so the
+    items after it would report that fault under their own names."""
+    if run.dry or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
 
 
 def _quietly(fn: Callable[[], None]) -> None:
@@ -340,9 +367,10 @@ def _sync() -> None:
 # On CPU (rehearsal): gloo, fp32 (the interpreter's bf16 is not the GPU's), tiny sizes.
 DRY_DEVICE = ["trainer.device=cpu", "trainer.precision=fp32", "parallel.backend=gloo"]
 GPU_DEVICE = ["trainer.device=cuda", "trainer.precision=bf16", "parallel.backend=nccl"]
+# The trainer runs take the attention route a user's run takes (model.attention_backend=auto:
+# FlashAttention varlen for the pretraining streams where the node has it); each row says which.
 COMMON = ["trainer.wandb.enabled=false", "trainer.progress=false", "trainer.eval_every=0",
-          "trainer.sample_prompt=null", "++model.attention_backend=triton", "trainer.gpu=null",
-          "trainer.gpu_memory_gib=null"]  # fmt: skip
+          "trainer.sample_prompt=null", "trainer.gpu=null", "trainer.gpu_memory_gib=null"]  # fmt: skip
 DRY_TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=128",
             "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.eval_batches=1"]  # fmt: skip
 # The tiny model's runs on the GPU take the 1.3B shape's attention geometry (head_dim 64 = 256 / 4
@@ -401,8 +429,11 @@ def launch(run: Run, cmd: list[str], name: str, data: bool = True) -> tuple[subp
         env.pop("TRITON_INTERPRET", None)  # the interpreter on CUDA tensors copies them to the host
     log = run.logs / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    # Tied to this process: a check killed outright (SIGKILL at a node's command limit) takes its
+    # trainer with it instead of leaving it on the GPU for whatever runs next there.
+    tied = [sys.executable, "-m", "orthros_train.common.lifetime", *cmd]
     with log.open("w") as handle:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(tied, cwd=REPO, env=child_environment(env), stdout=handle, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
     run.child = proc
     return proc, log
@@ -510,7 +541,8 @@ def item_train_1p3b(run: Run, sec: dict) -> dict:
     # the rehearsal: the same path at a size the interpreter can run; the plan is for the real layers
     timed = [*DRY_TINY, "model.num_attention_heads=4", "model.num_key_value_heads=4"] if run.dry else layout
     out.update(time_steps(run, [*common, *timed], want=4 if run.dry else 8))
-    run.state["kernels_warm"] = True  # compiled and tuned into the shared cache by that process
+    # a run on the Triton kernels compiled and tuned them into the shared cache
+    run.state["kernels_warm"] = "pretraining -> triton" in (out.get("attention_route") or "")
     if out.get("peak_gib") and out["estimate_gib"]:
         out["peak_over_estimate"] = out["peak_gib"] / out["estimate_gib"]
     out["ok"] = bool(out.get("records"))
@@ -522,7 +554,13 @@ def time_steps(run: Run, overrides: list[str], want: int) -> dict:
     run_dir = run.scratch / "runs" / "timed_1p3b"
     proc, log = launch(run, trainer_cmd("pretrain_1p3b", [*overrides, "trainer.max_steps=100000",
                                                           f"trainer.run_dir={run_dir}"]), "timed_1p3b")  # fmt: skip
-    wait_for(run, proc, log, until=lambda: len(metrics(run_dir)) >= want, poll_s=0.2)
+    partial = None
+    try:
+        wait_for(run, proc, log, until=lambda: len(metrics(run_dir)) >= want, poll_s=0.2)
+    except TimeoutError:
+        if len(metrics(run_dir)) < 3:  # not one step past the two warm-up ones
+            raise
+        partial = f"the item's time ran out after {len(metrics(run_dir))} of {want} steps: medians of those"
     recs = [metrics(run_dir)[s] for s in sorted(metrics(run_dir))][2:]
 
     def median(key: str) -> float | None:
@@ -530,10 +568,22 @@ def time_steps(run: Run, overrides: list[str], want: int) -> dict:
         return vals[len(vals) // 2] if vals else None
 
     out = {"records": len(recs), "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"),
-           "peak_gib": median("max_memory_gib")}  # fmt: skip
+           "peak_gib": median("max_memory_gib"), **route_and_determinism(log)}  # fmt: skip
+    if partial:
+        out.update(status="partial", partial=partial)
     if run.dry:
         out["note"] = "rehearsal: the plan is the real layout's, the timed steps ran at the tiny size on CPU"
     return out
+
+
+def route_and_determinism(log: Path) -> dict:
+    """What a trainer's log says of its attention route and of the ops torch found no
+    reproducible kernel for under ``trainer.deterministic`` (each warns once, naming itself)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    route = next((line.split("attention route on ", 1)[1] for line in text.splitlines()
+                  if "attention route on " in line), None)  # fmt: skip
+    ops = sorted(set(re.findall(r"(\w+) does not have a deterministic implementation", text)))
+    return {"attention_route": route, "nondeterministic_ops": ops}
 
 
 def item_resume(run: Run, sec: dict) -> dict:
@@ -548,6 +598,7 @@ def item_resume(run: Run, sec: dict) -> dict:
     proc, log = launch(run, trainer_cmd("gpu_check", [*base, f"trainer.max_steps={steps}",
                                                       f"trainer.run_dir={ref_dir}"]), "reference")  # fmt: skip
     wait_for(run, proc, log)
+    row.update(route_and_determinism(log))
     run.state["reference"] = ref_dir
     ref = metrics(ref_dir)
     row.update(steps=sorted(ref), final_loss=ref[max(ref)]["loss"] if ref else None)
@@ -900,20 +951,36 @@ def kernels_item(t: int) -> Callable:
         done = 0
         for r in rows:
             if left_s(run) <= 0:
-                break
+                r["error"] = "not timed: the item's time ran out"
+                continue
             if r["case"].startswith("sdpa") and run.dry:
                 continue  # flash / cuDNN exist on CUDA only
-            time_case(run, r, shape, k, v, g)
-            done += 1
+            if not case_isolated(run, r, lambda r=r: time_case(run, r, shape, k, v, g)):
+                break  # the CUDA context is broken: nothing more can run in this process
+            done += 1 if "error" not in r else 0
         sec.setdefault("autotuned_by_T", {})[str(t_run)] = {k_: c for k_, c in chosen_configs().items()
                                                          if k_ not in known} or "no new key: reused"  # fmt: skip
         run.state["kernels_warm"] = True
         if not run.dry:
             torch.cuda.empty_cache()
         _quietly(lambda: plot_kernels(run, sec))
-        return {"T": t_run, "cases": done, "of": len(rows), "ok": None if run.dry else done == len(rows)}
+        cut = any(r.get("error", "").startswith("not timed") for r in rows)
+        return {"T": t_run, "cases": done, "of": len(rows), **({"status": "partial"} if cut else {}),
+                "ok": None if run.dry else done == len(rows)}  # fmt: skip
 
     return item
+
+
+def case_isolated(run: Run, row: dict, fn: Callable[[], None]) -> bool:
+    """Run one case of an item; its exception becomes the row's error and the next case runs (a
+    backend that has never run here, cuDNN or torch's varlen, must not take its neighbours' rows
+    with it). False when the exception left the CUDA context broken (``cuda_fault``)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - one case's failure is that case's result
+        row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        return cuda_fault(run) is None
+    return True
 
 
 def time_case(run: Run, r: dict, shape: dict, k: torch.Tensor, v: torch.Tensor, g: torch.Generator) -> None:
@@ -1042,14 +1109,16 @@ def inference_item(t: int) -> Callable:
                                    "attention_backend": backend})  # fmt: skip
             model = OrthrosForCausalLM(cfg).to(dev, dtype).eval()
             steps = 2 if run.dry else DECODE_STEPS
-            row = {"model": kind, "prompt": prompt, **prefill_decode(run, model, prompt, steps)}
+            row = {"model": kind, "prompt": prompt}
+            sec["rows"].append(row)
+            if not case_isolated(run, row, lambda r=row, m=model, n=steps: r.update(prefill_decode(run, m, prompt, n))):
+                break
             if run.dry:  # the rehearsal walks the code, its timings mean nothing
                 row.update({k: None for k in row if "_per_s" in k or k.endswith("_ms")}, ran=True)
-            sec["rows"].append(row)
             del model
             if not run.dry:
                 torch.cuda.empty_cache()
-        by = {r["model"]: r for r in sec["rows"] if r["prompt"] == prompt}
+        by = {r["model"]: r for r in sec["rows"] if r["prompt"] == prompt and "error" not in r}
         o, d = by.get("orthros", {}), by.get("dense", {})
         keys = [(f"{way}_orthros_over_dense_b{b}", f"{way}_tokens_per_s_b{b}")
                 for way in ("decode", "graph_decode") for b in DECODE_BATCHES]  # fmt: skip
@@ -1269,10 +1338,10 @@ def greedy_agreement(root: Path, prompts: list, outs: list, new: int, dry: bool)
 PLAN: tuple[Item, ...] = (
     Item("preflight", "setup", 5, 0, 0, item_preflight,
          "every module the items import, the kit's wheels at their pins, the corpora the recipes read"),
-    Item("train_1p3b", "training", 120, 2, 20, item_train_1p3b,
+    Item("train_1p3b", "training", 100, 2, 20, item_train_1p3b,
          "1.3B shape, as many layers as fit at 4K tokens, through the trainer: MFU, tokens/s, peak memory "
          "next to the trainer's own estimate"),
-    *(Item(f"kernels_T{t}", "kernels", 25, 0, 10, kernels_item(t),
+    *(Item(f"kernels_T{t}", "kernels", 50 if t == KERNEL_T[0] else 25, 0, 10, kernels_item(t),
            f"attention TFLOP/s at T={t}: output/base stream, sft, prefill, atomic bwd; SDPA flash and cuDNN")
       for t in KERNEL_T),
     *(Item(f"correct_{layout}", "correctness", 8, 0, 3, correctness_item(layout),
@@ -1280,7 +1349,7 @@ PLAN: tuple[Item, ...] = (
     Item("correct_decode", "correctness", 8, 0, 3, item_decode, "the decode kernel, ragged caches up to 32K"),
     *(Item(f"sync_free_{b}", "correctness", 15, 0, 5, sync_free_item(b),
            f"two 1.3B layers fwd+bwd under set_sync_debug_mode('error'), backend {b}") for b in ("triton", "auto")),
-    Item("resume", "training", 100, 3, 20, item_resume,
+    Item("resume", "training", 90, 3, 20, item_resume,
          "gpu_check.yaml with saves; a run killed with SIGKILL after its first save and resumed: bitwise-equal "
          "losses (shared Triton autotune cache)"),
     *(Item(f"ttft_{t // 1024}k", "inference", 40, 0, 10 if t < 65536 else 25, inference_item(t),

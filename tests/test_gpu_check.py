@@ -96,8 +96,10 @@ def test_an_item_starts_only_with_the_time_it_needs(tmp_path):
     run.state["kernels_warm"] = True  # the shared cache holds the tuned kernels
     warm = run.need_s(resume)
     assert warm < cold and warm == 3 * gpu_check.PRIOR_LAUNCH_S + resume.work_s
-    run.costs["launch_s"] = 25.0  # measured by the 1.3B item's first launch
-    assert run.need_s(resume) == 3 * 25.0 + resume.work_s
+    run.costs["launch_s"] = 5.0  # the plan's launch stops before the training imports: not below the prior
+    assert run.need_s(resume) == warm
+    run.costs["launch_s"] = 20.0  # a slower machine's launch counts as measured
+    assert run.need_s(resume) == 3 * 20.0 + resume.work_s
     run.deadline = time.monotonic() + 5
     run.report["items"] = [{"name": "resume", "section": "training", "status": "pending"}]
     gpu_check.run_item(run, resume)
@@ -184,6 +186,64 @@ def test_kit_is_installed_the_node_way_and_the_check_starts_again(tmp_path):
     assert assert_out_comes_back(out) == ["gpu_check.json", "gpu_check.md", "gpu_check_logs.tar.gz"]
 
 
+def test_a_kit_folder_without_wheels_stops_the_node_command_at_once(tmp_path):
+    (tmp_path / "kit").mkdir()
+    for kit in (tmp_path / "kit", tmp_path / "missing"):
+        proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--kit", str(kit), "--out",
+                               str(tmp_path / "out")], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and "holds no wheels" in proc.stderr and "make gpu-kit" in proc.stderr
+        assert "git-ignored" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_case_that_raises_costs_only_its_row(tmp_path, monkeypatch):
+    run = gpu_check.Run(tmp_path / "out", dry=True, scratch=tmp_path / "scratch")
+    rows = [{"case": "a"}, {"case": "b"}]
+
+    def first_fails(row):
+        if row["case"] == "a":
+            raise RuntimeError("cuDNN: no kernel for this problem")
+        row["ran"] = True
+    assert all(gpu_check.case_isolated(run, r, lambda r=r: first_fails(r)) for r in rows)
+    assert rows == [{"case": "a", "error": "RuntimeError: cuDNN: no kernel for this problem"},
+                    {"case": "b", "ran": True}]  # fmt: skip
+    monkeypatch.setattr(gpu_check, "cuda_fault", lambda run: "RuntimeError: CUDA error: an illegal memory access")
+    assert not gpu_check.case_isolated(run, {}, lambda: first_fails({"case": "a"}))  # nothing more in this process
+
+
+def test_after_a_sticky_cuda_fault_only_trainer_items_run(tmp_path, monkeypatch):
+    run = gpu_check.Run(tmp_path / "out", dry=True, scratch=tmp_path / "scratch")
+    ran = []
+    items = [gpu_check.Item("in_process_a", "correctness", 5, 0, 0, lambda r, s: ran.append("a"), "a"),
+             gpu_check.Item("in_process_b", "correctness", 5, 0, 0, lambda r, s: ran.append("b"), "b"),
+             gpu_check.Item("trainer", "training", 5, 1, 0, lambda r, s: ran.append("t"), "t")]  # fmt: skip
+    run.report["items"] = [{"name": i.name, "section": i.section, "status": "pending"} for i in items]
+    monkeypatch.setattr(gpu_check, "cuda_fault", lambda run: "RuntimeError: CUDA error: an illegal memory access")
+    for item in items:
+        gpu_check.run_item(run, item)
+    status = {e["name"]: e["status"] for e in run.report["items"]}
+    assert ran == ["a", "t"] and status == {"in_process_a": "ok", "in_process_b": "skipped", "trainer": "ok"}
+    assert "illegal memory access" in run.report["items"][0]["cuda_fault"]
+    assert "CUDA context broke in in_process_a" in run.report["items"][1]["reason"]
+
+
+def test_the_timed_run_keeps_the_steps_it_logged_when_time_runs_out(tmp_path, monkeypatch):
+    run = gpu_check.Run(tmp_path / "out", dry=True, scratch=tmp_path / "scratch")
+    records = {s: {"tokens_per_s": 100.0 * s, "mfu": 0.1 * s, "max_memory_gib": 1.0} for s in range(1, 6)}
+
+    def out_of_time(*args, **kwargs):
+        raise TimeoutError("the trainer ran out of the item's time")
+    monkeypatch.setattr(gpu_check, "launch", lambda run, cmd, name: (None, tmp_path / "none.log"))
+    monkeypatch.setattr(gpu_check, "wait_for", out_of_time)
+    monkeypatch.setattr(gpu_check, "metrics", lambda run_dir: records)
+    out = gpu_check.time_steps(run, [], want=8)
+    assert out["status"] == "partial" and "after 5 of 8 steps" in out["partial"]
+    assert out["records"] == 3 and out["tokens_per_s"] == 400.0
+    records = {s: records[s] for s in (1, 2)}  # nothing past the warm-up steps: the time-out stands
+    with pytest.raises(TimeoutError):
+        gpu_check.time_steps(run, [], want=8)
+
+
 def test_a_failing_item_still_leaves_a_report_that_comes_back(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure")
@@ -254,9 +314,12 @@ def test_rehearsal_walks_every_item_in_order_and_reports_after_each(tmp_path, mo
         assert done and all(e["status"] == "pending" for e in done[0]["items"][i + 1 :]), name
     resume = items["resume"]["result"]
     assert resume["killed_after_checkpoint"] >= 1 and resume["compared_steps"] and not resume["mismatches"]
+    # the route the trainer logged (CPU: SDPA) and no op left without a reproducible kernel
+    assert resume["attention_route"].startswith("cpu: pretraining -> sdpa") and resume["nondeterministic_ops"] == []
     assert items["export_generate"]["result"]["new_tokens"] > 0
     big = items["train_1p3b"]["result"]
     assert big["layers"] >= 1 and big["estimate_gib"] > 0 and big["records"] >= 1
+    assert big["attention_route"].startswith("cpu: pretraining -> sdpa")  # the route a user's run takes
     assert report["costs"]["launch_s"] > 0  # measured by the 1.3B item's plan launch
     kernels = report["sections"]["kernels"]["rows"]
     assert all(r.get("ran") for r in kernels if r["case"].startswith("orthros"))

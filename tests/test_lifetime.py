@@ -80,3 +80,38 @@ def test_study_children_are_named_and_the_trainer_entry_point_arms_itself(tmp_pa
     with pytest.raises(SystemExit):
         cli.main()  # refused (a typo) after arming
     assert armed == ["12345"]
+
+
+# A parent that starts a program not its own (torchrun's place) through the lifetime module.
+EXEC_PARENT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from orthros_train.common.lifetime import child_environment
+    child = subprocess.Popen([sys.executable, "-m", "orthros_train.common.lifetime", "sleep", "120"],
+                             env=child_environment(dict(os.environ)), process_group=0)
+    print(child.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_program_started_through_the_module_dies_with_its_parent():
+    parent = subprocess.Popen([sys.executable, "-c", EXEC_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        deadline = time.time() + 20  # the exec has happened once the process is sleep
+        while time.time() < deadline and open(f"/proc/{child}/comm").read().strip() != "sleep":
+            time.sleep(0.05)
+        assert open(f"/proc/{child}/comm").read().strip() == "sleep"  # the same pid, now the program
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        while _alive(child) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the program outlived its SIGKILLed parent"
+    finally:
+        parent.kill()
+
+
+def test_the_module_names_a_program_it_cannot_run():
+    proc = subprocess.run([sys.executable, "-m", "orthros_train.common.lifetime", "no-such-program-x"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 1 and "no-such-program-x: cannot run it" in proc.stderr

@@ -8,6 +8,10 @@ signal a process when its parent dies (``prctl(PR_SET_PDEATHSIG)``). The study n
 trainer saves a checkpoint and stops as it does for a scheduler's SIGTERM. Neither Python nor
 subprocess exposes the call (``preexec_fn`` could, but it is unsafe in a program with threads),
 hence ctypes.
+
+A program that is not ours (``torchrun``, which then stops its workers on the SIGTERM) is tied the
+same way by starting it through ``python -m orthros_train.common.lifetime CMD ...``: the request
+is made there and survives the ``exec`` of CMD, which keeps the process id.
 """
 
 from __future__ import annotations
@@ -51,4 +55,19 @@ def child_environment(env: dict[str, str]) -> dict[str, str]:
     return {**env, PARENT_ENV: str(os.getpid())}
 
 
-__all__ = ["PARENT_ENV", "child_environment", "die_with_parent"]
+def exec_tied_to_parent(argv: list[str]) -> None:
+    """Become ``argv`` (exec, same process id) after asking for SIGTERM at the death of the parent
+    named in ``PARENT_ENV``."""
+    if not argv:
+        sys.exit("usage: python -m orthros_train.common.lifetime CMD [ARG ...]")
+    die_with_parent(os.environ.get(PARENT_ENV))
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        sys.exit(f"{argv[0]}: cannot run it ({exc.strerror or exc})")
+
+
+__all__ = ["PARENT_ENV", "child_environment", "die_with_parent", "exec_tied_to_parent"]
+
+if __name__ == "__main__":
+    exec_tied_to_parent(sys.argv[1:])

@@ -8,10 +8,12 @@ breaks the reference path. Naming ``triton`` explicitly forces the kernels, also
 tensors (they then need ``TRITON_INTERPRET=1``, as the tests set it).
 
 ``sdpa`` (``ops/sdpa_attention.py``) runs every layout through torch's fused
-``scaled_dot_product_attention``; it is what ``auto`` picks on CPU for every attention type, and on
-GPU for layouts flash attention covers without a mask (causal attention from each document's
-start: the dense baseline, single-query prefill/decode steps), with Triton for the rest (SDPA for
-everything when triton is not installed). Callers
+``scaled_dot_product_attention``; it is what ``auto`` picks on CPU for every attention type. On
+GPU ``auto`` follows ``ops/route.py``'s table: whole streams (pretraining, the baselines) to
+FlashAttention varlen (or SDPA's ``is_causal`` for the causal stream and Triton for the windowed
+one where no varlen takes a window), single queries and causal-from-start segments to SDPA, the
+rest (answer spans, prefill, sinks, fp32) to Triton (SDPA for everything when triton is not
+installed). Callers
 that need the log-sum-exp (merging partial attentions) get an op that returns it; the model asks
 for the output only (``need_lse=False``), which lets the SDPA path skip it.
 """
@@ -145,8 +147,9 @@ def _split_streams(q, k, v, q_index, q_window, cu_seqlens, plans: list[tuple], s
 
 
 def _auto_cuda_output(q, k, v, q_index, q_window, cu_seqlens, scale=None, prepared=None, sink_tokens=0, **extra):
-    """GPU ``auto`` for output-only callers: flash attention through SDPA where it needs no
-    mask, the Triton kernel elsewhere (sliding windows, packed output streams). ``prepared``
+    """GPU ``auto`` for output-only callers, the route ``_choose_cuda`` picked: FlashAttention
+    varlen for whole streams, the split route, SDPA where it needs no mask, the Triton kernel
+    elsewhere (answer spans, prefill, sinks). ``prepared``
     (``_choose_cuda``, once per forward) saves the choice's host sync in every layer. Sink
     tokens: never a path that ignores them (the Triton side merges a sink partial)."""
     if prepared is None:
