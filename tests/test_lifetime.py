@@ -48,14 +48,19 @@ def test_a_child_dies_with_its_parent_killed_by_sigkill():
         child = int(parent.stdout.readline())
         assert parent.stdout.readline().strip() == "True"  # armed
         assert _alive(child)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-        deadline = time.time() + 20
-        while _alive(child) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not _alive(child), "the child outlived its SIGKILLed parent"
+        assert _gone_with_sigkilled(parent, child), "the child outlived its SIGKILLed parent"
     finally:
         parent.kill()
+
+
+def _gone_with_sigkilled(parent: subprocess.Popen, child: int, wait_s: float = 20) -> bool:
+    """SIGKILL ``parent``; whether ``child`` is gone within ``wait_s``."""
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + wait_s
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    return not _alive(child)
 
 
 def test_only_a_child_of_the_named_parent_is_tied():
@@ -102,11 +107,7 @@ def test_a_program_started_through_the_module_dies_with_its_parent():
         while time.time() < deadline and open(f"/proc/{child}/comm").read().strip() != "sleep":
             time.sleep(0.05)
         assert open(f"/proc/{child}/comm").read().strip() == "sleep"  # the same pid, now the program
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-        while _alive(child) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not _alive(child), "the program outlived its SIGKILLed parent"
+        assert _gone_with_sigkilled(parent, child), "the program outlived its SIGKILLed parent"
     finally:
         parent.kill()
 
