@@ -81,7 +81,9 @@ def _install_kit_and_reexec(argv: list[str]) -> None:
         sys.exit(f"gpu_check: error: {why}")
     wheels = sorted(str(w) for w in Path(args.kit).glob("*.whl"))
     if not wheels:  # every trainer item would fail on its imports: minutes of a one-shot node for nothing
-        print(f"gpu_check: error: --kit {args.kit} holds no wheels: build it with `make gpu-kit` and send "
+        what = "holds no wheels" if Path(args.kit).is_dir() else "is not a folder here" if Path(args.kit).exists() \
+            else "does not exist here"
+        print(f"gpu_check: error: --kit {args.kit} {what}: build it with `make gpu-kit` and send "
               f"{args.kit} along with the repository (build/ is git-ignored, so a copy of the tracked tree "
               "lacks it)", file=sys.stderr)  # fmt: skip
         sys.exit(2)
@@ -582,7 +584,8 @@ def route_and_determinism(log: Path) -> dict:
     text = log.read_text(errors="replace") if log.exists() else ""
     route = next((line.split("attention route on ", 1)[1] for line in text.splitlines()
                   if "attention route on " in line), None)  # fmt: skip
-    ops = sorted(set(re.findall(r"(\w+) does not have a deterministic implementation", text)))
+    ops = sorted(set(re.findall(r"(\w+) does not have a deterministic implementation", text))
+                 | set(re.findall(r"(\w[\w ]*?) defaults to a non-deterministic algorithm", text)))
     return {"attention_route": route, "nondeterministic_ops": ops}
 
 
@@ -965,7 +968,8 @@ def kernels_item(t: int) -> Callable:
             torch.cuda.empty_cache()
         _quietly(lambda: plot_kernels(run, sec))
         cut = any(r.get("error", "").startswith("not timed") for r in rows)
-        return {"T": t_run, "cases": done, "of": len(rows), **({"status": "partial"} if cut else {}),
+        failed = any("error" in r and not r["error"].startswith("not timed") for r in rows)
+        return {"T": t_run, "cases": done, "of": len(rows), **({"status": "partial"} if cut and not failed else {}),
                 "ok": None if run.dry else done == len(rows)}  # fmt: skip
 
     return item

@@ -33,6 +33,7 @@ CASES = [
     (RouteFacts("cpu", stream_windows=PRETRAIN, varlen="torch"), "sdpa", "off the GPU"),
     (RouteFacts(**GPU, need_lse=True, stream_windows=PRETRAIN), "triton", "log-sum-exp"),
     (RouteFacts(**GPU, stream_windows=PRETRAIN), "varlen", "whole streams"),
+    (RouteFacts(**GPU, stream_windows=PRETRAIN, deterministic=True), "triton", "reproducible kernels"),
     (RouteFacts(**{**GPU, "varlen": None}, stream_windows=PRETRAIN), "split", "is_causal per document"),
     (RouteFacts(**GPU, needs_mask=False), "sdpa", "no mask"),
     (RouteFacts(**GPU), "triton", "answer spans"),
@@ -63,6 +64,20 @@ def test_the_cases_cover_every_row() -> None:
 def test_whole_streams_fall_back_to_triton(change, varlen) -> None:
     """What keeps them off FlashAttention keeps them off the split route too."""
     assert choose_route(RouteFacts(**{**GPU, "stream_windows": PRETRAIN, "varlen": varlen, **change})).name == "triton"
+
+
+def test_a_deterministic_run_gets_no_torch_flashattention_backward() -> None:
+    """torch's own FlashAttention backward (varlen and SDPA) keeps its atomics under warn_only:
+    a run that asked for reproducible kernels takes flash-attn told deterministic=True, or Triton."""
+    det = {**GPU, "deterministic": True}
+    for facts in (RouteFacts(**det, stream_windows=PRETRAIN), RouteFacts(**{**det, "varlen": None},
+                  stream_windows=PRETRAIN), RouteFacts(**det, stream_windows=(UNBOUNDED,), needs_mask=False),
+                  RouteFacts(**det, needs_mask=False)):  # fmt: skip
+        assert choose_route(facts).name == "triton", facts
+    for varlen in route_mod.DETERMINISTIC_VARLEN:
+        assert choose_route(RouteFacts(**{**det, "varlen": varlen}, stream_windows=PRETRAIN)).name == "varlen"
+    # without triton nothing reproducible is left: SDPA as before
+    assert choose_route(RouteFacts(**{**det, "triton": False}, needs_mask=False)).name == "sdpa"
 
 
 def test_the_split_route_needs_a_causal_and_a_windowed_stream() -> None:
@@ -133,6 +148,11 @@ def test_gpu_auto_takes_the_varlen_route_for_pretraining(monkeypatch) -> None:
     assert attention_mod._choose_cuda(index, q_window, cu, 48, dtype=torch.float32, head_dim=16)[0] == "triton"
     assert attention_mod._choose_cuda(index, q_window, cu, 48, sink_tokens=2, dtype=BF16, head_dim=16)[0] == "triton"
     assert attention_mod._choose_cuda(index[:60], q_window[:60], cu, 48, dtype=BF16, head_dim=16)[0] == "triton"
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as trainer.deterministic sets it
+    try:
+        assert attention_mod._choose_cuda(index, q_window, cu, 48, dtype=BF16, head_dim=16)[0] == "triton"
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_without_flashattention_the_output_stream_goes_to_sdpa_and_the_base_stream_to_triton(monkeypatch) -> None:
@@ -159,6 +179,11 @@ def test_describe_routes_names_the_route_of_each_layout(monkeypatch) -> None:
     assert f"torch {torch.__version__}, FlashAttention varlen: flash_attn_2" in gpu["decided by"]
     assert route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096, sink_tokens=4)["pretraining"] \
         .startswith("triton")
+    assert route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096, deterministic=True)["pretraining"] \
+        .startswith("varlen (flash_attn_2)")  # flash-attn is told deterministic=True
+    monkeypatch.setattr(route_mod, "installed_varlen", lambda: "torch")
+    assert route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096, deterministic=True)["pretraining"] \
+        .startswith("triton: reproducible kernels")
     monkeypatch.setattr(route_mod, "installed_varlen", lambda: None)
     assert route_mod.describe_routes("cuda", BF16, 64, "orthros", 128, 4096)["pretraining"].startswith("split")
     assert set(route_mod.describe_routes("cpu", torch.float32, 64, "orthros", 128, 4096).values()) == {
@@ -260,6 +285,16 @@ def test_a_gpu_older_than_ampere_gets_no_flashattention_route(monkeypatch, clear
     monkeypatch.setattr(route_mod.torch.cuda, "get_device_capability", lambda *a: (8, 0))
     route_mod.installed_varlen.cache_clear()
     assert route_mod.installed_varlen() == "flash_attn_2"
+
+
+def test_flash_attn_3_only_on_hopper(monkeypatch, clear_route_caches) -> None:
+    install_fake(monkeypatch, "flash_attn_interface", FakeFlash())
+    monkeypatch.setattr(route_mod.torch.cuda, "is_available", lambda: True)
+    for capability, expected in (((9, 0), "flash_attn_3"), ((10, 0), "not fa3"), ((8, 6), "not fa3")):
+        monkeypatch.setattr(route_mod.torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        route_mod.installed_varlen.cache_clear()
+        found = route_mod.installed_varlen()
+        assert (found == "flash_attn_3") == (expected == "flash_attn_3"), (capability, found)
 
 
 def test_torch_varlen_without_gqa_gets_its_key_heads_expanded_once_per_layer(monkeypatch, clear_route_caches) -> None:

@@ -26,3 +26,33 @@ def test_a_launcher_s_cublas_workspace_is_kept(make_trainer, monkeypatch) -> Non
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     make_trainer("trainer.deterministic=true").close()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_the_switch_stays_on_while_any_trainer_that_asked_for_it_is_open() -> None:
+    from orthros_train.train.build import set_determinism
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    release_a, release_b = set_determinism(True), set_determinism(True)
+    release_a()
+    assert torch.are_deterministic_algorithms_enabled()  # b still trains under it
+    release_a()  # a second close changes nothing
+    assert torch.are_deterministic_algorithms_enabled()
+    release_b()
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    set_determinism(False)()
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_trainer_that_fails_to_start_gives_the_switch_and_its_lock_back(make_trainer, monkeypatch) -> None:
+    import pytest
+
+    import orthros_train.train.trainer as trainer_mod
+
+    def broken_corpus(*args, **kwargs):
+        raise RuntimeError("the corpus is unreadable")
+    monkeypatch.setattr(trainer_mod, "build_data", broken_corpus)
+    with pytest.raises(RuntimeError, match="unreadable"):
+        make_trainer("trainer.deterministic=true")
+    assert not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.undo()
+    make_trainer().close()  # the run directory's lock was released: the next start takes it

@@ -192,7 +192,8 @@ def test_a_kit_folder_without_wheels_stops_the_node_command_at_once(tmp_path):
         proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--kit", str(kit), "--out",
                                str(tmp_path / "out")], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
                               timeout=120)  # fmt: skip
-        assert proc.returncode == 2 and "holds no wheels" in proc.stderr and "make gpu-kit" in proc.stderr
+        what = "holds no wheels" if kit.exists() else "does not exist here"
+        assert proc.returncode == 2 and what in proc.stderr and "make gpu-kit" in proc.stderr
         assert "git-ignored" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
@@ -386,3 +387,17 @@ def test_the_kernel_table_times_the_flashattention_route_beside_the_kernels(tmp_
     run.dry = False
     assert gpu_check.varlen_case(run, varlen[0], shape, (k, v), g) == (None, None)
     assert "no FlashAttention varlen" in varlen[0]["error"]
+
+
+def test_a_trainer_log_s_route_and_nondeterministic_ops_are_read(tmp_path):
+    log = tmp_path / "t.log"
+    log.write_text(
+        "[rank0] attention route on cuda: pretraining -> triton; prefill -> triton\n"
+        "UserWarning: scatter_add_cuda_kernel does not have a deterministic implementation, but you set ...\n"
+        "UserWarning: Flash Attention defaults to a non-deterministic algorithm. To explicitly enable ...\n"
+    )
+    got = gpu_check.route_and_determinism(log)
+    assert got == {"attention_route": "cuda: pretraining -> triton; prefill -> triton",
+                   "nondeterministic_ops": ["Flash Attention", "scatter_add_cuda_kernel"]}  # fmt: skip
+    assert gpu_check.route_and_determinism(tmp_path / "missing.log") == {"attention_route": None,
+                                                                       "nondeterministic_ops": []}  # fmt: skip

@@ -58,7 +58,7 @@ def child_environment(env: dict[str, str]) -> dict[str, str]:
 def exec_tied_to_parent(argv: list[str]) -> None:
     """Become ``argv`` (exec, same process id) after asking for SIGTERM at the death of the parent
     named in ``PARENT_ENV``."""
-    if not argv:
+    if not argv or not argv[0]:
         sys.exit("usage: python -m orthros_train.common.lifetime CMD [ARG ...]")
     die_with_parent(os.environ.get(PARENT_ENV))
     try:

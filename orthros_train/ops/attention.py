@@ -107,6 +107,7 @@ def _choose_cuda(q_index, q_window, cu_seqlens, n_k=None, sink_tokens: int = 0, 
     route = choose_route(RouteFacts(
         "cuda", sink_tokens=sink_tokens, dtype=dtype, head_dim=head_dim, stream_windows=streams,
         needs_mask=any(needs_mask(seg) for seg in segments), varlen=installed_varlen(), triton="triton" in _BACKENDS,
+        deterministic=torch.are_deterministic_algorithms_enabled(),  # trainer.deterministic
     ))
     if route.name == "varlen":  # every segment is a whole document: the longest is max_seqlen
         return "varlen", VarlenPlan(installed_varlen(), streams, max(seg.length for seg in segments))

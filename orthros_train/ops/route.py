@@ -40,6 +40,8 @@ from orthros_train.ops.reference import UNBOUNDED, attention_reference
 
 log = logging.getLogger(__name__)
 
+# The implementations whose backward can run without atomics when told (``deterministic=True``).
+DETERMINISTIC_VARLEN = ("flash_attn_3", "flash_attn_2")
 # Head dims and dtypes every FlashAttention implementation here serves.
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
@@ -61,6 +63,10 @@ class RouteFacts:
     needs_mask: bool = True  # some SDPA segment would need an explicit mask
     varlen: str | None = None  # the FlashAttention implementation installed (``installed_varlen``)
     triton: bool = True
+    # the run asked for reproducible kernels (``trainer.deterministic``): torch's own FlashAttention
+    # backward (its varlen and SDPA's) keeps its atomics under use_deterministic_algorithms'
+    # warn_only, so only flash-attn (told ``deterministic=True``) and our kernels serve it
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,11 @@ ROUTES: tuple[Route, ...] = (
           lambda f: f.need_lse and f.triton),
     Route("varlen", "whole streams over the same keys (pretraining, the baselines): FlashAttention varlen, "
                     "window_size=(W-1, 0) for the base stream, causal for the output stream",
-          lambda f: f.stream_windows is not None and not f.sink_tokens and f.varlen is not None and _flash_shape(f)),
+          lambda f: f.stream_windows is not None and not f.sink_tokens and f.varlen is not None and _flash_shape(f)
+          and (not f.deterministic or f.varlen in DETERMINISTIC_VARLEN)),
+    Route("triton", "reproducible kernels (trainer.deterministic): our backward adds in a fixed order, torch's "
+                    "FlashAttention backward does not",
+          lambda f: f.deterministic and f.triton),
     Route("split", "whole streams without a FlashAttention varlen: the causal stream through SDPA's flash/cuDNN "
                    "is_causal per document, the windowed stream through our kernels",
           lambda f: _causal_and_windowed(f) and not f.sink_tokens and f.triton and _flash_shape(f)),
@@ -127,9 +137,9 @@ def whole_streams(segments: Sequence, n_k: int, n_q: int) -> tuple[int, ...] | N
     return tuple(min(w, default=UNBOUNDED) for w in windows)
 
 
-# The compute capability each implementation's kernels need: FlashAttention 2 and torch's own
-# from Ampere on; flash-attn 3 builds target Hopper.
-MIN_CAPABILITY = {"flash_attn_3": (9, 0), "flash_attn_2": (8, 0), "torch": (8, 0)}
+# The compute capabilities each implementation's kernels run on, [from, to): FlashAttention 2 and
+# torch's own from Ampere on; flash-attn 3 builds are Hopper's only.
+CAPABILITY = {"flash_attn_3": ((9, 0), (10, 0)), "flash_attn_2": ((8, 0), None), "torch": ((8, 0), None)}
 
 
 def _importable(module: str, function: str) -> VarlenFn | None:
@@ -156,7 +166,8 @@ def _capable(name: str) -> bool:
     """This machine's GPU runs ``name``'s kernels (no GPU visible, e.g. a login node's dry run: assumed)."""
     if not torch.cuda.is_available():
         return True
-    return torch.cuda.get_device_capability() >= MIN_CAPABILITY[name]
+    low, high = CAPABILITY[name]
+    return low <= torch.cuda.get_device_capability() and (high is None or torch.cuda.get_device_capability() < high)
 
 
 @functools.cache
@@ -178,7 +189,7 @@ def installed_varlen() -> str | None:
 
 def _deterministic() -> bool:
     """The run asked for reproducible kernels (``trainer.deterministic``): flash-attn's backward then
-    accumulates dq without atomics; torch's own follows the same switch by itself."""
+    accumulates dq without atomics (torch's own varlen is not routed to then: ``RouteFacts``)."""
     return torch.are_deterministic_algorithms_enabled()
 
 
@@ -262,13 +273,13 @@ def varlen_streams(q, k, v, cu_seqlens, plan: VarlenPlan, scale: float | None = 
 
 
 def describe_routes(device_type: str, dtype: torch.dtype, head_dim: int, attention_type: str,
-                    window: int, seq_len: int, sink_tokens: int = 0) -> dict[str, str]:
+                    window: int, seq_len: int, sink_tokens: int = 0, deterministic: bool = False) -> dict[str, str]:
     """The route of each kind of layout a run of this model meets, for a dry run's plan and the
     trainer's log: ``{"pretraining": "varlen (flash_attn_2): ...", ...}``."""
     triton = importlib.util.find_spec("triton") is not None
     varlen = installed_varlen() if device_type == "cuda" else None
     base = dict(device_type=device_type, sink_tokens=sink_tokens, dtype=dtype, head_dim=head_dim, varlen=varlen,
-                triton=triton)
+                triton=triton, deterministic=deterministic)
     if attention_type == "dense" or window >= seq_len:
         pretrain = RouteFacts(**base, stream_windows=(UNBOUNDED,), needs_mask=False)
     elif attention_type == "sliding":

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,27 +45,54 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass
+class _SwitchUsers:
+    """The users of a process-wide switch and the state it had before the first of them."""
+
+    users: int = 0
+    before: tuple = ()
+
+
+# The trainers of this process that asked for reproducible kernels: torch's switch is one per
+# process, so it goes back to what it was when the last of them closes.
+_DETERMINISM = _SwitchUsers()
+
+
 def set_determinism(deterministic: bool) -> Callable[[], None]:
     """``trainer.deterministic``: reproducible kernels from here on (as torchtitan's and
     Megatron-LM's deterministic modes do). An op torch has no reproducible kernel for warns,
     naming itself, on first use (``warn_only``: torch lists NLLLoss and float cumsum on CUDA among
-    them, so a strict switch could stop a run at its first step). Returns what puts the process's
-    previous setting back (the trainer's ``close``: a test or notebook goes on in the same process)."""
+    them, so a strict switch could stop a run at its first step); torch's own FlashAttention
+    backward also stays atomic under ``warn_only``, so the attention route sends such a run to
+    flash-attn (told ``deterministic=True``) or to our kernels (``ops/route.py``). Returns what
+    releases the switch (the trainer's ``close``, at most once: a test or notebook goes on in the
+    same process); the previous setting comes back when no trainer that asked for it is open."""
     if not deterministic:
         return lambda: None
-    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-              torch.backends.cudnn.benchmark, torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
-    # cuBLAS reads its workspace setting when this process creates its first handle (its first
-    # GEMM on the GPU, after this); a value the launcher set is kept.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    log.info("deterministic kernels (trainer.deterministic=true): reproducible steps, slower")
+    if _DETERMINISM.users == 0:
+        _DETERMINISM.before = (torch.are_deterministic_algorithms_enabled(),
+                               torch.is_deterministic_algorithms_warn_only_enabled(),
+                               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)  # fmt: skip
+        # cuBLAS reads its workspace setting when this process creates its first handle (its first
+        # GEMM on the GPU, after this); a value the launcher set is kept.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        log.info("deterministic kernels (trainer.deterministic=true): reproducible steps, slower")
+    _DETERMINISM.users += 1
+    released = False
 
-    def restore() -> None:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[3])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:3]
-    return restore
+    def release() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        _DETERMINISM.users -= 1
+        if _DETERMINISM.users == 0:
+            enabled, warn_only, cudnn_deterministic, cudnn_benchmark = _DETERMINISM.before
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
+    return release
 
 
 def start_processes(cfg: RunConfig, env: DistributedEnv) -> torch.device:

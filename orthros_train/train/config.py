@@ -130,7 +130,8 @@ class TrainerConfig:
     resume_changes: ResumeChanges = ResumeChanges.refuse
     async_save: bool = False  # periodic saves: snapshot to host memory, write/publish in a background thread
     # true: every kernel reproducible run to run (torch.use_deterministic_algorithms, a fixed cuBLAS
-    # workspace, FlashAttention's atomic-free backward), so a GPU resume continues bit for bit; slower
+    # workspace, attention on flash-attn's atomic-free backward or the Triton kernels), so a GPU
+    # resume continues bit for bit; slower
     deterministic: bool = False
     # faults
     max_nonfinite_steps: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops

@@ -100,7 +100,7 @@ def attention_routes(cfg: RunConfig, device_type: str | None = None) -> dict[str
     dtype = torch.bfloat16 if t.precision == Precision.bf16 else torch.float32
     return {
         d: describe_routes(d, dtype, m.head_dim, m.attention_type.value, m.sliding_window, t.seq_len,
-                           m.base_sink_tokens)
+                           m.base_sink_tokens, t.deterministic)
         for d in devices
     }
 

@@ -89,6 +89,15 @@ class Trainer:
         check_teacher(cfg)  # a missing teacher or another vocabulary, before the run directory is touched
         self.run_dir = Path(t.run_dir)
         self.run_lock = lock_run_dir(self.run_dir, job_id)  # before anything reads or writes the directory
+        try:
+            self._build(cfg)
+        except BaseException:  # a refused resume, a bad corpus: the lock and the process-wide switches go back
+            self.close()
+            raise
+
+    def _build(self, cfg: RunConfig) -> None:
+        """The run's data, model, engine and checkpointing, resumed where the run directory says."""
+        t, p = cfg.trainer, cfg.parallel
         seed_everything(t.seed)
         self._restore_determinism = set_determinism(t.deterministic)
         policy = Policy(self.device, zero_stage=p.zero_stage) if cfg.rl is not None else None
