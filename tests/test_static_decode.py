@@ -98,6 +98,9 @@ def test_generate_with_cuda_graph_gives_the_eager_tokens(kind, window, sinks, ba
         assert static.cache_nbytes == eager.cache_nbytes and static.decode_steps == eager.decode_steps
         # building (on CUDA: capturing) the step is timed apart from the decode
         assert static.decode_setup_seconds > 0 and eager.decode_setup_seconds == 0
+    # every row stops on its first token: no step is built (nor, on CUDA, captured)
+    done = generate(model, PROMPTS, max_new_tokens=9, cuda_graph=True, stop_fn=lambda row, tokens: True)
+    assert done.decode_steps == 0 and done.decode_setup_seconds == 0 and all(len(s) == 1 for s in done.sequences)
 
 
 # -- what a graph replay needs: the same ops on the same shapes, nothing read back --------------------

@@ -267,11 +267,6 @@ def generate(
         _sync(device)
         t1 = time.perf_counter()
         out.prefill_seconds = t1 - t0
-        if params.cuda_graph and params.max_new_tokens > 1:
-            step_fn.prepare()
-            _sync(device)
-            out.decode_setup_seconds = time.perf_counter() - t1
-            t1 = time.perf_counter()
         active = list(range(b))
         stops = set(params.stop_token_ids)
         for step in range(params.max_new_tokens):
@@ -289,6 +284,12 @@ def generate(
                 break
             keep = torch.tensor(still)
             active = [active[j] for j in still]
+            if params.cuda_graph and step == 0:  # the step is built and captured here, outside the decode timing
+                t_setup = time.perf_counter()
+                step_fn.prepare()
+                _sync(device)
+                out.decode_setup_seconds = time.perf_counter() - t_setup
+                t1 += out.decode_setup_seconds
             logits = step_fn(active, nxt[keep])
             nxt = sample_next(logits, params, generator)
             out.decode_steps += 1
