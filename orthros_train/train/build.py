@@ -76,6 +76,10 @@ def set_determinism(deterministic: bool) -> Callable[[], None]:
         # cuBLAS reads its workspace setting when this process creates its first handle (its first
         # GEMM on the GPU, after this); a value the launcher set is kept.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # Triton's autotuners keep their choice in memory unless told to use the on-disk cache: a
+        # resumed process would tune afresh and may pick other tiles (other last bits). Read when
+        # an autotuner is built, at the kernels' first use (after this); TRITON_CACHE_DIR says where.
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         log.info("deterministic kernels (trainer.deterministic=true): reproducible steps, slower")
