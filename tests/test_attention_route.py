@@ -276,6 +276,17 @@ def test_a_flash_attn_that_does_not_load_is_passed_over(monkeypatch, clear_route
     assert found != "flash_attn_3" and found in (None, "flash_attn_2", "torch")
 
 
+def test_a_flash_attn_without_the_deterministic_keyword_is_passed_over(monkeypatch, clear_route_caches) -> None:
+    """flash-attn 2.3 took window_size but not deterministic: a reproducible run could not use it."""
+
+    class Old(FakeFlash):
+        def flash_attn_varlen_func(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   softmax_scale=None, causal=False, window_size=(-1, -1)):  # fmt: skip
+            raise AssertionError("never called")
+    install_fake(monkeypatch, "flash_attn", Old())
+    assert route_mod.installed_varlen() != "flash_attn_2"
+
+
 def test_a_gpu_older_than_ampere_gets_no_flashattention_route(monkeypatch, clear_route_caches) -> None:
     install_fake(monkeypatch, "flash_attn", FakeFlash())
     monkeypatch.setattr(route_mod.torch.cuda, "is_available", lambda: True)

@@ -174,15 +174,16 @@ def _capable(name: str) -> bool:
 def installed_varlen() -> str | None:
     """The best FlashAttention varlen implementation with a sliding window on this machine (its
     name), or None. Each is checked on what is installed (its signature, not its version) and
-    against the GPU's compute capability."""
+    against the GPU's compute capability. flash-attn must take ``deterministic`` too (2.4 on), so
+    that a run asking for reproducible kernels can be served by it."""
     candidates = (
-        ("flash_attn_3", "flash_attn_interface", "flash_attn_varlen_func"),
-        ("flash_attn_2", "flash_attn", "flash_attn_varlen_func"),
-        ("torch", "torch.nn.attention.varlen", "varlen_attn"),  # older releases lack the window
+        ("flash_attn_3", "flash_attn_interface", "flash_attn_varlen_func", ("window_size", "deterministic")),
+        ("flash_attn_2", "flash_attn", "flash_attn_varlen_func", ("window_size", "deterministic")),
+        ("torch", "torch.nn.attention.varlen", "varlen_attn", ("window_size",)),  # older releases lack it
     )
-    for name, module, function in candidates:
+    for name, module, function, keywords in candidates:
         fn = _importable(module, function)
-        if fn is not None and _takes(fn, "window_size") and _capable(name):
+        if fn is not None and _takes(fn, *keywords) and _capable(name):
             return name
     return None
 
@@ -203,13 +204,12 @@ def varlen_function(name: str) -> VarlenFn:
     if name in ("flash_attn_3", "flash_attn_2"):
         module = "flash_attn_interface" if name == "flash_attn_3" else "flash_attn"
         fa = importlib.import_module(module).flash_attn_varlen_func
-        # keywords throughout: flash-attn 3's positional order changed between releases
-        deterministic = _takes(fa, "deterministic")
 
         def run_flash(q, k, v, cu, max_len, scale, window_size):
-            extra = {"deterministic": _deterministic()} if deterministic else {}
+            # keywords throughout: flash-attn 3's positional order changed between releases
             out = fa(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
-                     softmax_scale=scale, causal=True, window_size=window_size, **extra)  # fmt: skip
+                     softmax_scale=scale, causal=True, window_size=window_size,
+                     deterministic=_deterministic())  # fmt: skip
             return out[0] if isinstance(out, tuple) else out  # some flash-attn 3 releases also return the LSE
         return run_flash
     from torch.nn.attention.varlen import varlen_attn
