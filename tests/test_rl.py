@@ -385,9 +385,13 @@ def _recipe(tmp_path, task: dict, rl: dict, vocab: int = V, steps: int = 2, micr
 def _train(recipe: dict) -> dict:
     from orthros_train.parallel.setup import destroy_parallel
 
+    trainer = None
     try:
-        return trainer_for(recipe).fit()
+        trainer = trainer_for(recipe)
+        return trainer.fit()
     finally:
+        if trainer is not None:
+            trainer.close()  # its run lock, released here and not by a finaliser after the test
         destroy_parallel()
 
 
@@ -471,6 +475,7 @@ def test_sampling_builds_no_second_model(tmp_path, monkeypatch):
         monkeypatch.setattr(trainer_module, "gather_full_state_dict",
                             lambda *a, **k: (gathered.append(1), gather(*a, **k))[1])
         metrics = trainer.train_step()
+        trainer.close()
     finally:
         destroy_parallel()
     assert math.isfinite(metrics.loss) and metrics.objective["reward_mean"] >= 0

@@ -104,15 +104,22 @@ def measure(run_dir: str, micro: int, accum: int, per_micro_batch: bool = False,
     """Gradients (engine names) and logged loss of one step, per batch kind and loss average, from
     the same initial weights; rank 0 also returns the direct computation's. The process groups
     stay up for the next measurement with the same layout (``destroy_parallel`` ends them)."""
+    world = int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else 1  # torchrun sets both
+    dp = world // cp
+    trainer = build_trainer(run_dir, micro, accum, dp, cp)
+    try:
+        return _measure(trainer, micro, dp, per_micro_batch)
+    finally:
+        trainer.close()  # its run lock: the next measurement in this process takes the same run directory
+
+
+def _measure(trainer, micro: int, dp: int, per_micro_batch: bool) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from orthros_train.data.sft import average_per_sequence
     from orthros_train.train.global_loss import loss_units
 
-    world = int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else 1  # torchrun sets both
-    dp = world // cp
-    trainer = build_trainer(run_dir, micro, accum, dp, cp)
     engine = trainer.engine
     module = engine.module
     initial = {n: p.detach().clone() for n, p in module.named_parameters()}
