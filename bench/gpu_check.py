@@ -560,10 +560,11 @@ def time_steps(run: Run, overrides: list[str], want: int) -> dict:
     try:
         wait_for(run, proc, log, until=lambda: len(metrics(run_dir)) >= want, poll_s=0.2)
     except TimeoutError:
-        if len(metrics(run_dir)) < 3:  # not one step past the two warm-up ones
-            raise
         partial = f"the item's time ran out after {len(metrics(run_dir))} of {want} steps: medians of those"
-    recs = [metrics(run_dir)[s] for s in sorted(metrics(run_dir))][2:]
+    logged = metrics(run_dir)
+    if partial and len(logged) < 3:  # not one step past the two warm-up ones
+        raise TimeoutError(f"the trainer ran out of the item's time after {len(logged)} steps (log {log.name})")
+    recs = [logged[s] for s in sorted(logged)][2:]
 
     def median(key: str) -> float | None:
         vals = sorted(r[key] for r in recs if r.get(key) is not None)

@@ -177,9 +177,6 @@ class _EagerSteps:
     def __call__(self, rows: list[int], next_ids: torch.Tensor) -> torch.Tensor:
         return decode(self.model, next_ids, self.cache, rows)
 
-    def prepare(self) -> None:
-        pass
-
     def close(self) -> None:
         pass
 

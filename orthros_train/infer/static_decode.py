@@ -65,8 +65,9 @@ class StaticRows:
         self.row_starts = torch.arange(rows, device=device) * capacity
         # the position each row's query sits at: its length, kept inside the row for a finished
         # row that filled it (length C), so its query reads its own slots and not the next row's
-        self.positions = self.lengths.clamp(max=capacity - 1)
-        self.dest = self.row_starts + self.positions  # the slot each row's new token writes
+        self.positions = torch.empty_like(self.lengths)
+        self.dest = torch.empty_like(self.lengths)  # the slot each row's new token writes
+        self.refresh()
         self.host_lengths = cache.lengths.clone()  # mirrored on the host from the active rows, no sync
 
     def refresh(self) -> None:

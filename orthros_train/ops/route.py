@@ -167,7 +167,8 @@ def _capable(name: str) -> bool:
     if not torch.cuda.is_available():
         return True
     low, high = CAPABILITY[name]
-    return low <= torch.cuda.get_device_capability() and (high is None or torch.cuda.get_device_capability() < high)
+    capability = torch.cuda.get_device_capability()
+    return low <= capability and (high is None or capability < high)
 
 
 @functools.cache
@@ -188,12 +189,6 @@ def installed_varlen() -> str | None:
     return None
 
 
-def _deterministic() -> bool:
-    """The run asked for reproducible kernels (``trainer.deterministic``): flash-attn's backward then
-    accumulates dq without atomics (torch's own varlen is not routed to then: ``RouteFacts``)."""
-    return torch.are_deterministic_algorithms_enabled()
-
-
 @functools.cache  # called by every layer's attention: resolve the import and signature once
 def varlen_function(name: str) -> VarlenFn:
     """``fn(q, k, v, cu_seqlens, max_len, scale, window_size) -> out`` for an implementation name
@@ -206,10 +201,11 @@ def varlen_function(name: str) -> VarlenFn:
         fa = importlib.import_module(module).flash_attn_varlen_func
 
         def run_flash(q, k, v, cu, max_len, scale, window_size):
-            # keywords throughout: flash-attn 3's positional order changed between releases
+            # keywords throughout: flash-attn 3's positional order changed between releases. A run
+            # that asked for reproducible kernels (trainer.deterministic) gets dq without atomics.
             out = fa(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
                      softmax_scale=scale, causal=True, window_size=window_size,
-                     deterministic=_deterministic())  # fmt: skip
+                     deterministic=torch.are_deterministic_algorithms_enabled())  # fmt: skip
             return out[0] if isinstance(out, tuple) else out  # some flash-attn 3 releases also return the LSE
         return run_flash
     from torch.nn.attention.varlen import varlen_attn
