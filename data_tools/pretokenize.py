@@ -519,7 +519,7 @@ def _read_summary(path: str, overwrite: bool) -> dict | None:
         if not isinstance(old, dict):
             raise UserError("not a JSON object")
         return old
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, UserError) as e:  # ValueError: json's, a malformed file
         if overwrite:
             log.warning("%s: unreadable (%s); rebuilding the output (--overwrite)", path, e)
             return None

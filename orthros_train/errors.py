@@ -24,10 +24,12 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 REPORT_TO = "the orthros-train issue tracker (attach the command, this traceback and `pip freeze`)"
 
 
-class UserError(ValueError):
+class UserError(Exception):
     """A bad recipe key, flag, file or folder: the message names it and the fix.
 
-    Subclasses ValueError because callers and tests written before it exist catch ValueError."""
+    Deliberately not a ValueError: torch, numpy and every other library raise ValueError for
+    their own broken contracts, and a command line that caught ValueError as "the user's fault"
+    turned those bugs into one misleading line. Only this family is printed as one line."""
 
 
 def report_bug(prog: str, exc: BaseException) -> None:
@@ -93,16 +95,3 @@ def exit_on_ctrl_c(prog: str, what: str = "while starting up; nothing was done")
         if install:
             signal.signal(signal.SIGINT, previous)
 
-
-def raised_by_project(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised by the project's own code (its innermost frame is under the
-    repository's packages), not inside torch, numpy or another library: for callers that still
-    catch a plain ValueError as a refusal while their code moves to UserError."""
-    tb = exc.__traceback__
-    if tb is None:
-        return True
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    here = os.path.dirname(os.path.abspath(__file__))  # orthros_train/
-    filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    return filename.startswith(here + os.sep) or filename.startswith(os.path.join(os.path.dirname(here), "data_tools"))

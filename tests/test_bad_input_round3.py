@@ -616,17 +616,17 @@ def test_a_conversion_study_teacher_of_another_shape_is_refused_before_anything_
     shape = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "attention_type": "dense"}
     (teacher / "config.json").write_text(json.dumps(shape))
     study = {"vocab_size": "${data.tokenizer_vocab_size}", "hidden_size": 32, "num_hidden_layers": 2}
-    with pytest.raises(ValueError) as exc:
+    with pytest.raises(UserError) as exc:
         check_teacher(teacher, study)
     message = str(exc.value)
     assert message.startswith(f"--teacher {teacher} has another shape: hidden_size 64 (the study's 32)"), message
     assert "--override model.hidden_size=64" in message and "vocab_size" not in message  # not a size yet
     check_teacher(teacher, {**study, "hidden_size": 64})  # the study's shape: accepted
     # the study's tokenizer has 1024 tokens: no override fixes a teacher of another vocabulary
-    with pytest.raises(ValueError, match=r"has a vocabulary of 128 tokens, the study's tokenizer 1024: .* pick a dense "
+    with pytest.raises(UserError, match=r"has a vocabulary of 128 tokens, the study's tokenizer 1024: .* pick a dense "
                                          r"checkpoint trained with the study's tokenizer"):  # fmt: skip
         check_teacher(teacher, {**study, "hidden_size": 64}, vocab_size=1024)
-    with pytest.raises(ValueError, match=r"tie_word_embeddings None \(the study's True\)"):  # tying is shape too
+    with pytest.raises(UserError, match=r"tie_word_embeddings None \(the study's True\)"):  # tying is shape too
         check_teacher(teacher, {**study, "hidden_size": 64, "tie_word_embeddings": True}, vocab_size=128)
 
 
@@ -638,5 +638,5 @@ def test_a_conversion_study_teacher_check_reads_the_tokenizers_vocabulary(tmp_pa
     teacher.mkdir()
     (teacher / "model.safetensors").write_bytes(b"")
     (teacher / "config.json").write_text(json.dumps({"vocab_size": 128, "attention_type": "dense"}))
-    with pytest.raises(ValueError, match="has a vocabulary of 128 tokens, the study's tokenizer 1024"):
+    with pytest.raises(UserError, match="has a vocabulary of 128 tokens, the study's tokenizer 1024"):
         check_options(ConversionOptions(out=tmp_path / "out", quick=True, teacher=teacher))

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.model import OrthrosForCausalLM
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.study import conversion
@@ -68,16 +69,16 @@ def test_curve_points_fall_on_saved_steps() -> None:
     assert save_every(200, conversion.CURVE_FRACTIONS) == 10
     assert all(step % 10 == 0 for _, step in points)
     assert save_every(10, (0.0, 1.0)) == 0  # only the final checkpoint is needed
-    with pytest.raises(ValueError, match="distinct steps"):
+    with pytest.raises(UserError, match="distinct steps"):
         curve_steps(10, (0.1, 0.12))
-    with pytest.raises(ValueError, match="distinct steps"):
+    with pytest.raises(UserError, match="distinct steps"):
         curve_steps(10, (0.0, 0.01))  # rounds to step 0, the converted model
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(UserError, match="outside"):
         curve_steps(10, (1.5,))
     run = Path("r")
     assert checkpoint_at(run, 20, 200) == run / "checkpoints" / "step_000000020" / "model"
     assert checkpoint_at(run, 200, 200) == run / "checkpoints" / "final"
-    with pytest.raises(ValueError, match="distinct steps"):
+    with pytest.raises(UserError, match="distinct steps"):
         ConversionOptions(steps=5, fractions=(0.1, 0.2), warmups=(0.0,), frozen=0.0)
 
 
@@ -270,7 +271,7 @@ def test_frozen_steps_update_only_the_output_affine_first() -> None:
                       for n, p in model.named_parameters() if not torch.equal(p, before[n])})
     assert moved == [{"gamma", "beta"}, {"gamma", "beta"}, {"gamma", "beta", "pretrained"}]
     assert all(g["lr"] == 1e-2 for g in opt.param_groups)  # the held groups get their rate back
-    with pytest.raises(ValueError, match="frozen_steps"):
+    with pytest.raises(UserError, match="frozen_steps"):
         OptimConfig(frozen_steps=-1)
 
 

@@ -19,6 +19,7 @@ from orthros_train.data.blend import build_blend
 from orthros_train.data.indexed import ShardWriter
 from orthros_train.data.pretrain import IndexedPretrainData
 from orthros_train.data.sampler import ResumableSampler
+from orthros_train.errors import UserError
 from orthros_train.phase.layout import IGNORE_INDEX
 
 EOD = 0
@@ -111,7 +112,7 @@ def test_resume_at_k_reproduces_the_rest_exactly(small_shards, chat_tokenizer, t
     second = [small.sampler.dataset_index(p) for p in range(n, 2 * n)]
     assert sorted(first) == sorted(second) and first != second
     other_seed = _data(shards, chat_tokenizer, tmp_path, mbs=8, seed=8)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(UserError, match="seed"):
         other_seed.load_state_dict(state)
 
 
@@ -146,9 +147,9 @@ def test_valid_batches_are_fixed_and_held_out(shards, chat_tokenizer, tmp_path):
 
 
 def test_sampler_rejects_bad_shapes():
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError):
         ResumableSampler(10, 2, 0, dp_rank=2, dp_size=2)
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError):
         ResumableSampler(0, 2, 0)
 
 
@@ -161,9 +162,9 @@ def test_build_data_selects_indexed_blend(shards, chat_tokenizer_dir, tmp_path):
     ids = [data.train[i]["dataset_id"] for i in range(2000)]
     assert abs(np.mean(ids) - 0.25) < 0.01
     assert data.next_batch().num_tokens == 64 and data.valid_batches(1)
-    with pytest.raises(ValueError, match="weights has 1 entries for 2"):
+    with pytest.raises(UserError, match="weights has 1 entries for 2"):
         DataConfig(source="indexed", paths=shards[:2], weights=[1.0])
-    with pytest.raises(ValueError, match="needs data.paths"):
+    with pytest.raises(UserError, match="needs data.paths"):
         DataConfig(source="indexed")
 
 

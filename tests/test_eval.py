@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from fixtures import cli_env, tiny_model
 
+from orthros_train.errors import UserError
 from orthros_train.eval.cli import main
 from orthros_train.eval.common import parse_depths, parse_lengths, parse_overrides, parse_token_count
 from orthros_train.eval.niah import Needle, build_prompt, normalize, place_needle, score_answer
@@ -55,7 +56,7 @@ def test_parsers():
     assert parse_overrides(["sliding_window=256", "attention_backend=reference"]) == {
         "sliding_window": 256, "attention_backend": "reference",
     }  # fmt: skip
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError):
         parse_token_count("4x")
 
 
@@ -106,7 +107,7 @@ def test_niah_prompt_has_exact_length_and_needle_at_depth(tokenizer):
             assert tokenizer.decode(ids).rstrip().endswith("Answer: The best thing to do in San Francisco is")
         p = build_prompt(tokenizer, length, 50, needle, snap_to_sentence=True)
         assert abs(p["actual_depth"] - 50) <= 100 * 64 / p["haystack_tokens"]
-    with pytest.raises(ValueError, match="no room"):
+    with pytest.raises(UserError, match="no room"):
         build_prompt(tokenizer, 20, 50, needle)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from fixtures import tiny_model
 
+from orthros_train.errors import UserError
 from orthros_train.infer import SamplingParams, filter_logits, generate, prefill, sample_next
 from orthros_train.infer.generate import as_rows, cut_at_stop
 from orthros_train.model import KVCache, OrthrosForCausalLM
@@ -136,9 +137,9 @@ def test_filter_logits_top_p_and_top_k():
 
 def test_sampling_params_validation():
     for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(max_new_tokens=-1)):
-        with pytest.raises(ValueError):
+        with pytest.raises(UserError):
             SamplingParams(**bad)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(UserError, match="empty"):
         generate(make_model(), [[1, 2], []], max_new_tokens=2)
 
 
@@ -284,7 +285,7 @@ def test_auto_prefill_chunks_orthros_and_sliding_but_not_dense():
     assert resolve_chunk_size(make_model(attention_type="dense"), "auto") is None
     assert resolve_chunk_size(make_model(), None) is None and resolve_chunk_size(make_model(), 7) == 7
     assert SamplingParams().prefill_chunk_size == "auto"
-    with pytest.raises(ValueError, match="prefill_chunk_size"):
+    with pytest.raises(UserError, match="prefill_chunk_size"):
         SamplingParams(prefill_chunk_size="big")
 
 

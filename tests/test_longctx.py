@@ -15,6 +15,7 @@ from fixtures import QUIET_RUN, SMALL_TINY_CPU, by_step, run_train, tiny_model
 
 from orthros_train.data.sampler import ResumableSampler
 from orthros_train.data.schedule import SeqLenScheduledData, check_seq_len_schedule
+from orthros_train.errors import UserError
 
 
 class FakeData:
@@ -86,15 +87,15 @@ def test_data_parallel_ranks_split_each_stage():
 
 
 def test_bad_schedules_name_the_field():
-    with pytest.raises(ValueError, match="start with a stage at step 0"):
+    with pytest.raises(UserError, match="start with a stage at step 0"):
         check_seq_len_schedule([[5, 64]], 128, 1)
-    with pytest.raises(ValueError, match="lengths must increase"):
+    with pytest.raises(UserError, match="lengths must increase"):
         check_seq_len_schedule([[0, 64], [5, 32]], 128, 1)
-    with pytest.raises(ValueError, match=r"does not divide .*trainer.seq_len x trainer.micro_batch_size = 128"):
+    with pytest.raises(UserError, match=r"does not divide .*trainer.seq_len x trainer.micro_batch_size = 128"):
         check_seq_len_schedule([[0, 48], [5, 128]], 128, 1)
-    with pytest.raises(ValueError, match="never runs"):
+    with pytest.raises(UserError, match="never runs"):
         check_seq_len_schedule([[0, 64], [50, 128]], 128, 1, max_steps=10)
-    with pytest.raises(ValueError, match="same schedule"):
+    with pytest.raises(UserError, match="same schedule"):
         data = _scheduled()
         state = data.state_dict()
         state["seq_len_schedule"] = [[0, 128]]

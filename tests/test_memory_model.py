@@ -7,6 +7,7 @@ import pytest
 import torch
 from fixtures import compose_recipe
 
+from orthros_train.errors import UserError
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.parallel.setup import ParallelConfig
 from orthros_train.train.memory import estimate_memory, params_per_rank
@@ -106,11 +107,11 @@ def test_tiny_config_matches_a_hand_computation():
 
 
 def test_bad_input_names_the_field():
-    with pytest.raises(ValueError, match="precision"):
+    with pytest.raises(UserError, match="precision"):
         _est(precision="fp8")
-    with pytest.raises(ValueError, match="attention_backend"):
+    with pytest.raises(UserError, match="attention_backend"):
         _est(backend="xformers")
-    with pytest.raises(ValueError, match="context_parallel=8"):
+    with pytest.raises(UserError, match="context_parallel=8"):
         _est(seq_len=100)
 
 
@@ -249,7 +250,7 @@ def test_a_gpu_run_refuses_a_layout_that_overflows_the_device_unless_told(monkey
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Fake GPU")
     cuda = torch.device("cuda", 0)
-    with pytest.raises(ValueError, match=r"140\.3 GiB per GPU exceeds the 80\.0 GiB of Fake GPU.*overflow=true"):
+    with pytest.raises(UserError, match=r"140\.3 GiB per GPU exceeds the 80\.0 GiB of Fake GPU.*overflow=true"):
         check_memory_fit(cfg, cuda)
     cfg.trainer.allow_memory_overflow = True
     check_memory_fit(cfg, cuda)  # starts, with a warning

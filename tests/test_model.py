@@ -7,6 +7,7 @@ import pytest
 import torch
 from fixtures import tiny_config as shared_tiny_config
 
+from orthros_train.errors import UserError
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.phase import IGNORE_INDEX, pretrain_layout, sft_layout
 
@@ -231,7 +232,7 @@ def test_save_and_load_pretrained_roundtrip(tmp_path):
     ],
 )
 def test_invalid_config_names_the_field(overrides, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(UserError, match=field):
         tiny_config(**overrides)
 
 

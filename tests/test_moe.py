@@ -12,6 +12,7 @@ from orthros_train.convert.checkpoint_io import ConversionError
 from orthros_train.convert.cli import main as convert_main
 from orthros_train.convert.from_hf import convert_from_hf, orthros_config_from_hf
 from orthros_train.convert.to_hf import convert_to_hf
+from orthros_train.errors import UserError
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.model.moe import SparseMoE, StreamPairs, expert_reads, load_balancing_loss, route
 from orthros_train.options import MoERouting
@@ -267,7 +268,7 @@ def test_config_counts_expert_parameters_and_active_ones():
     ],
 )
 def test_bad_moe_config_names_the_field(overrides, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
         moe_config(**overrides)
 
 

@@ -24,6 +24,7 @@ from fixtures import (
     wait_for_step,
 )
 
+from orthros_train.errors import UserError
 from orthros_train.model import OrthrosForCausalLM
 from orthros_train.train.config import RLConfig
 from orthros_train.train.global_loss import loss_units
@@ -228,7 +229,7 @@ def test_advantages_group_normalised_and_process_rewards_to_go():
 
     given = compute_advantages([Rollout([1], [2, 3], advantages=[0.5, -1.0]), Rollout([1], [2], advantages=2.0)])
     assert given[0].tolist() == [0.5, -1.0] and given[1].tolist() == [2.0]
-    with pytest.raises(ValueError, match="mixes"):
+    with pytest.raises(UserError, match="mixes"):
         compute_advantages([Rollout([1], [2], reward=1.0, group=0), Rollout([1], [2], token_rewards=[1.0], group=0)])
 
 
@@ -240,12 +241,12 @@ def test_rollouts_jsonl_round_trip_and_clear_errors(tmp_path):
     assert [r.to_json() for r in back] == [r.to_json() for r in rollouts]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt_ids": [1], "response_ids": [2, 3], "reward": 1, "logprobs": [-1.0]}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: .*logprobs has 1 entries for 2"):
+    with pytest.raises(UserError, match=r"bad.jsonl:1: .*logprobs has 1 entries for 2"):
         load_rollouts(bad)
     bad.write_text("\n" + json.dumps({"prompt_ids": [1], "response_ids": [2], "rewrd": 1}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: .*unknown field"):
+    with pytest.raises(UserError, match=r"bad.jsonl:2: .*unknown field"):
         load_rollouts(bad)
-    with pytest.raises(ValueError, match="one of reward"):
+    with pytest.raises(UserError, match="one of reward"):
         Rollout([1], [2])
 
 
@@ -287,20 +288,20 @@ def test_rollouts_are_validated_by_type_at_read_time_naming_file_and_line(tmp_pa
     """Nothing is coerced (4.5 is not token 4), nothing non-finite reaches the loss, no id reaches
     the embedding outside the vocabulary: each bad field is refused with the file and line."""
     path = _one_line(tmp_path, record)
-    with pytest.raises(ValueError, match=rf"bad.jsonl:2: bad rollout: .*{message}"):
+    with pytest.raises(UserError, match=rf"bad.jsonl:2: bad rollout: .*{message}"):
         load_rollouts(path, vocab_size=V)
 
 
 def test_rollouts_file_missing_empty_or_binary_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"task.rollouts=.*nope.jsonl: no such file"):
+    with pytest.raises(UserError, match=r"task.rollouts=.*nope.jsonl: no such file"):
         load_rollouts(tmp_path / "nope.jsonl")
-    with pytest.raises(ValueError, match=r"is a directory"):
+    with pytest.raises(UserError, match=r"is a directory"):
         load_rollouts(tmp_path)
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    with pytest.raises(ValueError, match=r"empty.jsonl: no rollouts"):
+    with pytest.raises(UserError, match=r"empty.jsonl: no rollouts"):
         load_rollouts(tmp_path / "empty.jsonl")
     (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(ValueError, match=r"bin.jsonl: not UTF-8"):
+    with pytest.raises(UserError, match=r"bin.jsonl: not UTF-8"):
         load_rollouts(tmp_path / "bin.jsonl")
 
 
@@ -309,7 +310,7 @@ def test_a_reward_function_returning_nan_is_named():
         return float("nan")
 
     gen = RolloutGenerator(nan_reward, RLConfig(group_size=2, prompts_per_step=1, max_new_tokens=2))
-    with pytest.raises(ValueError, match=r"reward function 'nan_reward' returned nan: reward is nan"):
+    with pytest.raises(UserError, match=r"reward function 'nan_reward' returned nan: reward is nan"):
         gen(policy(0).float().eval(), [[1, 2, 3]], [0])
 
 
@@ -322,16 +323,16 @@ def test_trainer_refuses_a_bad_rollouts_file_before_training(tmp_path):
     (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n")
     task = {"name": "rollouts", "rollouts": str(tmp_path / "r.jsonl")}
     rl = {"group_size": 5, "prompts_per_step": 1}
-    with pytest.raises(ValueError, match=rf"r.jsonl:4: bad rollout: response_ids holds token id {V + 5}"):
+    with pytest.raises(UserError, match=rf"r.jsonl:4: bad rollout: response_ids holds token id {V + 5}"):
         _train(_recipe(tmp_path, task, rl, steps=1))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     mixed = [Rollout([1], [2], reward=1.0, group=3), Rollout([1], [4], token_rewards=[0.5], group=3)] * 3
     save_rollouts(tmp_path / "mixed.jsonl", make_rollouts(9, with_old=True)[:4] + mixed)
     task["rollouts"] = str(tmp_path / "mixed.jsonl")
-    with pytest.raises(ValueError, match=r"mixed.jsonl: group 3 mixes reward \(rollout 5\) and token_rewards"):
+    with pytest.raises(UserError, match=r"mixed.jsonl: group 3 mixes reward \(rollout 5\) and token_rewards"):
         _train(_recipe(tmp_path, task, rl, steps=1))
     task["rollouts"] = str(tmp_path / "missing.jsonl")
-    with pytest.raises(ValueError, match=r"task.rollouts=.*missing.jsonl: no such file"):
+    with pytest.raises(UserError, match=r"task.rollouts=.*missing.jsonl: no such file"):
         _train(_recipe(tmp_path, task, rl, steps=1))
 
 
@@ -400,9 +401,9 @@ def test_trainer_runs_grpo_on_an_external_engines_rollouts(tmp_path):
     save_rollouts(tmp_path / "r.jsonl", rollouts)
     task = {"name": "rollouts", "rollouts": str(tmp_path / "r.jsonl")}
     rl = {"group_size": 5, "prompts_per_step": 1, "kl_coef": 0.02}
-    with pytest.raises(ValueError, match="2 steps of .* set trainer.max_steps=2"):
+    with pytest.raises(UserError, match="2 steps of .* set trainer.max_steps=2"):
         _train(_recipe(tmp_path, task, rl, steps=3))
-    with pytest.raises(ValueError, match=r"micro_batch_size=4 .*Nearest valid: trainer.micro_batch_size=1 or 5"):
+    with pytest.raises(UserError, match=r"micro_batch_size=4 .*Nearest valid: trainer.micro_batch_size=1 or 5"):
         _train(_recipe(tmp_path, task, rl, micro=4))
     result = _train(_recipe(tmp_path, task, rl, steps=2))
     records = metrics(tmp_path / "run")

@@ -17,6 +17,7 @@ from fixtures import TINY_HF_SHAPE, spread_hf_norms, tiny_model
 from orthros_train.convert.checkpoint_io import ConversionError
 from orthros_train.convert.from_hf import convert_from_hf
 from orthros_train.convert.to_hf import convert_to_hf
+from orthros_train.errors import UserError
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 from orthros_train.model.layers import RotaryEmbedding, rope_parameters
 
@@ -96,13 +97,13 @@ def test_cos_sin_beyond_original_length_equal_transformers_rotary(name):
 
 
 def test_bad_rope_scaling_errors_name_the_field_and_fix():
-    with pytest.raises(ValueError, match=r"rope_type 'ntk'.*one of"):
+    with pytest.raises(UserError, match=r"rope_type 'ntk'.*one of"):
         OrthrosConfig(rope_scaling={"rope_type": "ntk", "factor": 2.0})
-    with pytest.raises(ValueError, match=r"rope_scaling \(yarn\) is missing \['original_max_position_embeddings'\]"):
+    with pytest.raises(UserError, match=r"rope_scaling \(yarn\) is missing \['original_max_position_embeddings'\]"):
         OrthrosConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match=r"missing \['factor'\]"):
+    with pytest.raises(UserError, match=r"missing \['factor'\]"):
         OrthrosConfig(rope_scaling={"rope_type": "linear"})
-    with pytest.raises(ValueError, match="factor must be > 0"):
+    with pytest.raises(UserError, match="factor must be > 0"):
         OrthrosConfig(rope_scaling={"rope_type": "linear", "factor": 0})
     # The HF spelling `type` is accepted, as transformers accepts it.
     assert OrthrosConfig(rope_scaling={"type": "linear", "factor": 2.0}).rope_scaling["type"] == "linear"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from fixtures import QUIET_RUN, SMALL_TINY_CPU, metrics, run_train, start_train
 
+from orthros_train.errors import UserError
 from orthros_train.train.run_dir import check_fresh_start, check_resume, multirun_job_dir, recipe_changes
 
 RECIPE = {
@@ -39,7 +40,7 @@ def test_another_model_data_or_tokenizer_is_refused_naming_each_key(tmp_path):
     ckpt = _checkpoint(tmp_path, RECIPE)
     other = _changed(model__sliding_window=32, data__tokenizer="/tok")
     for mode in ("refuse", "allow"):
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(UserError) as err:
             check_resume(ckpt, other, mode)
         message = str(err.value)
         assert "model.sliding_window: 128 in the checkpoint, 32 now" in message
@@ -50,7 +51,7 @@ def test_another_model_data_or_tokenizer_is_refused_naming_each_key(tmp_path):
 def test_a_new_learning_rate_needs_resume_changes_allow_and_is_logged(tmp_path):
     ckpt = _checkpoint(tmp_path, RECIPE)
     other = _changed(optim__lr=1e-3)
-    with pytest.raises(ValueError, match=r"optim.lr: 0.003 in the checkpoint, 0.001 now.*resume_changes=allow"):
+    with pytest.raises(UserError, match=r"optim.lr: 0.003 in the checkpoint, 0.001 now.*resume_changes=allow"):
         check_resume(ckpt, other, "refuse")
     assert check_resume(ckpt, other, "allow") == ["resume: optim.lr: 0.003 in the checkpoint, 0.001 now"]
 
@@ -85,10 +86,10 @@ def test_a_fresh_start_over_an_existing_run_needs_overwrite(tmp_path):
     _checkpoint(tmp_path, RECIPE)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     refused = r"already holds a run .*trainer.resume=none starts afresh.*trainer.overwrite=true"
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(UserError, match=refused):
         check_fresh_start(tmp_path, "none", False)
     other = tmp_path.parent / "other_ckpt"
-    with pytest.raises(ValueError, match="starts from another run's checkpoint"):
+    with pytest.raises(UserError, match="starts from another run's checkpoint"):
         check_fresh_start(tmp_path, str(other), False)
     own = tmp_path / "checkpoints" / "step_000000010"
     assert check_fresh_start(tmp_path, str(own), False) == []  # its own checkpoint: a resume

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from orthros_train.errors import UserError
 from orthros_train.train.run_lock import LOCK_NAME, RunLock, RunLockedError
 
 
@@ -40,9 +41,9 @@ def test_a_second_lock_is_refused_naming_the_holder(tmp_path):
         assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname()
         # Another process on this host: its own pid, so the live holder is not its own.
         code = (
-            "import sys; from orthros_train.train.run_lock import RunLock\n"
+            "import sys; from orthros_train.errors import UserError; from orthros_train.train.run_lock import RunLock\n"
             f"try:\n    RunLock({str(tmp_path / 'run')!r}).acquire()\n"
-            "except ValueError as e:\n    print(e); sys.exit(3)\n"
+            "except UserError as e:\n    print(e); sys.exit(3)\n"
         )
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 3, proc.stderr
@@ -109,7 +110,7 @@ def test_the_heartbeat_keeps_the_lock_fresh_and_notices_a_takeover(tmp_path, cap
 def test_an_unwritable_run_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(ValueError, match=r"trainer.run_dir=.*a_file/run cannot be written .*pick a directory"):
+    with pytest.raises(UserError, match=r"trainer.run_dir=.*a_file/run cannot be written .*pick a directory"):
         RunLock(blocker / "run").acquire()
 
 

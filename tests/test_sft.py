@@ -15,6 +15,7 @@ from fixtures import REPO, cli_env, metrics, run_train, tiny_model
 
 from orthros_train.data import DataConfig, build_data
 from orthros_train.data.sft import average_per_sequence
+from orthros_train.errors import UserError
 from orthros_train.phase import sft_layout
 from orthros_train.train.global_loss import loss_units
 
@@ -145,7 +146,7 @@ def test_demo_data_sequence_average_and_held_out_eval(plain_tokenizer_dir, tmp_p
     valid = seq.valid_batches(2)
     assert valid and all(torch.all(v.loss_weights == 1) for v in valid)
     assert token.tokenizer.chat_template  # the template travels with the recorded tokenizer
-    with pytest.raises(ValueError, match="loss_average"):
+    with pytest.raises(UserError, match="loss_average"):
         DataConfig(**cfg, loss_average="mean")
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from fixtures import tiny_model
 
+from orthros_train.errors import UserError
 from orthros_train.infer import prefill
 from orthros_train.infer.generate import decode
 from orthros_train.model import KVCache, OrthrosConfig
@@ -378,7 +379,7 @@ def test_prefill_and_decode_on_triton_equal_the_full_forward(kind):
     ],
 )
 def test_config_refuses_bad_sink_tokens(value, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(UserError, match=match):
         OrthrosConfig(vocab_size=64, sliding_window=8, sink_tokens=value)
     OrthrosConfig(vocab_size=64, sliding_window=8, sink_tokens=7)  # the largest allowed
 

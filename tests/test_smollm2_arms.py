@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.study.conversion import ConversionOptions
 from orthros_train.study.smollm2_eval import heldout_measures, passkey_prompts, tokens_to_reach
 
@@ -47,7 +48,7 @@ def test_heldout_loss_and_kl_beyond_the_window() -> None:
     m = heldout_measures(converted, original, tokens, 32, 8, 128)
     assert abs(m["loss_within_w"] - same["loss_within_w"]) < 1e-5  # identical inside W
     assert m["kl_beyond_w"] > 1e-4 and m["loss_beyond_w"] != same["loss_beyond_w"]
-    with pytest.raises(ValueError, match="fewer than one 32-token window"):
+    with pytest.raises(UserError, match="fewer than one 32-token window"):
         heldout_measures(original, None, tokens[:20], 32, 8, 128)
 
 
@@ -96,7 +97,7 @@ def test_every_arm_passes_its_objective_and_sinks_to_the_trainer(tmp_path) -> No
     ({"smollm2_alpha": float("nan")}, "--smollm2-alpha must lie in [0, 1]"),
 ])
 def test_bad_smollm2_options_are_refused(given: dict[str, Any], needle: str) -> None:
-    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(UserError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         ConversionOptions(**given)
 
 

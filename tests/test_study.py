@@ -17,6 +17,7 @@ from orthros_train.data.synthetic_recall import (
     prepare_recall_dataset,
     token_ranges,
 )
+from orthros_train.errors import UserError
 
 
 def test_recall_document_queries_are_fixed_by_an_earlier_pair() -> None:
@@ -43,7 +44,7 @@ def test_values_per_key_binds_each_key_to_its_own_candidates() -> None:
     for p, v in zip(doc.output_positions, doc.targets):
         assert v in ranges.candidates(doc.input_ids[p])
     assert RecallMix(keys=8, pairs=8, values_per_key=4).chance == 0.25
-    with pytest.raises(ValueError, match="too small"):
+    with pytest.raises(UserError, match="too small"):
         token_ranges(64, 8, values_per_key=8)
 
 
@@ -56,22 +57,22 @@ def test_passkey_needle_sits_at_the_asked_distance() -> None:
         assert q == len(doc.input_ids) - 1 and doc.distances == [d]
         assert doc.input_ids[q - d] == doc.input_ids[q] and doc.input_ids[q - d + 1] == v  # needle [k v]
         assert v in ranges.candidates(doc.input_ids[q]) and doc.input_ids.count(doc.input_ids[q]) == 2
-    with pytest.raises(ValueError, match="distance"):
+    with pytest.raises(UserError, match="distance"):
         make_passkey_document(random.Random(0), haystack, 121, ranges)
-    with pytest.raises(ValueError, match="every key"):
+    with pytest.raises(UserError, match="every key"):
         make_passkey_document(random.Random(0), list(ranges.keys) * 4, 10, ranges)
 
 
 def test_recall_mix_rejects_bad_settings() -> None:
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(UserError, match="unknown key"):
         RecallMix.from_dict({"fraction": 0.5, "paris": 3})
-    with pytest.raises(ValueError, match="fraction"):
+    with pytest.raises(UserError, match="fraction"):
         RecallMix(fraction=1.0)
-    with pytest.raises(ValueError, match="pairs <= keys"):
+    with pytest.raises(UserError, match="pairs <= keys"):
         RecallMix(pairs=10, keys=5)
-    with pytest.raises(ValueError, match="min_pairs"):
+    with pytest.raises(UserError, match="min_pairs"):
         RecallMix(pairs=4, keys=8, min_pairs=5)
-    with pytest.raises(ValueError, match="values_per_key"):
+    with pytest.raises(UserError, match="values_per_key"):
         RecallMix(values_per_key=1)
     mix = RecallMix(pairs=6, keys=8, min_pairs=2)
     assert {mix.pairs_of_document(random.Random(i)) for i in range(50)} == set(range(2, 7))
@@ -95,7 +96,7 @@ def test_sweep_keeps_the_lowest_finite_loss_and_seeds_aggregate() -> None:
 
     assert pick_lr({1e-3: 2.0, 3e-3: 1.5, 1e-2: float("nan")}) == 3e-3
     assert pick_lr({1e-3: None, 3e-3: 2.5}) == 3e-3
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(UserError, match="finite"):
         pick_lr({1e-3: None, 1e-2: float("inf")})
     s = spread([0.5, 1.0, None, 0.75])
     assert s["n"] == 3 and s["mean"] == 0.75 and s["min"] == 0.5 and s["max"] == 1.0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from orthros_train.errors import UserError
 from orthros_train.study.runs import RunFailed, run_state, train_or_reuse
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,14 +100,14 @@ def test_a_finished_run_is_reused_another_command_refused_overwrite_retrains(fak
     train_or_reuse(_cmd(fake, run, 5), run, log=logged.append)  # the rerun: nothing trained, nothing deleted
     assert len(_pids(run)) == 1 and logged == [f"reuse {run}: finished with the same command"]
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.name != "train.log"} == before
-    with pytest.raises(ValueError, match=f"{run} holds a run of another configuration .*pass --overwrite"):
+    with pytest.raises(UserError, match=f"{run} holds a run of another configuration .*pass --overwrite"):
         train_or_reuse(_cmd(fake, run, 7), run, log=lambda m: None)
     assert len(_pids(run)) == 1  # refused before anything started
     train_or_reuse(_cmd(fake, run, 7), run, log=lambda m: None, overwrite=True)
     assert len(_pids(run)) == 1 and run_state(run, _cmd(fake, run, 7)[1:]) == "finished"  # a new run
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="is not a study run directory"):
+    with pytest.raises(UserError, match="is not a study run directory"):
         train_or_reuse(_cmd(fake, tmp_path / "other", 3), tmp_path / "other", log=lambda m: None)
 
 
@@ -275,7 +276,7 @@ def test_an_out_that_is_a_file_is_named_as_the_out_flag(tmp_path):
 
     target = tmp_path / "kitfile"
     target.write_text("not a folder")
-    with pytest.raises(ValueError, match=rf"^--out {target} is a file, not a directory: pick another --out$"):
+    with pytest.raises(UserError, match=rf"^--out {target} is a file, not a directory: pick another --out$"):
         with owned_study(target, "study"):
             pass
     assert target.read_text() == "not a folder"

@@ -11,6 +11,8 @@ import safetensors.torch
 import torch
 from fixtures import TINY_SHAPE, run_train, tiny_model
 
+from orthros_train.errors import UserError
+
 # One layer on the embedded corpus's 2048-token vocabulary: the model of the recipe below and of
 # the truncated checkpoints.
 ONE_LAYER = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 8}
@@ -52,7 +54,7 @@ def test_overrides_without_a_recipe_are_refused(monkeypatch, capsys, argv):
 
 
 def test_a_model_smaller_than_the_datas_vocabulary_names_both_keys(tmp_path):
-    with pytest.raises(ValueError, match=r"2048 tokens \(data.tokenizer_vocab_size=2048\) but model.vocab_size "
+    with pytest.raises(UserError, match=r"2048 tokens \(data.tokenizer_vocab_size=2048\) but model.vocab_size "
                                          r"is 1000.*set model.vocab_size=2048"):
         _trainer(_recipe(tmp_path, vocab_size=1000))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from fixtures import compose_recipe
 
+from orthros_train.errors import UserError
 from orthros_train.parallel.setup import ParallelConfig
 from orthros_train.train.config import RLConfig, TrainerConfig, resolve_batch_geometry
 
@@ -28,7 +29,7 @@ from orthros_train.train.config import RLConfig, TrainerConfig, resolve_batch_ge
     ],
 )
 def test_a_wrong_type_or_unknown_key_names_key_value_and_type(override, message):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(UserError) as err:
         compose_recipe("tiny_cpu", override)
     assert message in str(err.value)
 
@@ -77,7 +78,7 @@ def test_rl_derives_its_global_batch_from_the_rollouts_per_step():
     rl = RLConfig(group_size=8, prompts_per_step=8)
     assert _geometry(1, rl, micro_batch_size=32).grad_accum_steps == 2
     assert _geometry(2, rl, micro_batch_size=32).grad_accum_steps == 1
-    with pytest.raises(ValueError, match=r"global_batch_size=32, but an RL step trains on .* = 64 rollouts"):
+    with pytest.raises(UserError, match=r"global_batch_size=32, but an RL step trains on .* = 64 rollouts"):
         _geometry(1, rl, micro_batch_size=32, global_batch_size=32)
 
 
@@ -110,14 +111,14 @@ def test_without_a_global_batch_it_grows_with_the_data_parallel_size():
     ],
 )  # fmt: skip
 def test_an_impossible_geometry_names_the_numbers_and_the_nearest_valid_choices(world, kw, message):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(UserError) as err:
         _geometry(world, **kw)
     assert message in str(err.value)
 
 
 def test_an_explicit_data_parallel_that_matches_is_accepted():
     assert compose_recipe("tiny_cpu", "parallel.data_parallel=2", world_size=2).parallel.data_parallel == 2
-    with pytest.raises(ValueError, match="parallel.data_parallel=2"):
+    with pytest.raises(UserError, match="parallel.data_parallel=2"):
         compose_recipe("tiny_cpu", "parallel.data_parallel=2", world_size=1)
 
 

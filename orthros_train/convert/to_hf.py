@@ -150,7 +150,7 @@ def _orthros_source_config(src: Path) -> OrthrosConfig:
     raw = read_json(src / CONFIG_NAME, SRC_FIX)
     try:
         config = OrthrosConfig.from_dict(raw)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, UserError) as err:
         raise ConversionError(f"{src / CONFIG_NAME} is not an Orthros config ({err}): {SRC_FIX}") from err
     if config.attention_type != "orthros":
         raise ConversionError(

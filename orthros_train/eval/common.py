@@ -34,7 +34,7 @@ def _bounded(parse, low: int, what: str):
     def check(text: str) -> int:
         try:
             value = parse(text)
-        except ValueError as err:
+        except UserError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
@@ -106,9 +106,7 @@ def parse_depths(text: str | list | tuple) -> list[float]:
             depths = [lo] if n < 2 else [round(lo + (hi - lo) * i / (n - 1), 4) for i in range(n)]
         else:
             depths = [float(p) for p in str(text).split(",") if p.strip()]
-    except ValueError as err:
-        if str(err).startswith("bad depths"):
-            raise
+    except ValueError as err:  # float()/int() of a word
         raise UserError(f"bad depths {text!r} ({err}); {fix}") from None
     if not depths:
         raise UserError(f"bad depths {text!r}: no depth given; {fix}")

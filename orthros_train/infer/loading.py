@@ -124,9 +124,7 @@ def orthros_config(fields: dict[str, Any], where: str | Path) -> OrthrosConfig:
     """``OrthrosConfig.from_dict`` with its refusals (unknown fields, bad values) naming ``where``."""
     try:
         return OrthrosConfig.from_dict(fields)
-    except UserError:
-        raise
-    except (ValueError, TypeError) as err:
+    except (UserError, TypeError) as err:  # TypeError: a field of the wrong type (a word for a size)
         raise UserError(f"{where}: not an Orthros model config ({err})") from err
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orthros_train.errors import UserError
 from orthros_train.model.layers import check_rope_scaling
 from orthros_train.ops.reference import UNBOUNDED
 from orthros_train.options import AttentionType, MoERouting
@@ -57,7 +58,7 @@ class OrthrosConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             if self.num_attention_heads and self.hidden_size % self.num_attention_heads != 0:
-                raise ValueError(
+                raise UserError(
                     f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                     f"({self.num_attention_heads}); set head_dim explicitly"
                 )
@@ -77,35 +78,35 @@ class OrthrosConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be an integer >= 1, got {self.sliding_window!r}")
+            raise UserError(f"sliding_window must be an integer >= 1, got {self.sliding_window!r}")
         sinks = self.sink_tokens
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(
+            raise UserError(
                 f"sink_tokens must be an integer >= 0 (0: the paper's layer, 4: a converted model's usual "
                 f"choice), got {sinks!r}"
             )
         if sinks and sinks >= self.sliding_window:
-            raise ValueError(
+            raise UserError(
                 f"sink_tokens ({sinks}) must be smaller than sliding_window ({self.sliding_window}): the sinks "
                 "are the first tokens of a document a base query sees beyond its window; lower sink_tokens"
             )
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
+            raise UserError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+            raise UserError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+            raise UserError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+            raise UserError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         self._validate_experts()
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, dict):
-                raise ValueError(f"rope_scaling must be a mapping or null, got {self.rope_scaling!r}")
+                raise UserError(f"rope_scaling must be a mapping or null, got {self.rope_scaling!r}")
             check_rope_scaling(self.rope_scaling)
 
     def _validate_experts(self) -> None:
@@ -113,36 +114,36 @@ class OrthrosConfig:
             return isinstance(value, int) and not isinstance(value, bool)
 
         if not integer(self.num_experts) or self.num_experts < 0:
-            raise ValueError(f"num_experts must be an integer >= 0 (0: dense MLPs), got {self.num_experts!r}")
+            raise UserError(f"num_experts must be an integer >= 0 (0: dense MLPs), got {self.num_experts!r}")
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
         if not self.num_experts:
             return
         k = self.num_experts_per_tok
         if not integer(k) or not 1 <= k <= self.num_experts:
-            raise ValueError(
+            raise UserError(
                 f"num_experts_per_tok must be an integer in 1..num_experts={self.num_experts}, got {k!r}"
             )
         for name in ("moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if not integer(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
         shared = self.shared_expert_intermediate_size
         if not integer(shared) or shared < 0:
-            raise ValueError(f"shared_expert_intermediate_size must be an integer >= 0 (0: none), got {shared!r}")
+            raise UserError(f"shared_expert_intermediate_size must be an integer >= 0 (0: none), got {shared!r}")
         layers = self.mlp_only_layers
         if not isinstance(layers, (list, tuple)) or not all(integer(i) for i in layers):
-            raise ValueError(f"mlp_only_layers must be a list of layer indices, got {layers!r}")
+            raise UserError(f"mlp_only_layers must be a list of layer indices, got {layers!r}")
         outside = sorted(i for i in layers if not 0 <= i < self.num_hidden_layers)
         if outside:
-            raise ValueError(
+            raise UserError(
                 f"mlp_only_layers {outside} are not layers of this model (0..{self.num_hidden_layers - 1})"
             )
         self.mlp_only_layers = sorted(set(layers))
         if not any(self.is_sparse_layer(i) for i in range(self.num_hidden_layers)):
-            raise ValueError(
+            raise UserError(
                 f"num_experts={self.num_experts} but no layer is sparse (decoder_sparse_step="
                 f"{self.decoder_sparse_step}, mlp_only_layers={self.mlp_only_layers}); set num_experts=0 for a "
                 "dense model"
@@ -209,5 +210,5 @@ class OrthrosConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown OrthrosConfig fields: {unknown}")
+            raise UserError(f"unknown OrthrosConfig fields: {unknown}")
         return cls(**data)

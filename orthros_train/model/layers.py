@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orthros_train.errors import UserError
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -49,7 +51,7 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
     """Raise ValueError naming the offending field when ``scaling`` cannot be applied."""
     kind = rope_type(scaling)
     if kind not in ROPE_TYPES:
-        raise ValueError(
+        raise UserError(
             f"rope_scaling.rope_type {kind!r} is not supported; use one of {ROPE_TYPES} "
             "(or rope_scaling: null for plain RoPE)"
         )
@@ -57,12 +59,12 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
         return
     missing = [k for k in ROPE_REQUIRED_KEYS[kind] if scaling.get(k) is None]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"rope_scaling ({kind}) is missing {missing}; add them to model.rope_scaling "
             f"(required for {kind}: {list(ROPE_REQUIRED_KEYS[kind])})"
         )
     if float(scaling["factor"]) <= 0:
-        raise ValueError(f"rope_scaling.factor must be > 0, got {scaling['factor']!r}")
+        raise UserError(f"rope_scaling.factor must be > 0, got {scaling['factor']!r}")
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orthros_train.errors import UserError, raised_by_project, report_bug
+from orthros_train.errors import UserError, first_line, report_bug
 from orthros_train.eval.common import nonnegative_int, parse_lengths, positive_int
 from orthros_train.logging_setup import configure_logging
 from orthros_train.study.pipeline import ARCHS, EXTRA_ARCHS, StudyOptions, rerender_report, run_study
@@ -78,11 +78,8 @@ def run_owned(prog: str, out: Path, what: str, work: Callable[[], Any]) -> int:
     except RunFailed as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:
-        if not (isinstance(exc, UserError) or raised_by_project(exc)):
-            report_bug(prog, exc)  # from inside torch/numpy: a bug, its traceback shows where
-            return 1
-        print(f"{prog}: {exc}", file=sys.stderr)
+    except UserError as exc:  # the study's own refusals; a ValueError from torch or numpy is a bug below
+        print(f"{prog}: {first_line(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:  # anything else is a bug: its traceback, and where to report it
         report_bug(prog, exc)
@@ -215,8 +212,8 @@ def conversion_main(argv: list[str]) -> int:
             return 0
         if not args.smollm2_only:
             check_options(opts)  # before --out is created: a refused study writes nothing
-    except ValueError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+    except UserError as exc:
+        print(f"{prog}: {first_line(exc)}", file=sys.stderr)
         return 2
 
     def work() -> None:
@@ -242,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"orthros-study: unknown --archs {unknown}; choose from {', '.join(known)}")
     try:
         prefill_lengths = parse_lengths(args.prefill_lengths) if args.prefill_lengths else []
-    except ValueError as exc:
+    except UserError as exc:
         raise SystemExit(f"orthros-study: --prefill-lengths: {exc}") from exc
     if args.notes is not None and not args.notes.is_file():
         raise SystemExit(f"orthros-study: --notes {args.notes}: no such file")
@@ -269,15 +266,15 @@ def main(argv: list[str] | None = None) -> int:
             command=" ".join(["orthros-study", *map(shlex.quote, argv)]),
             overwrite=args.overwrite,
         )
-    except ValueError as exc:
-        print(f"orthros-study: {exc}", file=sys.stderr)
+    except UserError as exc:
+        print(f"orthros-study: {first_line(exc)}", file=sys.stderr)
         return 2
     configure_logging()  # the study's progress lines
     if args.report_only:  # measures nothing and trains nothing: no need to own --out
         try:
             rerender_report(opts)
-        except ValueError as exc:
-            print(f"orthros-study: {exc}", file=sys.stderr)
+        except UserError as exc:
+            print(f"orthros-study: {first_line(exc)}", file=sys.stderr)
             return 2
         return 0
     return run_owned("orthros-study", args.out, "study", lambda: run_study(opts))

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
 from orthros_train.study.pipeline import (
     QUICK_OVERRIDES,
     _log,
@@ -140,39 +141,39 @@ class ConversionOptions:
     def __post_init__(self) -> None:
         check_seeds_and_rates(self.seeds, self.lrs)
         if not self.warmups:
-            raise ValueError("--warmups needs at least one warm-up fraction")
+            raise UserError("--warmups needs at least one warm-up fraction")
         for name in ("steps", "jobs", "eval_threads", "recall_documents", "passkey_documents", "longctx_factor",
                      "longctx_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("teacher_steps", "window", "valid_tokens", "train_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
+                raise UserError(f"{name} must be >= 1 (or unset), got {value}")
         for flag, value in [*(("--warmups", w) for w in self.warmups), ("--frozen", self.frozen)]:
             check_fraction(flag, value, self.steps)
         if not (math.isfinite(self.affine_noise) and self.affine_noise >= 0):
-            raise ValueError(f"--affine-noise must be a finite number >= 0, got {self.affine_noise}")
+            raise UserError(f"--affine-noise must be a finite number >= 0, got {self.affine_noise}")
         if not (math.isfinite(self.smollm2_minutes) and self.smollm2_minutes > 0):
-            raise ValueError(f"--smollm2-minutes must be a finite number > 0, got {self.smollm2_minutes}")
+            raise UserError(f"--smollm2-minutes must be a finite number > 0, got {self.smollm2_minutes}")
         curve_steps(self.steps, self.fractions)  # refuses fractions the steps cannot resolve
         self._check_smollm2()
 
     def _check_smollm2(self) -> None:
         unknown = [a for a in self.smollm2_arms if a not in SMOLLM2_ARMS]
         if not self.smollm2_arms or unknown:
-            raise ValueError(f"--smollm2-arms {','.join(self.smollm2_arms)}: choose one or more of "
+            raise UserError(f"--smollm2-arms {','.join(self.smollm2_arms)}: choose one or more of "
                              f"{','.join(SMOLLM2_ARMS)}")
         for name in ("smollm2_points", "smollm2_eval_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.smollm2_steps is not None and self.smollm2_steps < self.smollm2_points:
-            raise ValueError(f"--smollm2-steps {self.smollm2_steps} is fewer than the curve's "
+            raise UserError(f"--smollm2-steps {self.smollm2_steps} is fewer than the curve's "
                              f"{self.smollm2_points} points (--smollm2-points); give more steps or fewer points")
         if not (math.isfinite(self.smollm2_alpha) and 0 <= self.smollm2_alpha <= 1):
-            raise ValueError(f"--smollm2-alpha must lie in [0, 1], got {self.smollm2_alpha}")
+            raise UserError(f"--smollm2-alpha must lie in [0, 1], got {self.smollm2_alpha}")
         if self.sink_tokens < 1:
-            raise ValueError(f"--sink-tokens must be >= 1 (the sink arms' S), got {self.sink_tokens}")
+            raise UserError(f"--sink-tokens must be >= 1 (the sink arms' S), got {self.sink_tokens}")
 
     @classmethod
     def quick_defaults(cls, **given: Any) -> ConversionOptions:
@@ -183,9 +184,9 @@ class ConversionOptions:
 def check_fraction(flag: str, value: float, steps: int) -> None:
     """A fraction of the run's steps in [0, 1) that is 0 or at least one step (0.04 of 10 steps is none)."""
     if not (math.isfinite(value) and 0 <= value < 1):
-        raise ValueError(f"{flag} {value:g}: a fraction of the steps must lie in [0, 1)")
+        raise UserError(f"{flag} {value:g}: a fraction of the steps must lie in [0, 1)")
     if value > 0 and round(value * steps) == 0:
-        raise ValueError(f"{flag} {value:g} of {steps} steps rounds to 0 steps; give at least {1 / steps:g} "
+        raise UserError(f"{flag} {value:g} of {steps} steps rounds to 0 steps; give at least {1 / steps:g} "
                          "(or 0 to leave it out), or more --steps")
 
 
@@ -210,15 +211,15 @@ def curve_steps(steps: int, fractions: Sequence[float]) -> list[tuple[float, int
     Every fraction must land on its own step: at 10 steps, 0.1 and 0.12 would both be step 1.
     """
     if not fractions:
-        raise ValueError("the recovery curve needs at least one fraction")
+        raise UserError("the recovery curve needs at least one fraction")
     points = []
     for f in sorted(set(fractions)):
         if not 0 <= f <= 1:
-            raise ValueError(f"curve fraction {f} outside [0, 1]")
+            raise UserError(f"curve fraction {f} outside [0, 1]")
         points.append((f, round(f * steps)))
     taken = [s for _, s in points]
     if len(set(taken)) != len(taken) or any(s == 0 for f, s in points if f > 0):
-        raise ValueError(f"the curve fractions {sorted(set(fractions))} do not fall on distinct steps of a "
+        raise UserError(f"the curve fractions {sorted(set(fractions))} do not fall on distinct steps of a "
                          f"{steps}-step run ({taken}); use more steps or fewer fractions")
     return points
 
@@ -274,19 +275,19 @@ def check_teacher(path: Path, model: dict[str, Any] | None = None, vocab_size: i
     path = Path(path)
     config = path / "config.json"
     if not config.is_file() or not any(path.glob("*.safetensors")):
-        raise ValueError(f"--teacher {path}: no checkpoint there (config.json + *.safetensors); point it at a "
+        raise UserError(f"--teacher {path}: no checkpoint there (config.json + *.safetensors); point it at a "
                          "dense run's checkpoints/final, or drop --teacher to train one")
     try:
         have = json.loads(config.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--teacher {path}: {config} is not valid JSON ({exc}); restore it or point --teacher at "
+        raise UserError(f"--teacher {path}: {config} is not valid JSON ({exc}); restore it or point --teacher at "
                          "another dense checkpoint") from None
     kind = have.get("attention_type")
     if kind != "dense":
-        raise ValueError(f"--teacher {path}: attention_type is {kind!r}, the study converts a dense model; point "
+        raise UserError(f"--teacher {path}: attention_type is {kind!r}, the study converts a dense model; point "
                          "it at a dense run's checkpoints/final (e.g. orthros-train --config-name study/dense)")
     if vocab_size is not None and have.get("vocab_size") != vocab_size:
-        raise ValueError(f"--teacher {path} has a vocabulary of {have.get('vocab_size')} tokens, the study's tokenizer "
+        raise UserError(f"--teacher {path} has a vocabulary of {have.get('vocab_size')} tokens, the study's tokenizer "
                          f"{vocab_size}: its token ids mean other words, so no override makes it this study's "
                          "teacher; pick a dense checkpoint trained with the study's tokenizer (or drop --teacher)")
     # Only the sizes the recipe states (an interpolation such as the tokenizer's vocabulary is not a size yet).
@@ -295,7 +296,7 @@ def check_teacher(path: Path, model: dict[str, Any] | None = None, vocab_size: i
     if wrong:
         differ = [f"{k} {have.get(k)} (the study's {model[k]})" for k in wrong]
         fix = " ".join(f"model.{k}={have.get(k)}" for k in wrong)
-        raise ValueError(f"--teacher {path} has another shape: {', '.join(differ)}; the continued arms train the "
+        raise UserError(f"--teacher {path} has another shape: {', '.join(differ)}; the continued arms train the "
                          f"study's shape, so match it (--override {fix}; --quick is the quick shape) or pick "
                          "a teacher of this shape")
 
@@ -304,21 +305,21 @@ def check_out(out: Path) -> None:
     """``out`` is new, empty or this study's; anything else is refused before a file is written."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; pick a folder")
+        raise UserError(f"--out {out} is a file; pick a folder")
     # A lock left by a killed study is not content (the next study takes it over).
     if not out.is_dir() or (out / MARKER).is_file() or not any(p for p in out.iterdir() if "run.lock" not in p.name):
         return
     found = sorted(p.name for p in out.iterdir())[:4]
     what = "the replication study (study.json)" if (out / "study.json").exists() else f"other files ({found})"
-    raise ValueError(f"--out {out} holds {what}, not a conversion study; pick an empty or new folder")
+    raise UserError(f"--out {out} holds {what}, not a conversion study; pick an empty or new folder")
 
 
 def check_window(window: int, seq_len: int) -> None:
     if window >= seq_len:
-        raise ValueError(f"--window {window} is not smaller than the sequence ({seq_len} tokens): nothing would be "
+        raise UserError(f"--window {window} is not smaller than the sequence ({seq_len} tokens): nothing would be "
                          "beyond W; pick --window below the sequence length")
     if 4 * window > passkey_haystack_length(seq_len):
-        raise ValueError(f"--window {window}: the passkey probe needs a needle 4 windows back, beyond the "
+        raise UserError(f"--window {window}: the passkey probe needs a needle 4 windows back, beyond the "
                          f"{seq_len}-token sequence; pick --window <= {passkey_haystack_length(seq_len) // 4}")
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from orthros_train.errors import UserError
+
 ARCHS = ("orthros", "dense", "sliding")
 # Arms beyond the three models, chosen with --archs: (the recipe they train, their overrides).
 # orthros_sinks: the Orthros model from scratch with S = 4 sink tokens (model.sink_tokens), beside S = 0.
@@ -79,25 +81,25 @@ class StudyOptions:
 
     def __post_init__(self) -> None:
         if not self.archs:
-            raise ValueError(f"--archs needs at least one model, from {', '.join((*ARCHS, *EXTRA_ARCHS))}")
+            raise UserError(f"--archs needs at least one model, from {', '.join((*ARCHS, *EXTRA_ARCHS))}")
         check_seeds_and_rates(self.seeds, self.lrs)
         stray = [a for a in (self.train_archs or ()) if a not in self.archs]
         if stray:
-            raise ValueError(
+            raise UserError(
                 f"--train-archs {','.join(stray)} not in --archs {','.join(self.archs)}: the study evaluates only "
                 f"--archs, so a run it does not evaluate is not trained; add them to --archs or drop them"
             )
         if self.overwrite and (self.skip_train or self.train_archs is not None):
-            raise ValueError("--overwrite retrains every run: it cannot go with --skip-train or --train-archs")
+            raise UserError("--overwrite retrains every run: it cannot go with --skip-train or --train-archs")
         if self.jobs < 1:
-            raise ValueError(f"jobs must be >= 1, got {self.jobs}")
+            raise UserError(f"jobs must be >= 1, got {self.jobs}")
         for name in ("recall_documents", "passkey_documents", "prefill_repeats", "prefill_threads", "eval_threads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "valid_tokens", "train_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
+                raise UserError(f"{name} must be >= 1 (or unset), got {value}")
 
 
 logger = logging.getLogger(__name__)
@@ -106,17 +108,17 @@ logger = logging.getLogger(__name__)
 def check_seeds_and_rates(seeds: Sequence[int], lrs: Sequence[float]) -> None:
     """At least one of each; seeds distinct (a repeated seed is the same run twice); rates finite and > 0."""
     if not seeds:
-        raise ValueError("--seeds needs at least one seed")
+        raise UserError("--seeds needs at least one seed")
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds {','.join(map(str, seeds))} repeats a seed; give each seed once")
+        raise UserError(f"--seeds {','.join(map(str, seeds))} repeats a seed; give each seed once")
     if not lrs:
-        raise ValueError("--lrs needs at least one learning rate (one: no sweep)")
+        raise UserError("--lrs needs at least one learning rate (one: no sweep)")
     bad = [lr for lr in lrs if not (math.isfinite(lr) and 0 < lr <= 1)]
     if bad:  # above 1 is a typo (3e3 for 3e-3) the trainer would refuse only after the study started
-        raise ValueError(f"--lrs {','.join(f'{lr:g}' for lr in lrs)}: every rate must be a finite number > 0 "
+        raise UserError(f"--lrs {','.join(f'{lr:g}' for lr in lrs)}: every rate must be a finite number > 0 "
                          f"and at most 1 ({', '.join(f'{lr:g}' for lr in bad)} is not)")
     if len(set(lrs)) != len(lrs):
-        raise ValueError(f"--lrs {','.join(f'{lr:g}' for lr in lrs)} repeats a rate; give each rate once")
+        raise UserError(f"--lrs {','.join(f'{lr:g}' for lr in lrs)} repeats a rate; give each rate once")
 
 
 def _log(msg: str) -> None:
@@ -181,7 +183,7 @@ def check_trained(run_dirs: Sequence[Path], why: str) -> None:
             missing.append(f"{run_dir} (no {', '.join(lacks)})")
     if missing:
         shown = "; ".join(missing[:6]) + (f"; and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise ValueError(
+        raise UserError(
             f"{why}, but these runs are not trained: {shown}. Point --out at the folder of a study that trained "
             "them, train them (drop --skip-train, or list them in --train-archs), or match --archs/--lrs/--seeds "
             "to the runs that exist"
@@ -249,7 +251,7 @@ def passkey_ranges(window: int, seq_len: int) -> dict[str, tuple[int, int]]:
     """Needle distances probed: inside the window, and 4-8 windows back (capped by the trained length)."""
     far = (4 * window, min(8 * window, passkey_haystack_length(seq_len)))
     if far[0] > far[1]:
-        raise ValueError(f"seq_len {seq_len} is too short for a needle 4 windows (4 x {window}) back")
+        raise UserError(f"seq_len {seq_len} is too short for a needle 4 windows (4 x {window}) back")
     return {"within_window": (2, window - 1), "4-8x_window": far}
 
 
@@ -273,7 +275,7 @@ def passkey_eval(model: torch.nn.Module, tokenizer, data: dict[str, Any], essays
     text = [t for doc in essays for t in doc if t != eod]
     haystack_len = passkey_haystack_length(seq_len)
     if len(text) < haystack_len:
-        raise ValueError(f"held-out essays have {len(text)} tokens, fewer than one {haystack_len}-token haystack")
+        raise UserError(f"held-out essays have {len(text)} tokens, fewer than one {haystack_len}-token haystack")
     rng = random.Random(2_000_003 + mix.seed)
     out: dict[str, Any] = {"documents": documents, "chance": mix.chance}
     for haystack in ("pairs", "essays"):
@@ -355,7 +357,8 @@ def pick_lr(sweep: dict[Any, float | None]) -> Any:
     """The rate (or setting) with the lowest held-out blend loss (a run without one, e.g. diverged, never wins)."""
     scored = {lr: loss for lr, loss in sweep.items() if loss is not None and math.isfinite(loss)}
     if not scored:
-        raise ValueError(f"no run of the sweep {sorted(sweep)} has a finite held-out loss")
+        raise UserError(f"no run of the sweep {sorted(sweep)} has a finite held-out loss (every run diverged or "
+                        "failed): lower --lrs, or read the runs' train.log")
     return min(scored, key=lambda lr: scored[lr])
 
 
@@ -650,7 +653,7 @@ def rerender_report(opts: StudyOptions) -> dict[str, Any]:
     from orthros_train.study.report import write_report
 
     if opts.report is None:
-        raise ValueError("--report-only needs a --report path")
+        raise UserError("--report-only needs a --report path")
     results = read_results(Path(opts.out) / "study.json", "study")
     write_report(results, Path(opts.report), Path(opts.notes).read_text() if opts.notes else None)
     return results
@@ -659,12 +662,12 @@ def rerender_report(opts: StudyOptions) -> dict[str, Any]:
 def read_results(source: Path, what: str) -> dict[str, Any]:
     """The JSON a finished ``what`` wrote, for ``--report-only``; a missing or broken file is named with the fix."""
     if not source.is_file():
-        raise ValueError(f"--report-only rewrites the report from {source}, which does not exist: point --out at "
+        raise UserError(f"--report-only rewrites the report from {source}, which does not exist: point --out at "
                          f"a finished {what}'s folder")
     try:
         return json.loads(source.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{source} is not valid JSON ({err}): rerun the study or restore the file") from err
+        raise UserError(f"{source} is not valid JSON ({err}): rerun the study or restore the file") from err
 
 
 def _check_finite(results: dict[str, Any]) -> None:

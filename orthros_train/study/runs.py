@@ -32,6 +32,7 @@ from typing import Any
 
 from orthros_train.common.files import write_atomic
 from orthros_train.common.lifetime import child_environment
+from orthros_train.errors import UserError
 
 SPEC = "study_run.json"  # the command a run directory was started with (written before training)
 TIMING = "study_train.json"  # seconds of the last training segment, written when it ends
@@ -48,8 +49,9 @@ class StudyInterrupted(Exception):
         self.signum = signum
 
 
-class RunFailed(ValueError):
-    """A training process exited with an error (one line: the run and its log)."""
+class RunFailed(Exception):
+    """A training process exited with an error (one line: the run and its log). Neither a bug of
+    the study nor a refused input: the run's own log says what went wrong."""
 
 
 class RunAborted(Exception):
@@ -143,12 +145,12 @@ def owned_study(out: Path, what: str) -> Iterator[None]:
     from orthros_train.train.run_lock import RunLock, RunLockedError
 
     if Path(out).exists() and not Path(out).is_dir():  # named as the flag the user gave, not as a run_dir
-        raise ValueError(f"--out {out} is a file, not a directory: pick another --out")
+        raise UserError(f"--out {out} is a file, not a directory: pick another --out")
     lock = RunLock(out)
     try:
         lock.acquire()
     except RunLockedError as exc:
-        raise ValueError(f"--out {out} is in use by another {what} ({_lock_holder(Path(out))}); wait for it, "
+        raise UserError(f"--out {out} is in use by another {what} ({_lock_holder(Path(out))}); wait for it, "
                          "stop it, or pick another --out") from exc
     CHILDREN.reset()
 
@@ -243,9 +245,9 @@ def run_state(run_dir: Path, command: Sequence[str]) -> str:
         return "new"
     recorded = recorded_command(run_dir)
     if recorded is None:
-        raise ValueError(f"{run_dir} exists and is not a study run directory; pick another --out")
+        raise UserError(f"{run_dir} exists and is not a study run directory; pick another --out")
     if recorded != list(command):
-        raise ValueError(f"{run_dir} holds a run of another configuration ({_difference(recorded, command)}); "
+        raise UserError(f"{run_dir} holds a run of another configuration ({_difference(recorded, command)}); "
                          "pass --overwrite to train it again, or pick another --out")
     try:
         max_steps = int(json.loads((run_dir / "recipe.json").read_text())["trainer"]["max_steps"])

@@ -330,6 +330,7 @@ class Evaluator:
 
 def _final(run_dir: Path) -> Path:
     """The run's final export, or (stopped by the budget) its newest saved step."""
+    from orthros_train.study.runs import RunFailed
     from orthros_train.train.checkpoint_store import CheckpointStore
 
     final = run_dir / "checkpoints" / "final"
@@ -337,7 +338,7 @@ def _final(run_dir: Path) -> Path:
         return final
     latest = CheckpointStore(run_dir).find_latest()
     if latest is None:
-        raise ValueError(f"the SmolLM2 run in {run_dir} saved no checkpoint; see its train.log")
+        raise RunFailed(f"the SmolLM2 run in {run_dir} saved no checkpoint; see its train.log")
     return latest / "model"
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from orthros_train.data.passkey import PASSKEY_QUESTION, draw_passkey, haystack_slice, hide_needle, passkey_sentence
+from orthros_train.errors import UserError
 
 PASSKEY_MULTIPLES = (2, 4, 6, 8)  # prompt lengths, in windows
 PASSKEY_DEPTHS = (0.05, 0.2, 0.35)  # where the needle sits in the filler: far from the question
@@ -25,7 +26,7 @@ def heldout_measures(model: torch.nn.Module, original: torch.nn.Module | None, t
     model is the original, KL 0)."""
     n = min(len(tokens), max_tokens) // seq_len
     if n < 1:
-        raise ValueError(f"held-out text has {len(tokens)} tokens, fewer than one {seq_len}-token window")
+        raise UserError(f"held-out text has {len(tokens)} tokens, fewer than one {seq_len}-token window")
     sums = {"within": 0.0, "beyond": 0.0, "kl": 0.0}
     counts = {"within": 0, "beyond": 0}
     with torch.no_grad():
@@ -61,7 +62,7 @@ def passkey_prompts(tokenizer, filler: Sequence[int], window: int, seed: int = 0
             length = max(multiple * window, len(needle) + len(question) + window + 8)
             budget = length - len(needle) - len(question)
             if budget > len(filler):
-                raise ValueError(f"the filler has {len(filler)} tokens, fewer than a {length}-token pass-key prompt")
+                raise UserError(f"the filler has {len(filler)} tokens, fewer than a {length}-token pass-key prompt")
             at = min(int(depth * budget), budget - window - 1)
             ids = hide_needle(haystack_slice(rng, filler, budget), needle, at, question)
             distance = len(ids) - (at + len(needle))  # from the needle's last token to the question's last

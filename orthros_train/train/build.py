@@ -164,7 +164,7 @@ def lock_run_dir(run_dir: Path, job_id: str | None) -> RunLock | None:
         try:
             lock.acquire()
             atexit.register(lock.release)  # any normal exit, an error included, frees the directory
-        except ValueError as exc:
+        except UserError as exc:
             lock, problem = None, str(exc)
     problem = collectives.broadcast_object(problem, src=0)
     if problem:
@@ -228,12 +228,10 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
     model = build_parallel_model(cfg.model, cfg.parallel, seed=None)  # every weight is loaded next
     try:
         load_reference_shards(model, weights, cfg.model)
-    except ValueError as exc:  # tensors of another shape or name: name the model.* keys that differ
+    except UserError as exc:  # tensors of another shape or name: name the model.* keys that differ
         differ = _config_difference(cfg)
-        if not differ:
-            if isinstance(exc, UserError):  # a tensor missing, extra or not finite: say which weights
-                raise UserError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
-            raise
+        if not differ:  # a tensor missing, extra or not finite: say which weights
+            raise UserError(f"model.init_from={cfg.init.init_from}: {exc}") from exc
         raise UserError(
             f"model.init_from={cfg.init.init_from} holds another model than the recipe's: {'; '.join(differ)}. "
             f"Set these model.* keys to the checkpoint's values (or start from a checkpoint of this shape) ({exc})"

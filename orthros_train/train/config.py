@@ -72,7 +72,7 @@ class OptimConfig:
             raise UserError(f"optim.eps={self.eps} must be > 0 (e.g. 1e-8)")
         self.schedule = LRSchedule.parse(self.schedule, "optim.schedule")
         if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise UserError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass
@@ -147,9 +147,9 @@ class TrainerConfig:
         for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "global_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"trainer.{name} must be >= 1, got {value}")
+                raise UserError(f"trainer.{name} must be >= 1, got {value}")
         if self.overwrite and self.resume == "auto":
-            raise ValueError(
+            raise UserError(
                 "trainer.overwrite=true replaces the run in trainer.run_dir with a new one, but trainer.resume=auto "
                 "continues it: pass trainer.resume=none to start afresh (or drop trainer.overwrite)"
             )
@@ -157,7 +157,7 @@ class TrainerConfig:
         self.device = Device.parse(self.device, "trainer.device")
         self.resume_changes = ResumeChanges.parse(self.resume_changes, "trainer.resume_changes")
         if self.save_every < 0 or self.keep_last_k < 0 or self.max_nonfinite_steps < 1:
-            raise ValueError("trainer.save_every and trainer.keep_last_k must be >= 0, max_nonfinite_steps >= 1")
+            raise UserError("trainer.save_every and trainer.keep_last_k must be >= 0, max_nonfinite_steps >= 1")
         if self.sample_tokens < 0:
             raise UserError(f"trainer.sample_tokens={self.sample_tokens} must be >= 0 (0: no sample)")
         if self.loss_spike_factor < 0:
@@ -205,13 +205,13 @@ class RLConfig:
     def __post_init__(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "minibatches", "ppo_epochs"):
             if getattr(self, name) < 1:
-                raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
         if self.clip_eps_low < 0 or self.clip_eps_high < 0 or self.clip_eps_low >= 1:
-            raise ValueError("rl.clip_eps_low must lie in [0, 1) and rl.clip_eps_high must be >= 0")
+            raise UserError("rl.clip_eps_low must lie in [0, 1) and rl.clip_eps_high must be >= 0")
         if self.kl_coef < 0:
-            raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
+            raise UserError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
         if self.temperature <= 0:
-            raise ValueError("rl.temperature must be > 0 (RL samples; greedy rollouts carry no exploration)")
+            raise UserError("rl.temperature must be > 0 (RL samples; greedy rollouts carry no exploration)")
         if not 0 < self.top_p <= 1:
             raise UserError(f"rl.top_p={self.top_p} must lie in (0, 1] (1: no nucleus cut)")
 
@@ -235,9 +235,9 @@ class TaskConfig:
     def __post_init__(self) -> None:
         self.name = RLTask.parse(self.name, "task.name")
         if self.name == "prompts" and not self.reward:
-            raise ValueError("task.name=prompts needs task.reward (a reward function 'module:function')")
+            raise UserError("task.name=prompts needs task.reward (a reward function 'module:function')")
         if self.name == "rollouts" and not self.rollouts:
-            raise ValueError("task.name=rollouts needs task.rollouts (a JSONL file of rollouts)")
+            raise UserError("task.name=rollouts needs task.rollouts (a JSONL file of rollouts)")
 
 
 # The distill keys' values when distillation is on and the recipe leaves them unset (None).
@@ -409,7 +409,7 @@ def resolve_batch_geometry(
     ``world_size``: the launcher's process count, or the count a dry run plans for; None: the
     recipe's ``parallel.world_size``, else ``parallel.data_parallel`` (or 1) x TP x CP. The result
     is written into ``trainer`` and ``parallel`` (data_parallel, world_size, grad_accum_steps,
-    global_batch_size). An impossible combination raises ValueError with the numbers and the
+    global_batch_size). An impossible combination raises UserError with the numbers and the
     nearest valid choices. An RL step trains on rl.prompts_per_step x rl.group_size rollouts:
     that is its global batch."""
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
@@ -425,12 +425,12 @@ def resolve_batch_geometry(
                  "follows the launch", parallel.world_size, world_size)
     if world_size % model_ranks:
         valid = _neighbours(world_size, [model_ranks * k for k in range(1, world_size // model_ranks + 2)])
-        raise ValueError(
+        raise UserError(
             f"world size {world_size} is not divisible by {layout} = {model_ranks}: use a world size of {_or(valid)}"
         )
     dp = world_size // model_ranks
     if parallel.data_parallel is not None and parallel.data_parallel != dp:
-        raise ValueError(
+        raise UserError(
             f"world size {world_size} / ({layout}) = {dp} data-parallel ranks, but parallel.data_parallel="
             f"{parallel.data_parallel}: leave parallel.data_parallel unset (null) so that it follows the world size, "
             f"or use {parallel.data_parallel * model_ranks} processes"
@@ -438,7 +438,7 @@ def resolve_batch_geometry(
     micro = trainer.micro_batch_size
     rows = rl.prompts_per_step * rl.group_size if rl is not None else None
     if rows is not None and trainer.global_batch_size is not None and trainer.global_batch_size != rows:
-        raise ValueError(
+        raise UserError(
             f"trainer.global_batch_size={trainer.global_batch_size}, but an RL step trains on rl.prompts_per_step x "
             f"rl.group_size = {rl.prompts_per_step} x {rl.group_size} = {rows} rollouts: drop "
             "trainer.global_batch_size (RL derives it) or change the rl section"
@@ -461,7 +461,7 @@ def resolve_batch_geometry(
                 choices.append(f"trainer.micro_batch_size={_or(micros)}")
             if worlds:
                 choices.append(f"a world size of {_or(worlds)}")
-            raise ValueError(
+            raise UserError(
                 f"{what} (sequences per step) do not split into micro batches of "
                 f"trainer.micro_batch_size={micro} on {dp} data-parallel rank(s) "
                 f"(world size {world_size} / ({layout})): "
@@ -471,7 +471,7 @@ def resolve_batch_geometry(
             )
         accum = global_batch // (micro * dp)
         if trainer.grad_accum_steps is not None and trainer.grad_accum_steps != accum:
-            raise ValueError(
+            raise UserError(
                 f"trainer.grad_accum_steps={trainer.grad_accum_steps}, but {what} / "
                 f"(trainer.micro_batch_size={micro} x {dp} data-parallel ranks) = {accum}: leave "
                 "trainer.grad_accum_steps unset (null), it follows"
@@ -489,14 +489,14 @@ def typed_section(cls: type, values: dict[str, Any] | None, name: str) -> Any:
     checked = check_types(cls, values, name)
     try:
         return cls(**checked)
-    except TypeError as exc:  # e.g. a required field missing
-        raise UserError(f"recipe section '{name}': {exc}") from exc
-    except UserError:
+    except TypeError as exc:
+        # Only a TypeError of the call itself (a required field missing) is the recipe's: one
+        # raised inside __post_init__ or a library it calls is a bug and keeps its traceback.
+        if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:
+            raise UserError(f"recipe section '{name}': {exc}; set the missing key in the recipe") from exc
         raise
-    except ValueError as exc:
-        # A section's own checks (__post_init__, also of sections defined outside train/) are
-        # refusals of the recipe: one line naming the key, not a traceback.
-        raise UserError(str(exc)) from exc
+    # A section's own checks raise UserError (one line naming the key); any other exception,
+    # a ValueError from inside torch included, propagates with its traceback as a bug.
 
 
 def run_config_from_dict(cfg: dict[str, Any], world_size: int | None = None) -> RunConfig:
@@ -519,14 +519,9 @@ def run_config_from_dict(cfg: dict[str, Any], world_size: int | None = None) -> 
     given = {**cfg, "model": model}
     typed = {name: typed_section(hints[name], given.get(name), name) for name in sections}
     extra = {name: typed_section(cls, cfg[name], name) for name, cls in optional.items() if name in cfg}
-    try:
-        check_expert_layout(typed["parallel"], typed["model"], world_size)  # first: the experts' layout sets the world
-        resolve_batch_geometry(typed["trainer"], typed["parallel"], world_size, extra.get("rl"))
-        return RunConfig(**typed, init=init, **extra)
-    except UserError:
-        raise
-    except ValueError as exc:  # the checks across sections refuse the recipe: one line, not a traceback
-        raise UserError(str(exc)) from exc
+    check_expert_layout(typed["parallel"], typed["model"], world_size)  # first: the experts' layout sets the world
+    resolve_batch_geometry(typed["trainer"], typed["parallel"], world_size, extra.get("rl"))
+    return RunConfig(**typed, init=init, **extra)
 
 
 def record_geometry(resolved: dict[str, Any], cfg: RunConfig) -> None:

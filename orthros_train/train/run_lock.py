@@ -57,7 +57,7 @@ class RunLock(HeartbeatLock):
                          timeout=0, log=log)
 
     def acquire(self) -> None:
-        """Take the lock or raise ``RunLockedError`` naming the live holder; ``ValueError`` when
+        """Take the lock or raise ``RunLockedError`` naming the live holder; ``UserError`` when
         the directory cannot be written."""
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise UserError(f"trainer.run_dir={self.run_dir} is a file, not a directory: pick another trainer.run_dir")

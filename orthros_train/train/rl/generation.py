@@ -61,7 +61,7 @@ class RolloutGenerator:
                     kw["token_rewards"] = [float(x) for x in reward]
                 try:
                     rollouts.append(Rollout(list(prompt), list(response), group=int(slot), **kw))
-                except ValueError as e:  # e.g. a NaN reward: name the function, not a non-finite loss later
+                except UserError as e:  # e.g. a NaN reward: name the function, not a non-finite loss later
                     raise UserError(f"the reward function {getattr(self.reward_fn, '__name__', self.reward_fn)!r} "
                                      f"returned {reward!r}: {e}") from e
         return rollouts

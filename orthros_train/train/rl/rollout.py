@@ -166,7 +166,7 @@ def load_rollouts(path: str | Path, vocab_size: int | None = None) -> list[Rollo
                     rollout = Rollout(**record)
                     rollout.validate(vocab_size)
                     out.append(rollout)
-                except (ValueError, TypeError) as e:
+                except (UserError, ValueError, TypeError) as e:  # ValueError: json's own, a bad line
                     raise UserError(f"{path}:{lineno}: bad rollout: {e}") from e
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text ({e}); task.rollouts takes a JSONL file") from e
