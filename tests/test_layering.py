@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "package": set(),
     "common": {"package"},
     "ops": set(),
-    "phase": set(),
+    "phase": {"ops"},  # the key rule (ops/keys.py) decides which base tokens are global
     "model": {"ops", "phase"},
     "parallel": {"model", "ops", "phase"},
     "data": {"phase"},

@@ -131,13 +131,19 @@ def prefill(
     cache.reserve(int((cache.lengths + torch.tensor(lengths)).max()))
     chunk_size = resolve_chunk_size(model, chunk_size)
     step = max(lengths) if chunk_size is None else int(chunk_size)
+    # Where each row's prompt ends: a chunk's tokens are in the global tail by their distance to it,
+    # so a prompt read in chunks gets the same global tokens as one read at once.
+    prompt_ends = (cache.lengths + torch.tensor(lengths)).tolist()
+    tail = model.config.base_global_tail
     last: list[torch.Tensor | None] = [None] * b
     for offset in range(0, max(lengths), step):
         active = [i for i in range(b) if lengths[i] > offset]
         view = cache if len(active) == b else cache.select(active)
         pieces = [rows[i][offset : offset + step] for i in active]
         finishing = [j for j, i in enumerate(active) if lengths[i] <= offset + step]
-        layout = _outputs_of_rows(prefill_layout(pieces, start_positions=view.lengths), finishing)
+        pieces_layout = prefill_layout(pieces, start_positions=view.lengths, global_tail=tail,
+                                       prompt_lengths=[prompt_ends[i] for i in active])
+        layout = _outputs_of_rows(pieces_layout, finishing)
         logits = model.forward_layout(layout.to(device), view).logits
         for j, row_logits in zip(finishing, logits):
             last[active[j]] = row_logits
@@ -164,7 +170,8 @@ def decode(
 ) -> torch.Tensor:
     """One decode step for ``rows`` of the cache (default: all): appends ``next_ids``; logits ``[n, V]``."""
     view = cache if rows is None or len(rows) == cache.num_rows else cache.select(rows)
-    layout = decode_layout(next_ids.detach().cpu().reshape(-1), view.lengths).to(model_device(model))
+    layout = decode_layout(next_ids.detach().cpu().reshape(-1), view.lengths, model.config.base_global_tail)
+    layout = layout.to(model_device(model))
     return model.forward_layout(layout, view).logits
 
 

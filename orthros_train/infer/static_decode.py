@@ -33,7 +33,7 @@ from orthros_train.errors import UserError
 from orthros_train.model.cache import KVCache
 from orthros_train.model.orthros import AttentionPlan, ModuleFactory, OrthrosForCausalLM
 from orthros_train.ops.decode_rows import decode_rows_torch, decode_rows_triton
-from orthros_train.ops.reference import UNBOUNDED
+from orthros_train.ops.keys import UNBOUNDED
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def static_plan(model: OrthrosForCausalLM, rows: StaticRows, ids: torch.Tensor, 
         input_ids=ids, output_rows=torch.arange(n, device=ids.device), base_positions=rows.positions,
         out_positions=rows.positions[outputs], base_key_index=rows.dest, out_key_index=rows.dest[outputs],
         key_cu_seqlens=(torch.arange(n + 1, device=ids.device) * rows.capacity).to(torch.int32),
-        base_window=config.base_window, sink_tokens=config.base_sink_tokens, new_lengths=rows.active,
+        base_window=config.key_rule.decode_window, sink_tokens=config.base_sink_tokens, new_lengths=rows.active,
         capacity=rows.capacity, kernel=kernel,
     )  # fmt: skip
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from orthros_train.errors import UserError
 from orthros_train.model.layers import check_rope_scaling
-from orthros_train.ops.reference import UNBOUNDED
-from orthros_train.options import AttentionType, MoERouting
+from orthros_train.ops.keys import UNBOUNDED, KeyRule
+from orthros_train.options import AttentionType, FusedTokenwise, MoERouting
 
 
 @dataclass
@@ -31,10 +31,19 @@ class OrthrosConfig:
     # Base-stream attention sinks (an extension of the paper's layer, for converted models): a base
     # query also attends the first ``sink_tokens`` keys of its document. 0: the paper's layer.
     sink_tokens: int = 0
+    # The global tail (an extension of the paper's layer, for converted models): the base queries of
+    # a prompt's last ``base_global_tail`` tokens, and of every generated token, see their whole
+    # document instead of the window (``ops/keys.py``). 0: the paper's layer.
+    base_global_tail: int = 0
     attention_type: AttentionType = AttentionType.orthros
     max_position_embeddings: int = 131072
     initializer_range: float = 0.02
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
+    # Fused token-wise work of both streams (``ops/fused_tokenwise.py``: add+RMSNorm, RoPE of q and k
+    # in one kernel, merged q/k/v and gate/up GEMMs, SiLU-mul, chunked LM head + cross entropy):
+    # auto | on | off. ``auto``: fused on CUDA after its kernels pass a first-call check, eager on CPU.
+    # The weights and their names are the same either way.
+    fused_tokenwise: FusedTokenwise = FusedTokenwise.auto
     # Mixture of experts, with Qwen3-MoE / Qwen2-MoE's names and layer rule (``is_sparse_layer``).
     # num_experts = 0: every layer has the dense SwiGLU MLP of width intermediate_size.
     num_experts: int = 0
@@ -52,6 +61,9 @@ class OrthrosConfig:
     def __post_init__(self) -> None:
         self.attention_type = AttentionType.parse(self.attention_type, "attention_type")
         self.moe_routing = MoERouting.parse(self.moe_routing, "moe_routing")
+        if isinstance(self.fused_tokenwise, bool):  # YAML 1.1 reads a bare on/off as a boolean
+            self.fused_tokenwise = "on" if self.fused_tokenwise else "off"
+        self.fused_tokenwise = FusedTokenwise.parse(self.fused_tokenwise, "fused_tokenwise")
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
         if self.num_key_value_heads is None:
@@ -79,18 +91,17 @@ class OrthrosConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1:
-            raise UserError(f"sliding_window must be an integer >= 1, got {self.sliding_window!r}")
-        sinks = self.sink_tokens
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        KeyRule(self.sliding_window, self.sink_tokens, self.base_global_tail)  # the one validation of W, S, R
+        if self.base_global_tail and self.attention_type == AttentionType.dense:
             raise UserError(
-                f"sink_tokens must be an integer >= 0 (0: the paper's layer, 4: a converted model's usual "
-                f"choice), got {sinks!r}"
+                f"base_global_tail={self.base_global_tail} on a dense model: every query of a dense model already "
+                "sees its whole document; set model.base_global_tail=0 or model.attention_type=orthros"
             )
-        if sinks and sinks >= self.sliding_window:
+        if self.base_global_tail and self.sliding_window >= self.max_position_embeddings:
             raise UserError(
-                f"sink_tokens ({sinks}) must be smaller than sliding_window ({self.sliding_window}): the sinks "
-                "are the first tokens of a document a base query sees beyond its window; lower sink_tokens"
+                f"base_global_tail={self.base_global_tail} with sliding_window={self.sliding_window} >= "
+                f"max_position_embeddings={self.max_position_embeddings}: the window already covers every position, "
+                "so the tail changes nothing; set model.base_global_tail=0 or a smaller model.sliding_window"
             )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise UserError(
@@ -182,7 +193,12 @@ class OrthrosConfig:
     @property
     def base_sink_tokens(self) -> int:
         """Sink tokens of the base stream (0 for the dense baseline, whose window already holds them)."""
-        return 0 if self.attention_type == AttentionType.dense else self.sink_tokens
+        return self.key_rule.sink_tokens_of_pass()
+
+    @property
+    def key_rule(self) -> KeyRule:
+        """Which keys the base stream's queries see (``ops/keys.py``): window, sinks, global tail."""
+        return KeyRule(self.base_window, self.sink_tokens, self.base_global_tail)
 
     @property
     def num_kv_groups(self) -> int:

@@ -34,11 +34,16 @@ from torch import nn
 
 from orthros_train.common.safetensors_io import WEIGHTS_NAME, SafetensorsReader, save_safetensors
 from orthros_train.model.cache import KVCache
+from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
+from orthros_train.model.fused import attention_inputs, fusion_active, join_streams
 from orthros_train.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from orthros_train.model.moe import MoEOutput, SparseMoE, StreamPairs
 from orthros_train.ops.attention import UNBOUNDED, orthros_attention, prepare_attention
+from orthros_train.ops.fused_tokenwise import add_rms_norm, linear_cross_entropy, rms_norm
+from orthros_train.ops.keys import KeyRule
 from orthros_train.phase.builders import decode_layout, positions_layout, prefill_layout
+from orthros_train.options import FusedTokenwise
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
 
@@ -60,6 +65,9 @@ class AttentionPlan:
     key_cu_seqlens: torch.Tensor  # document boundaries of the keys
     base_window: int
     sink_tokens: int = 0  # the base stream's attention sinks (``OrthrosConfig.sink_tokens``)
+    # [T] bool or None: base queries that see their whole document (the global tail, ``ops/keys.py``)
+    base_global: torch.Tensor | None = None
+    num_global: int = 0  # how many (host-known, for the kernels' plan)
     new_lengths: torch.Tensor | None = None  # per-row new tokens when a KV cache is extended (CPU)
     # Per-forward attention metadata, filled by the first layer and reused by every later layer
     # and the backward (the kernels' query sort and tile plan, host-known counts): no layer
@@ -83,7 +91,11 @@ class AttentionPlan:
         out_window = torch.full_like(self.out_key_index, UNBOUNDED)
         if not with_base:
             return self.out_positions, self.out_key_index, out_window
-        base_window = torch.full_like(self.base_key_index, self.base_window)
+        meta = self.attention_meta
+        if "base_windows" not in meta:  # built once per pass: every layer asks
+            rule = KeyRule(self.base_window, self.sink_tokens)
+            meta["base_windows"] = rule.base_windows(self.base_global, self.base_key_index)
+        base_window = meta["base_windows"]
         return (
             torch.cat([self.base_positions, self.out_positions]),
             torch.cat([self.base_key_index, self.out_key_index]),
@@ -118,8 +130,9 @@ class AttentionPlan:
         _, q_index, q_window = self.queries(with_base)
         key = (with_base, k.shape[0], backend)
         if key not in self.attention_meta:
-            # the base queries are the windowed ones when the window is shorter than the keys
-            n_band = self.num_base if with_base and self.base_window <= k.shape[0] else 0
+            # the base queries but the global ones are the windowed ones when the window is shorter
+            # than the keys
+            n_band = self.num_base - self.num_global if with_base and self.base_window <= k.shape[0] else 0
             self.attention_meta[key] = prepare_attention(
                 q_index, q_window, self.key_cu_seqlens, k.shape[0], backend, sink_tokens=self.sink_tokens,
                 n_band=n_band, max_range=self.attention_meta.get("max_range"), query=(q.dtype, q.shape[-1]),
@@ -170,6 +183,8 @@ def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache
         key_cu_seqlens=cu,
         base_window=window,
         sink_tokens=config.base_sink_tokens,
+        base_global=layout.base_global if config.base_global_tail else None,
+        num_global=layout.num_global if config.base_global_tail else 0,
         new_lengths=new_lengths,
         attention_meta=meta,
     )
@@ -241,6 +256,10 @@ class ModuleFactory:
     def plan(self, config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache | None) -> AttentionPlan:
         return plan_for_layout(config, layout, cache)
 
+    def fused_tokenwise(self, config: OrthrosConfig) -> FusedTokenwise:
+        """The ``model.fused_tokenwise`` the modules built here use (a split model may refuse it)."""
+        return config.fused_tokenwise
+
     def initialise(self, model: "OrthrosForCausalLM") -> None:
         model.reset_parameters()
 
@@ -264,6 +283,7 @@ class OrthrosAttention(nn.Module):
         self.gamma = factory.head_parameter(1.0, h, hd)
         self.beta = factory.head_parameter(0.0, h, hd)
         self.rotary = RotaryEmbedding(hd, config.rope_theta, config.rope_scaling)
+        self.fusion = factory.fused_tokenwise(config)
 
     def forward(
         self, h: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, with_base_queries: bool
@@ -275,7 +295,22 @@ class OrthrosAttention(nn.Module):
         self, h: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, with_base_queries: bool
     ) -> torch.Tensor:
         """Attention of ``[x; y]`` (or ``y``) before the output projection, ``[rows, heads * head_dim]``."""
-        n_base, hd = plan.num_base, self.head_dim
+        q_angles, k_angles = plan.rotary_angles(self.rotary, with_base_queries)
+        if fusion_active(self.fusion, h):
+            q, k, v = attention_inputs(self, h, plan.num_base, with_base_queries, q_angles, k_angles)
+        else:
+            q, k, v = self.eager_inputs(h, plan.num_base, with_base_queries, q_angles, k_angles)
+        if cache is not None:
+            k, v = cache.extend(self.layer_idx, k, v, plan.new_lengths)
+        o = self.core(q, k, v, plan, with_base_queries)
+        return o.flatten(1)  # also for no queries (a prefill chunk without its output token)
+
+    def eager_inputs(
+        self, h: torch.Tensor, n_base: int, with_base_queries: bool, q_angles: tuple, k_angles: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v)`` of the normed ``[x; y]``: projections, q/k norms, the output affine, RoPE
+        (``model/fused.py: attention_inputs`` is the same in fewer passes)."""
+        hd = self.head_dim
         n_out = h.shape[0] - n_base
         base = h[:n_base]
         k = self.k_proj(base).view(n_base, -1, hd)
@@ -286,13 +321,7 @@ class OrthrosAttention(nn.Module):
         if n_out:
             q_out = q[q.shape[0] - n_out :] * self.gamma + self.beta
             q = torch.cat([q[: q.shape[0] - n_out], q_out])
-
-        q_angles, k_angles = plan.rotary_angles(self.rotary, with_base_queries)
-        q, k = self.rotary(q, *q_angles), self.rotary(k, *k_angles)
-        if cache is not None:
-            k, v = cache.extend(self.layer_idx, k, v, plan.new_lengths)
-        o = self.core(q, k, v, plan, with_base_queries)
-        return o.flatten(1)  # also for no queries (a prefill chunk without its output token)
+        return self.rotary(q, *q_angles), self.rotary(k, *k_angles), v
 
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, with_base_queries: bool
@@ -517,12 +546,14 @@ class OrthrosForCausalLM(nn.Module):
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         cache = KVCache(self.config.num_hidden_layers, input_ids.shape[0])
-        return self.forward_layout(prefill_layout(input_ids), cache).logits, cache
+        layout = prefill_layout(input_ids, global_tail=self.config.base_global_tail)
+        return self.forward_layout(layout, cache).logits, cache
 
     @torch.no_grad()
     def decode_step(self, next_ids: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         """Append one base+output pair per row: ``(logits [B, V], cache)``."""
-        layout = decode_layout(next_ids.to(self.embed_tokens.weight.device), cache.lengths)
+        layout = decode_layout(next_ids.to(self.embed_tokens.weight.device), cache.lengths,
+                               self.config.base_global_tail)
         return self.forward_layout(layout, cache).logits, cache
 
     @torch.no_grad()

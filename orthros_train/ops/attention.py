@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from orthros_train.ops.reference import UNBOUNDED, attention_reference, attention_with_sinks, sink_queries
+from orthros_train.ops.keys import UNBOUNDED, sink_queries
+from orthros_train.ops.reference import attention_reference, attention_with_sinks
 from orthros_train.ops.route import (
     RouteFacts,
     VarlenPlan,

@@ -13,8 +13,8 @@ keys it may see) is data on the device. This op is the attention of such a step:
     windows  G ints          keys each group's query sees, itself included (``UNBOUNDED``: all)
 
 Query ``(g, b)`` attends slot ``c`` of row ``b`` iff ``c <= lengths[b]`` and
-``lengths[b] - c < windows[g]`` or ``c < sink_tokens`` — the contract of ``reference.py`` with
-one document per row.
+``lengths[b] - c < windows[g]`` or ``c < sink_tokens`` — the rule of ``keys.py`` with one
+document per row.
 
 Two implementations: ``decode_rows_torch`` (plain torch, one masked SDPA over every slot; the
 CPU path and the reference) and ``decode_rows_triton`` (the flash-decoding kernel of
@@ -31,7 +31,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from orthros_train.ops.reference import UNBOUNDED, merge_partial_attention
+from orthros_train.ops.keys import UNBOUNDED, allowed_keys, missed_sinks
+from orthros_train.ops.reference import merge_partial_attention
 
 
 def _groups(q: torch.Tensor, lengths: torch.Tensor, windows: Sequence[int]) -> tuple[int, int]:
@@ -42,17 +43,13 @@ def _groups(q: torch.Tensor, lengths: torch.Tensor, windows: Sequence[int]) -> t
 
 
 def slot_mask(lengths: torch.Tensor, capacity: int, windows: Sequence[int], sink_tokens: int = 0) -> torch.Tensor:
-    """``[B, G, C]`` bool: which slots each group's query of each row attends."""
-    slots = torch.arange(capacity, device=lengths.device)[None, :]
-    pos = lengths.long()[:, None]
-    causal = slots <= pos
-    masks = []
-    for window in windows:
-        seen = causal if window >= UNBOUNDED else causal & (pos - slots < window)
-        if sink_tokens and window < UNBOUNDED:
-            seen = seen | (causal & (slots < sink_tokens))
-        masks.append(seen)
-    return torch.stack(masks, 1)
+    """``[B, G, C]`` bool: which slots each group's query of each row attends (``keys.allowed_keys``
+    with every row its own document of ``capacity`` keys)."""
+    b, g = lengths.numel(), len(windows)
+    q_window = torch.cat([torch.full((b,), w, device=lengths.device, dtype=torch.long) for w in windows])
+    one_row = torch.tensor([0, capacity], device=lengths.device)
+    mask = allowed_keys(lengths.long().repeat(g), q_window, one_row, capacity, sink_tokens)
+    return mask.view(g, b, capacity).transpose(0, 1)
 
 
 def decode_rows_torch(
@@ -95,7 +92,7 @@ def sink_partial(
     vs = v.view(b, capacity, h_kv, d)[:, :sink_tokens].float()
     qs = q.float().view(b, h_kv, h // h_kv, d)
     scores = torch.einsum("bkgd,bskd->bkgs", qs, ks) * scale  # [B, Hkv, group, S]
-    missed = (lengths.long() - window + 1).clamp(0, sink_tokens)
+    missed = missed_sinks(lengths, window, sink_tokens)
     seen = torch.arange(sink_tokens, device=q.device)[None, :] < missed[:, None]  # [B, S]
     scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where the row misses no sink
@@ -121,6 +118,8 @@ def decode_rows_triton(
     from orthros_train.ops.triton_decode import decode_attention_op  # lazy: imports triton
 
     g, b = _groups(q, lengths, windows)
+    if g > 1 and len(set(windows)) == 1:
+        return _folded_groups(decode_rows_triton, q, k, v, lengths, capacity, windows, sink_tokens, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     rows = torch.arange(b, device=q.device)
     q_index = (rows * capacity + lengths.long()).repeat(g)
@@ -139,6 +138,21 @@ def decode_rows_triton(
         o_s, lse_s = sink_partial(q[group], k, v, lengths, capacity, window, sink_tokens, scale)
         parts.append(merge_partial_attention(out[group], lse[:, group], o_s, lse_s)[0])
     return torch.cat(parts)
+
+
+def _folded_groups(op, q, k, v, lengths, capacity, windows, sink_tokens, scale) -> torch.Tensor:
+    """``op`` with every group's query of a row folded into one query of ``G`` times the heads.
+
+    Where all groups see the same keys (a decode step with the global tail: base and output query
+    both see the whole row) one pass over the row's cache serves them all: the queries become
+    extra heads of each KV head's group, so the kernel reads every cached key once, not ``G`` times.
+    """
+    g, b = len(windows), lengths.numel()
+    h_q, d = q.shape[1:]
+    h_kv = k.shape[1]
+    folded = q.view(g, b, h_kv, h_q // h_kv, d).permute(1, 2, 0, 3, 4).reshape(b, g * h_q, d)
+    out = op(folded, k, v, lengths, capacity, windows[:1], sink_tokens, scale)
+    return out.view(b, h_kv, g, h_q // h_kv, d).permute(2, 0, 1, 3, 4).reshape(g * b, h_q, d)
 
 
 __all__ = ["decode_rows_torch", "decode_rows_triton", "sink_partial", "slot_mask"]

@@ -15,14 +15,14 @@ Query ``i`` attends key ``j`` iff ``doc(j) == doc(q_index[i])``, ``j <= q_index[
 ``q_index[i] - j < q_window[i]``. Because documents are contiguous, that is one contiguous key
 range per query, ``[key_start, key_end]`` — the form the kernels use as well.
 
-Sink tokens (``sink_tokens = S > 0``, an extension of the paper's layer for converted models): a
-query also attends the first ``S`` keys of its document, ``doc_start <= j < doc_start + S`` with
-``j <= q_index[i]``, each key once where they overlap its window. The keys a query sees are then
-the window range plus a *sink range* ``[doc_start, min(doc_start + S, key_start))`` that is empty
-when the window already reaches them (always for unbounded queries). Backends compute the window
-range as before and the sink range as a second partial attention over at most ``S`` keys,
-merged exactly through the log-sum-exp (``attention_with_sinks``); ``S = 0`` never takes that
-path, so it is bitwise the plain op.
+Which keys a query sees (window, sink tokens, the global tail) is defined once, in
+``ops/keys.py``; this module computes attention over those keys. Sink tokens (``sink_tokens = S >
+0``) add a *sink range* ``[doc_start, min(doc_start + S, key_start))`` that is empty when the
+window already reaches them (always for unbounded queries). Backends compute the window range as
+before and the sink range as a second partial attention over at most ``S`` keys, merged exactly
+through the log-sum-exp (``attention_with_sinks``); ``S = 0`` never takes that path, so it is
+bitwise the plain op. The global tail needs nothing here: a global base query is a query whose
+window is ``UNBOUNDED``.
 """
 
 from __future__ import annotations
@@ -31,49 +31,15 @@ import math
 
 import torch
 
-# Larger than any sequence we will ever pack; int32-safe so kernels can take it as is.
-UNBOUNDED = 2**31 - 1
+from orthros_train.ops.keys import (
+    UNBOUNDED,
+    allowed_keys,
+    key_ranges,
+    sink_queries,
+)
+
 # Queries per chunk of the reference op: bounds its score memory (the memory model reads it).
 REFERENCE_CHUNK = 256
-
-
-def key_ranges(
-    q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive key range ``[start, end]`` of every query (int64)."""
-    q_index = q_index.long()
-    start = torch.maximum(document_starts(q_index, cu_seqlens), q_index - q_window.long() + 1)
-    return start, q_index
-
-
-def document_starts(q_index: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Key index of the first key of every query's document (int64)."""
-    cu = cu_seqlens.long()
-    return cu[torch.searchsorted(cu, q_index.long(), right=True) - 1]
-
-
-def sink_queries(
-    q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor, sink_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sink partial's queries: ``(rows, index, window)``.
-
-    ``rows`` are the queries whose sink range ``[doc_start, min(doc_start + S, key_start))`` is not
-    empty; each is re-expressed in the op's own contract as a query at key index ``index`` (the
-    last sink key it lacks) with window ``window`` (the sink keys it lacks), so any backend can
-    run the partial. One host sync (the number of rows); callers of a hot path compute it once
-    per forward (``prepare_attention``).
-    """
-    check_sink_tokens(sink_tokens)
-    doc_start = document_starts(q_index, cu_seqlens)
-    start, _ = key_ranges(q_index, q_window, cu_seqlens)
-    sink_end = torch.minimum(doc_start + sink_tokens, start)  # exclusive
-    rows = torch.nonzero(sink_end > doc_start).flatten()
-    return rows, sink_end[rows] - 1, sink_end[rows] - doc_start[rows]
-
-
-def check_sink_tokens(sink_tokens: int) -> None:
-    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-        raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
 
 
 def merge_partial_attention(
@@ -240,25 +206,15 @@ def attention_naive(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``[Nq, Nk]`` mask built from document ids and positions, for tests only.
 
-    Written from the definition (same document, causal, inside the window or among the
-    document's first ``sink_tokens`` keys) rather than from key ranges or partial merges, so it
-    checks ``attention_reference`` and every backend independently. O(Nq * Nk) memory.
+    Its mask is ``keys.allowed_keys`` (written from the definition rather than from key ranges or
+    partial merges), so it checks ``attention_reference`` and every backend independently.
+    O(Nq * Nk) memory.
     """
     check_attention_inputs(q, k, v, q_index, q_window, cu_seqlens)
-    check_sink_tokens(sink_tokens)
-    n_k = k.shape[0]
     d = q.shape[2]
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    doc_of_key = torch.repeat_interleave(
-        torch.arange(cu_seqlens.numel() - 1), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    )
-    j = torch.arange(n_k)
-    qi = q_index.long()[:, None]
-    key_doc_start = cu_seqlens.long()[doc_of_key]
-    in_window = qi - j[None, :] < q_window.long()[:, None]
-    is_sink = (j - key_doc_start)[None, :] < sink_tokens
-    mask = (doc_of_key[None, :] == doc_of_key[qi]) & (j[None, :] <= qi) & (in_window | is_sink)
+    mask = allowed_keys(q_index, q_window, cu_seqlens, k.shape[0], sink_tokens)
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale

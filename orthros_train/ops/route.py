@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from orthros_train.ops.reference import UNBOUNDED, attention_reference
+from orthros_train.ops.keys import UNBOUNDED
+from orthros_train.ops.reference import attention_reference
 
 log = logging.getLogger(__name__)
 

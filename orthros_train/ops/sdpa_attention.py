@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from orthros_train.ops.reference import UNBOUNDED, attention_reference, check_attention_inputs, check_sink_tokens
+from orthros_train.ops.keys import UNBOUNDED, check_sink_tokens
+from orthros_train.ops.reference import attention_reference, check_attention_inputs
 
 # Query rows per block of a windowed segment. Measured on CPU (1 thread, W=128, 8 heads of 64,
 # T=16K): 32 rows 0.076 s per layer, 64 rows 0.087 s, 128 rows 0.105 s; fewer rows waste fewer

@@ -44,7 +44,8 @@ import torch
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.orthros import AttentionPlan
 from orthros_train.ops.attention import UNBOUNDED, prepare_attention, resolve_backend
-from orthros_train.ops.reference import key_ranges, merge_partial_attention, sink_queries
+from orthros_train.ops.keys import key_ranges, sink_queries
+from orthros_train.ops.reference import merge_partial_attention
 from orthros_train.parallel import collectives
 from orthros_train.phase.layout import OrthrosLayout
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from orthros_train.ops.keys import prompt_tail_flags, span_tail_flags
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout, concat_layouts
 
 Rows = torch.Tensor | Sequence[torch.Tensor]
@@ -155,9 +156,13 @@ def sft_layout(
     answer_spans: Sequence[Sequence[Span]],
     document_ids: Rows | None = None,
     eod_token_id: int | None = None,
+    global_tail: int = 0,
 ) -> OrthrosLayout:
-    """Output tokens only where the next token lies in an answer span ``[start, end)``."""
-    return rl_layout(input_ids, answer_spans, None, document_ids, eod_token_id, what="answer")
+    """Output tokens only where the next token lies in an answer span ``[start, end)``.
+
+    ``global_tail`` (the model's ``base_global_tail``): each span's last prompt tokens and its
+    generated tokens get global base queries (``keys.span_tail_flags``), as ``generate`` gives them."""
+    return rl_layout(input_ids, answer_spans, None, document_ids, eod_token_id, what="answer", global_tail=global_tail)
 
 
 def rl_layout(
@@ -167,10 +172,12 @@ def rl_layout(
     document_ids: Rows | None = None,
     eod_token_id: int | None = None,
     what: str = "response",
+    global_tail: int = 0,
 ) -> OrthrosLayout:
     """Output tokens where the next token lies in a response span, weighted per target token.
 
     ``token_weights[b][j]`` is the weight (e.g. advantage) of predicting token ``j`` of row b.
+    ``global_tail``: as in ``sft_layout``.
     """
     rows = _as_rows(input_ids)
     if len(response_spans) != len(rows):
@@ -192,35 +199,58 @@ def rl_layout(
             if w.shape != ids.shape:
                 raise ValueError(f"token_weights shape {tuple(w.shape)} != row shape {tuple(ids.shape)}")
             weights = w[targets]
-        out.append(_row_layout(ids, doc, index, labels, weights))
+        lay = _row_layout(ids, doc, index, labels, weights)
+        doc_start = torch.arange(ids.numel()) - lay.positions.cpu()
+        lay.base_global = span_tail_flags(doc_start, [(int(a), int(b)) for a, b in spans], global_tail)
+        if lay.base_global is not None:
+            lay.base_global = lay.base_global.to(ids.device)
+            lay.validate()
+        out.append(lay)
     if sum(lay.num_outputs for lay in out) == 0:
         raise ValueError(f"empty layout: no {what} tokens in any row")
     return concat_layouts(out)
 
 
-def prefill_layout(input_ids: Rows, start_positions: Sequence[int] | torch.Tensor | None = None) -> OrthrosLayout:
+def prefill_layout(
+    input_ids: Rows,
+    start_positions: Sequence[int] | torch.Tensor | None = None,
+    global_tail: int = 0,
+    prompt_lengths: Sequence[int] | None = None,
+) -> OrthrosLayout:
     """One output token at the last position of each row (the token that predicts the answer).
 
     ``start_positions[b]`` is the RoPE position of row b's first token: 0 for a fresh prompt,
     the cached length when the row continues a KV cache (chunked prefill, decode).
+    ``global_tail`` (the model's ``base_global_tail``): the base queries of the last
+    ``global_tail`` tokens of each row's prompt are global (``keys.prompt_tail_flags``); the prompt
+    ends where this row ends unless ``prompt_lengths[b]`` (the position the prompt ends at: a
+    chunked prefill's later chunks) says otherwise.
     """
     rows = _as_rows(input_ids)
     starts = [0] * len(rows) if start_positions is None else [int(s) for s in start_positions]
     if len(starts) != len(rows):
         raise ValueError(f"{len(starts)} start positions given for {len(rows)} rows")
+    ends = [s + r.numel() for s, r in zip(starts, rows)] if prompt_lengths is None else [int(n) for n in prompt_lengths]
+    if len(ends) != len(rows):
+        raise ValueError(f"{len(ends)} prompt lengths given for {len(rows)} rows")
     out = []
-    for ids, start in zip(rows, starts):
+    for ids, start, end in zip(rows, starts, ends):
         doc = _row_documents(ids, None, None)
         last = torch.tensor([ids.numel() - 1], device=ids.device)
         lay = _row_layout(ids, doc, last, torch.full((1,), IGNORE_INDEX, device=ids.device), torch.zeros(1))
         lay.positions = lay.positions + start
+        lay.base_global = prompt_tail_flags(ids.numel(), start, end, global_tail, device=ids.device)
+        lay.validate()
         out.append(lay)
     return concat_layouts(out)
 
 
-def decode_layout(next_ids: torch.Tensor, cache_lengths: Sequence[int] | torch.Tensor) -> OrthrosLayout:
-    """One base+output pair per row: the new token at position ``cache_lengths[b]``."""
-    return prefill_layout(torch.as_tensor(next_ids).reshape(-1, 1), cache_lengths)
+def decode_layout(
+    next_ids: torch.Tensor, cache_lengths: Sequence[int] | torch.Tensor, global_tail: int = 0
+) -> OrthrosLayout:
+    """One base+output pair per row: the new token at position ``cache_lengths[b]``. With a global
+    tail (``global_tail > 0``) every generated token's base query is global."""
+    return prefill_layout(torch.as_tensor(next_ids).reshape(-1, 1), cache_lengths, global_tail)
 
 
 def positions_layout(

@@ -33,6 +33,8 @@ class OrthrosLayout:
     output_values  name -> [N]  further per-output-token values an objective reads beside the
                          labels (RL: the sampling policy's and the reference's log-probs)
     row_values     name -> B numbers per row, for an objective's diagnostics (RL: each rollout's reward)
+    base_global    [T] bool, or None: the base tokens whose query sees its whole document instead of
+                   the window (the global tail, ``ops/keys.py``); None: no such token (the paper's layer)
 
     Every phase returns this one type (RL's rollouts included), so the trainer's step reads the
     same batch whatever the objective.
@@ -48,9 +50,13 @@ class OrthrosLayout:
     num_rows: int = 1
     output_values: dict[str, torch.Tensor] = field(default_factory=dict)
     row_values: dict[str, list[float]] = field(default_factory=dict)
+    base_global: torch.Tensor | None = None
     # Labelled output tokens, counted once by ``validate`` (on the host, where layouts are built):
     # a count on the device would make every forward wait for the GPU.
     num_loss_tokens: int = field(init=False, default=0)
+    # Global base tokens (``base_global``), counted on the host too: the kernels' plan needs the
+    # number of windowed queries without a device sync.
+    num_global: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,6 +75,11 @@ class OrthrosLayout:
         self.num_loss_tokens = int((self.labels != IGNORE_INDEX).sum()) if self.labels.dim() == 1 else 0
         if t == 0:
             raise ValueError("empty layout: a batch needs at least one base token")
+        if self.base_global is not None:
+            if self.base_global.dtype != torch.bool or tuple(self.base_global.shape) != (t,):
+                raise ValueError(f"layout.base_global must be a bool [{t}] tensor, got "
+                                 f"{self.base_global.dtype} {tuple(self.base_global.shape)}")
+            self.num_global = int(self.base_global.sum())
         for name in ("input_ids", "positions", "output_index", "labels", "loss_weights"):
             if getattr(self, name).dim() != 1:
                 raise ValueError(f"layout.{name} must be 1-D (packed), got {getattr(self, name).dim()}-D")
@@ -140,4 +151,13 @@ def concat_layouts(layouts: list[OrthrosLayout]) -> OrthrosLayout:
         num_rows=row_offset,
         output_values={k: torch.cat([x.output_values[k] for x in layouts]) for k in layouts[0].output_values},
         row_values={k: [v for x in layouts for v in x.row_values[k]] for k in layouts[0].row_values},
+        base_global=_concat_flags([x.base_global for x in layouts], [x.num_tokens for x in layouts]),
     )
+
+
+def _concat_flags(flags: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
+    """The packed ``base_global`` of several layouts (None where none has a global token)."""
+    if all(f is None for f in flags):
+        return None
+    return torch.cat([torch.zeros(n, dtype=torch.bool, device=None) if f is None else f.bool()
+                      for f, n in zip(flags, lengths)])

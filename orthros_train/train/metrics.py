@@ -38,7 +38,7 @@ def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = Tru
     with few answer tokens this is close to a sliding-window model; for pretrain it is the
     Orthros cost of a pretraining layout (T*W + T^2/2 pairs per layer).
     """
-    from orthros_train.ops.reference import UNBOUNDED, key_ranges
+    from orthros_train.ops.keys import UNBOUNDED, key_ranges
 
     d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     # Weights a token multiplies by in each layer: q/k/v/o and its MLP (a sparse layer's router, its
