@@ -104,12 +104,27 @@ _GPU_CONFIGS = {
     # 16-query step stays free of spills at head_dim 128
     "dkdv_atomic": {"band": [(16, 64, 4, 3)], "full": [(16, 64, 4, 3)]},
 }
-# Triton before 3.9 (3.6 is the GPU image's release) allocates more registers to the dk/dv loop:
-# at head_dim 128 every dk/dv config above spills there; these are the ones that compile with
-# 0 spills and no duplicated dot work under 3.6 (fwd/dq lists are clean under both).
-if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-    _GPU_CONFIGS["dkdv"] = {"band": [(16, 64, 4, 2)], "full": [(16, 64, 4, 2)]}
-    _GPU_CONFIGS["dkdv_atomic"] = {"band": [(16, 128, 8, 3)], "full": [(16, 128, 8, 3)]}
+# Triton before 3.9 (3.6 is the GPU image's release) allocates more registers to the dk/dv loop,
+# so its dk/dv lists come from the triton 3.6 sm_90 compile report (0 spills, no duplicated dot
+# work; fwd/dq lists are clean under both releases). Above WIDE_HEAD_DIM every dk/dv config of the
+# 3.9 list spills (d128: 32x64 w4 s3 360 bytes; 16x64 w4 s3 8, 76 with atomic dq): 16-query steps
+# only. At head_dim 64 (the 1.3B model) 32-query steps fit with 128 keys at 8 warps, and with 64
+# keys at 4 warps and 2 stages for the band and atomic launches (32x64 w4 s3 spills 12-60 bytes,
+# 64x64 and 64x128 hundreds), so the 16-query pin stays where it was measured to be needed.
+TRITON_BEFORE_3_9 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)
+WIDE_HEAD_DIM = 64  # head dims above this take the narrow < 3.9 dk/dv lists
+_GPU_CONFIGS_BEFORE_3_9 = {
+    "wide": {
+        "dkdv": {"band": [(16, 64, 4, 2)], "full": [(16, 64, 4, 2)]},
+        "dkdv_atomic": {"band": [(16, 128, 8, 3)], "full": [(16, 128, 8, 3)]},
+    },
+    "narrow": {
+        "dkdv": {"band": [(32, 128, 8, 2), (32, 64, 4, 2), (16, 64, 4, 3)],
+                 "full": [(32, 128, 8, 2), (16, 64, 4, 3), (16, 64, 4, 2)]},
+        "dkdv_atomic": {"band": [(32, 128, 8, 2), (32, 64, 4, 2), (16, 128, 8, 3)],
+                        "full": [(32, 128, 8, 2), (32, 64, 4, 2), (16, 128, 8, 3)]},
+    },
+}
 # fp32 inputs (TF32 dots): twice the bytes per tile, so smaller tiles and fewer stages.
 _GPU_CONFIGS_FP32 = {
     "fwd": {"band": [(64, 32, 4, 2), (32, 32, 4, 2)], "full": [(32, 32, 4, 2), (64, 32, 8, 2)]},
@@ -131,11 +146,22 @@ def tile_fits(block_m: int, block_n: int, head_dim: int) -> bool:
 _INTERP_BLOCKS = {"band": (16, 16), "full": (32, 32)}
 
 
-def _config_list(kernel: str, cls: str, fp32: bool) -> list[triton.Config]:
+def gpu_config_table(fp32: bool, wide: bool, before_3_9: bool | None = None) -> dict:
+    """``{kernel: {class: [(BLOCK_M, BLOCK_N, num_warps, num_stages), ...]}}`` for fp32 or 16-bit
+    inputs, a head dim above ``WIDE_HEAD_DIM`` or not, and a triton before 3.9 or not (default:
+    the installed one)."""
+    if fp32:
+        return _GPU_CONFIGS_FP32
+    if TRITON_BEFORE_3_9 if before_3_9 is None else before_3_9:
+        return {**_GPU_CONFIGS, **_GPU_CONFIGS_BEFORE_3_9["wide" if wide else "narrow"]}
+    return _GPU_CONFIGS
+
+
+def _config_list(kernel: str, cls: str, fp32: bool, wide: bool) -> list[triton.Config]:
     if INTERPRET:
         bm, bn = _INTERP_BLOCKS[cls]
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
-    table = _GPU_CONFIGS_FP32 if fp32 else _GPU_CONFIGS
+    table = gpu_config_table(fp32, wide)
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in table[kernel][cls]
     ]
@@ -294,11 +320,11 @@ def _fwd_inner(
 # The lengths only bound masks and offset LSE rows: Triton's default specialisation of an int on its
 # divisibility by 16 would compile every config again for each new layout's length (minutes of cold
 # compiles where layouts vary: SFT/RL batches, a benchmark's cases).
-@triton.jit(do_not_specialize=["n_q", "n_k"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "tune_class", "tune_bucket"])
 def _attn_fwd_kernel(
     Q, K, V, Out, LSE, PERM, QSTART, QEND, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om, stride_oh,
-    n_q, n_k, qk_scale,
+    n_q, n_k, qk_scale, tune_class, tune_bucket,  # the last two: autotune key only (_Autotuners)
     GROUP: tl.constexpr, HEAD_PACK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -377,12 +403,12 @@ def _bwd_dq_inner(
 # The lengths only bound masks and offset LSE rows: Triton's default specialisation of an int on its
 # divisibility by 16 would compile every config again for each new layout's length (minutes of cold
 # compiles where layouts vary: SFT/RL batches, a benchmark's cases).
-@triton.jit(do_not_specialize=["n_q", "n_k"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "tune_class", "tune_bucket"])
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, PERM, QSTART, QEND, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh,
-    n_q, n_k, sm_scale, qk_scale,
+    n_q, n_k, sm_scale, qk_scale, tune_class, tune_bucket,  # the last two: autotune key only
     GROUP: tl.constexpr, HEAD_PACK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -467,12 +493,12 @@ def _bwd_dkdv_inner(
 # The lengths only bound masks and offset LSE rows: Triton's default specialisation of an int on its
 # divisibility by 16 would compile every config again for each new layout's length (minutes of cold
 # compiles where layouts vary: SFT/RL batches, a benchmark's cases).
-@triton.jit(do_not_specialize=["n_q", "n_k"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "tune_class", "tune_bucket"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, DKA, DVA, DQ, LSE, DELTA, PERM, QSTART, QEND, COMP_START, COMP_END, NGROUPS, ROWS,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
     stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_dqm, stride_dqh,
-    n_q, n_k, sm_scale, qk_scale,
+    n_q, n_k, sm_scale, qk_scale, tune_class, tune_bucket,  # the last two: autotune key only
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -587,6 +613,11 @@ def _config_key(cfg: triton.Config) -> tuple[int, int, int, int]:
     return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
 
+# Kernel arguments that carry an autotuner's stream class (index in CLASSES) and length bucket
+# into Triton's tuning key (see _Autotuners).
+TUNE_ARGS = ("tune_class", "tune_bucket")
+
+
 def length_bucket(rows: int, n_k: int) -> int:
     """The autotuners' size key of a launch: the power of two at or above its rows and keys,
     clamped to [1K, 256K]. The best tile depends on the problem's size (a short sequence fills
@@ -599,18 +630,30 @@ def length_bucket(rows: int, n_k: int) -> int:
 class _Autotuners(dict):
     """One autotuner per (stream class, length bucket), built on first use; each keeps its own
     best config (the compiled kernels are shared: they live on the jit function). The prune
-    keeps the configs listed for the input dtype (fp32 tiles need twice the shared memory) and,
-    for dk/dv, for the dq variant (``ATOMIC_DQ``, passed as a keyword: the autotuner hands it
-    over with the other keyword arguments)."""
+    keeps the configs listed for the input dtype (fp32 tiles need twice the shared memory), the
+    head dim (``_config_list``) and, for dk/dv, the dq variant (``ATOMIC_DQ``, passed as a
+    keyword: the autotuner hands it over with the other keyword arguments).
+
+    Triton's on-disk autotune cache (``TRITON_CACHE_AUTOTUNING=1``: gpu_check and
+    ``trainer.deterministic`` turn it on) names an entry from the jit function, the tuning key (the
+    values of the arguments in ``key`` and every tensor's dtype) and the pruned configs, never from
+    the Autotuner object. Tuners of one kernel that differ only in class or bucket would share
+    one entry, and the first to tune would hand its pick to the others (a 128K launch run with
+    tiles timed at 4K for the other stream). So every launch passes its class and bucket as two
+    kernel arguments named in ``key`` (``TUNE_ARGS``; the kernels ignore them and do not
+    specialise on them, so every bucket shares one compile): they are part of the tuning key and
+    of the entry's name (``tests/test_autotune_entries.py`` computes the names as triton does).
+    """
 
     def __init__(self, kernel: str, fn, key: list[str], **kw) -> None:
         super().__init__()
-        self.kernel, self.fn, self.key, self.kw = kernel, fn, key, kw
+        self.kernel, self.fn, self.key, self.kw = kernel, fn, [*key, *TUNE_ARGS], kw
 
     def __missing__(self, cls_bucket: tuple[str, int]):
-        cls, kernel = cls_bucket[0], self.kernel
+        (cls, bucket), kernel = cls_bucket, self.kernel
         variants = (kernel, f"{kernel}_atomic") if kernel == "dkdv" else (kernel,)
-        lists = {(name, fp32): _config_list(name, cls, fp32) for name in variants for fp32 in (False, True)}
+        lists = {(name, fp32, wide): _config_list(name, cls, fp32, wide)
+                 for name in variants for fp32 in (False, True) for wide in (False, True)}
         union = list({_config_key(c): c for cfgs in lists.values() for c in cfgs}.values())
 
         def prune(configs, named_args, **kwargs):
@@ -618,12 +661,14 @@ class _Autotuners(dict):
                 return configs
             name = f"{kernel}_atomic" if kwargs.get("ATOMIC_DQ", named_args.get("ATOMIC_DQ")) else kernel
             q = named_args["Q"]
-            keep = {_config_key(c) for c in lists[(name, q.dtype == torch.float32)]}
+            head_dim = q.shape[-1]
+            keep = {_config_key(c) for c in lists[(name, q.dtype == torch.float32, head_dim > WIDE_HEAD_DIM)]}
             return [c for c in configs if _config_key(c) in keep
-                    and tile_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], q.shape[-1])]
+                    and tile_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], head_dim)]
 
         tuner = triton.autotune(configs=union, key=self.key, prune_configs_by={"early_config_prune": prune},
                                 **self.kw)(self.fn)
+        tuner.tune_args = dict(zip(TUNE_ARGS, (CLASSES.index(cls), int(bucket))))  # what _launch passes
         self[cls_bucket] = tuner
         return tuner
 
@@ -640,9 +685,11 @@ _BWD_DKDV = _autotuned(
 )
 _KERNELS = {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
 
-# Pointer arguments that are not q/k/v-typed, for ahead-of-time compiles (bench/attention.py).
+# Arguments that are not q/k/v-typed pointers, strides, counts or scales, for ahead-of-time
+# compiles (bench/attention.py).
 KERNEL_ARG_TYPES = {
     "PERM": "*i32", "QSTART": "*i32", "QEND": "*i32", "ROWS": "*i32", "NGROUPS": "*i32",
+    "tune_class": "i32", "tune_bucket": "i32",
     "COMP_START": "*i64", "COMP_END": "*i64",
     "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DKA": "*fp32", "DVA": "*fp32", "DLSE": "*fp32",
 }
@@ -666,7 +713,7 @@ def kernel_specs(head_dim: int, group: int, dtype: torch.dtype) -> list[dict]:
         for cls in CLASSES:
             for variant in ((False, True) if kernel == "dkdv" else (None,)):
                 table = "dkdv_atomic" if variant else kernel
-                for cfg in _config_list(table, cls, dtype == torch.float32):
+                for cfg in _config_list(table, cls, dtype == torch.float32, head_dim > WIDE_HEAD_DIM):
                     bm, bn, w, s = _config_key(cfg)
                     if not tile_fits(bm, bn, head_dim):
                         continue
@@ -802,11 +849,12 @@ def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
 
 def _launch(kernel, grid_fn, args, meta, blocks: Blocks = None):
     """Run an autotuned kernel, or its plain jit function at the given block sizes."""
+    tune = kernel.tune_args  # the tuner's class and bucket: part of its tuning key (_Autotuners)
     if blocks is None:
-        kernel[grid_fn](*args, **meta)
+        kernel[grid_fn](*args, **meta, **tune)
         return
     sizes = {"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]}
-    kernel.fn[grid_fn(sizes)](*args, **meta, **sizes, num_warps=4, num_stages=1 if INTERPRET else 2)
+    kernel.fn[grid_fn(sizes)](*args, **meta, **tune, **sizes, num_warps=4, num_stages=1 if INTERPRET else 2)
 
 
 def _check_device(q: torch.Tensor) -> None:
