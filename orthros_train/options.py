@@ -118,6 +118,14 @@ class MoERouting(Option):
     joint = "joint"  # the pair routes together on the mean of both gates' probabilities (k per pair)
 
 
+class FusedTokenwise(Option):
+    """``model.fused_tokenwise``: the fused token-wise ops of both streams (``ops/fused_tokenwise.py``)."""
+
+    auto = "auto"  # fused on CUDA once its kernels passed their first-call check, eager on CPU
+    on = "on"  # fused everywhere (the plain-torch references on a CPU without triton's interpreter)
+    off = "off"  # the eager modules
+
+
 class RLTask(Option):
     pattern = "pattern"  # the CPU toy task
     prompts = "prompts"  # an orthros-data rl prompt set + a reward function
@@ -139,6 +147,7 @@ __all__ = [
     "DataSource",
     "Device",
     "DistillAlign",
+    "FusedTokenwise",
     "LRSchedule",
     "LossAverage",
     "MoERouting",

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orthros_train.errors import UserError
+from orthros_train.ops.fused_tokenwise import silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -220,3 +221,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+    def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` with gate and up from one GEMM into one buffer, read by the SiLU-mul kernel
+        (``model.fused_tokenwise``; the weights are concatenated at run time, names unchanged)."""
+        gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        return self.down_proj(silu_mul(gate_up))

@@ -34,7 +34,6 @@ from torch import nn
 
 from orthros_train.common.safetensors_io import WEIGHTS_NAME, SafetensorsReader, save_safetensors
 from orthros_train.model.cache import KVCache
-from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.fused import attention_inputs, fusion_active, join_streams
 from orthros_train.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -42,8 +41,8 @@ from orthros_train.model.moe import MoEOutput, SparseMoE, StreamPairs
 from orthros_train.ops.attention import UNBOUNDED, orthros_attention, prepare_attention
 from orthros_train.ops.fused_tokenwise import add_rms_norm, linear_cross_entropy, rms_norm
 from orthros_train.ops.keys import KeyRule
-from orthros_train.phase.builders import decode_layout, positions_layout, prefill_layout
 from orthros_train.options import FusedTokenwise
+from orthros_train.phase.builders import decode_layout, positions_layout, prefill_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
 
 
@@ -341,6 +340,7 @@ class OrthrosBlock(nn.Module):
         self.post_attention_layernorm = factory.norm("post_attention_layernorm", d, eps)
         self.sparse = config.is_sparse_layer(layer_idx)
         self.mlp = factory.moe(config) if self.sparse else factory.mlp(config)
+        self.fusion = factory.fused_tokenwise(config)
 
     def forward(
         self,
@@ -352,6 +352,8 @@ class OrthrosBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over both streams. With ``base_feeds_nothing`` (the last Orthros layer) the
         base stream only supplies K/V and ``x`` is returned unchanged."""
+        if fusion_active(self.fusion, x):
+            return self.fused_forward(x, y, plan, cache, base_feeds_nothing)
         n_base = x.shape[0]
         h = torch.cat([x, y])
         attn = self.self_attn(self.input_layernorm(h), plan, cache, not base_feeds_nothing)
@@ -362,10 +364,26 @@ class OrthrosBlock(nn.Module):
         h = h + self.feed_forward(self.post_attention_layernorm(h), plan, with_base=True)
         return h[:n_base], h[n_base:]
 
-    def feed_forward(self, h: torch.Tensor, plan: AttentionPlan, with_base: bool) -> torch.Tensor:
+    def fused_forward(
+        self, x: torch.Tensor, y: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, base_feeds_nothing: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` in fewer passes (``model.fused_tokenwise``, ``model/fused.py``): ``[x; y]`` kept
+        in the previous layer's buffer, each residual add done by the RMSNorm kernel after it."""
+        n_base = x.shape[0]
+        h = join_streams(x, y)
+        pre, post = self.input_layernorm, self.post_attention_layernorm
+        attn = self.self_attn(rms_norm(h, pre.weight, pre.eps), plan, cache, not base_feeds_nothing)
+        if base_feeds_nothing:
+            normed, h = add_rms_norm(y, attn, post.weight, post.eps)
+            return x, h + self.feed_forward(normed, plan, with_base=False, fused=True)
+        normed, h = add_rms_norm(h, attn, post.weight, post.eps)
+        h = h + self.feed_forward(normed, plan, with_base=True, fused=True)
+        return h[:n_base], h[n_base:]
+
+    def feed_forward(self, h: torch.Tensor, plan: AttentionPlan, with_base: bool, fused: bool = False) -> torch.Tensor:
         """The MLP of the normed ``[x; y]`` (or ``y``): dense, or the experts routed by stream pairs."""
         if not self.sparse:
-            return self.mlp(h)
+            return self.mlp.fused_forward(h) if fused else self.mlp(h)
         out: MoEOutput = self.mlp(h, plan.stream_pairs(with_base))
         plan.router_losses.append((out.aux_loss, out.z_loss))
         return out.hidden
@@ -389,6 +407,7 @@ class OrthrosForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.factory.block(config, i) for i in range(config.num_hidden_layers))
         self.norm = self.factory.norm("norm", config.hidden_size, config.rms_norm_eps)
         self.lm_head = self.factory.lm_head(config.hidden_size, config.vocab_size)
+        self.fusion = self.factory.fused_tokenwise(config)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.factory.initialise(self)
@@ -418,7 +437,7 @@ class OrthrosForCausalLM(nn.Module):
             cache.advance(plan.new_lengths)
         if not self.is_orthros:
             y = x[plan.output_rows]
-        return self.norm(y)
+        return rms_norm(y, self.norm.weight, self.norm.eps) if fusion_active(self.fusion, y) else self.norm(y)
 
     def forward_layout(
         self,
@@ -433,14 +452,19 @@ class OrthrosForCausalLM(nn.Module):
         ``return_logits=False`` skips assembling the full logits (training needs the loss only).
         """
         plan = self.factory.plan(self.config, layout, cache)
-        logits = self.lm_head(self._hidden_states(plan, cache))
+        hidden = self._hidden_states(plan, cache)
+        # Fused, a loss-only pass never holds the [tokens, vocab] logits (chunked head + cross entropy).
+        chunked = not return_logits and layout.num_loss_tokens and fusion_active(self.fusion, hidden)
+        logits = None if chunked else self.lm_head(hidden)
         loss = None
         if layout.num_loss_tokens:
             labels, weights = plan.output_targets(layout)
             normalizer = layout.num_loss_tokens if loss_normalizer is None else loss_normalizer
-            loss = plan.whole_loss(
-                weighted_cross_entropy(logits, labels, weights, normalizer, self.lm_head.token_losses)
-            )
+            if chunked:
+                ce = linear_cross_entropy(hidden, self.lm_head.weight, labels, weights, normalizer)
+            else:
+                ce = weighted_cross_entropy(logits, labels, weights, normalizer, self.lm_head.token_losses)
+            loss = plan.whole_loss(ce)
         router = self.router_loss(plan)
         if router is not None and loss is not None and self.training:
             # Like the cross entropy, a mean over this micro batch: DeepSpeed's 1/accumulation and

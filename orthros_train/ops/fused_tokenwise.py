@@ -84,6 +84,60 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return SiluMul.apply(gate_up)
 
 
+_PROBLEMS: dict[tuple[str, str], str | None] = {}
+
+
+def kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the fused kernels cannot serve ``dtype`` on ``device`` (None: they can), asked once per
+    process and pair: each kernel's forward and backward on small tensors against its reference.
+    A first call that fails to compile, or a result off by more than the dtype's rounding, is the
+    answer, so ``model.fused_tokenwise=auto`` falls back to eager instead of failing a step."""
+    key = (str(device), str(dtype))
+    if key not in _PROBLEMS:
+        try:
+            _PROBLEMS[key] = _check_kernels(device, dtype)
+        except Exception as exc:  # noqa: BLE001 - any failure of a first call is the answer
+            _PROBLEMS[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    return _PROBLEMS[key]
+
+
+def _check_kernels(device: torch.device, dtype: torch.dtype) -> str | None:
+    if not kernels_apply(torch.empty(0, device=device, dtype=dtype)):
+        return f"no Triton kernels on {device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
+    from orthros_train.ops.fused_tokenwise_triton import AddRMSNorm, RopeQK, SiluMul
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    def grads(out: torch.Tensor, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.autograd.grad(out.float().square().sum(), inputs))
+
+    def far(name: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> str | None:
+        for a, b in zip(got, want):  # off by more than the dtype's rounding of the largest value
+            a, b = a.detach().float(), b.detach().float()
+            err = float((a - b).abs().max()) / max(float(b.abs().max()), 1e-6)
+            if not err <= tol:
+                return f"{name} differs from its reference by {err:.3g} of its largest value"
+        return None
+
+    x, r, w = leaf(5, 40), leaf(5, 40), leaf(40)
+    y, s = AddRMSNorm.apply(x, r, w, 1e-6)
+    y_ref, s_ref = add_rms_norm_reference(x, r, w, 1e-6)
+    problem = far("add_rms_norm", [y, s, *grads(y + s, x, r, w)], [y_ref, s_ref, *grads(y_ref + s_ref, x, r, w)])
+    q, k = leaf(6, 4, 16), leaf(3, 2, 16)
+    angles = [torch.randn(n, 1, 16, generator=g).to(device) for n in (6, 6, 3, 3)]
+    qo, ko = RopeQK.apply(q, k, *angles)
+    qr, kr = rope_qk_reference(q, k, angles[:2], angles[2:])
+    problem = problem or far("rope_qk", [qo, ko, *grads(torch.cat([qo.flatten(), ko.flatten()]), q, k)],
+                             [qr, kr, *grads(torch.cat([qr.flatten(), kr.flatten()]), q, k)])
+    gu = leaf(4, 48)
+    o, o_ref = SiluMul.apply(gu), silu_mul_reference(gu)
+    return problem or far("silu_mul", [o, *grads(o, gu)], [o_ref, *grads(o_ref, gu)])
+
+
 def cross_entropy_chunk_rows(num_rows: int, hidden: int, vocab: int) -> int:
     """Rows per chunk of ``linear_cross_entropy``: Liger-Kernel's rule, a chunk's logits about as
     large as the hidden states (``rows * vocab ~ num_rows * hidden``), a power of two."""
@@ -157,6 +211,7 @@ def linear_cross_entropy(
 __all__ = [
     "add_rms_norm",
     "cross_entropy_chunk_rows",
+    "kernel_problem",
     "kernels_apply",
     "linear_cross_entropy",
     "rms_norm",
