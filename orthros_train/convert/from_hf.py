@@ -37,8 +37,8 @@ from orthros_train.convert.checkpoint_io import (
     parse_dtype,
     read_json,
     read_source,
-    write_destination,
 )
+from orthros_train.convert.destination import write_destination
 from orthros_train.convert.families import (
     FAMILIES,
     LM_HEAD,
@@ -466,13 +466,16 @@ def convert_from_hf(
                 return torch.zeros(t.shape, dtype=t.dtype)
             return reader[source_of[t.name]].to(t.dtype)
 
-        files = write_destination(src, dst, overwrite, plan, produce, shard_bytes)
+        if cast is not None:
+            config.extra["hf"]["torch_dtype"] = dtype_name(cast)
 
-    if cast is not None:
-        config.extra["hf"]["torch_dtype"] = dtype_name(cast)
-    side = copy_side_files(src, dst)
-    # config.json last: a conversion that failed half-way leaves no loadable checkpoint behind.
-    (dst / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        def finish(folder: Path) -> list[str]:
+            side = copy_side_files(src, folder)
+            (folder / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+            return side
+
+        # Written aside and swapped in whole: a failure keeps the previous model in dst.
+        files, side = write_destination(src, dst, overwrite, plan, produce, shard_bytes, finish, "from-hf")
     return ConversionReport.of_plan(config, plan, files, side, start)
 
 

@@ -32,8 +32,8 @@ from orthros_train.convert.checkpoint_io import (
     parse_dtype,
     read_json,
     read_source,
-    write_destination,
 )
+from orthros_train.convert.destination import write_destination
 from orthros_train.convert.families import LM_HEAD, hf_name, orthros_name
 from orthros_train.convert.from_hf import ConversionReport, expected_state
 from orthros_train.convert.remote_code import REMOTE_CODE_DIR, REMOTE_CODE_FILES
@@ -132,10 +132,13 @@ def convert_to_hf(
         def produce(t: PlannedTensor) -> torch.Tensor:
             return reader[orthros_name(t.name)].to(t.dtype)
 
-        files = write_destination(src, dst, overwrite, plan, produce, shard_bytes)
+        def finish(folder: Path) -> list[str]:
+            side = _copy_remote_code_and_side_files(src, folder, tokenizer)
+            _write_export_config(folder, hf_config_from_orthros(config, dtype_name(cast or stored)))
+            return side
 
-    side = _copy_remote_code_and_side_files(src, dst, tokenizer)
-    _write_export_config(dst, hf_config_from_orthros(config, dtype_name(cast or stored)))
+        # Written aside and swapped in whole: a failure keeps the previous export in dst.
+        files, side = write_destination(src, dst, overwrite, plan, produce, shard_bytes, finish, "to-hf")
     return ConversionReport.of_plan(config, plan, files, side, start)
 
 
