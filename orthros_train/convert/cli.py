@@ -19,7 +19,13 @@ from pathlib import Path
 
 from orthros_train.common.safetensors_io import check_safetensors_files
 from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, read_json
-from orthros_train.convert.from_hf import DEFAULT_WINDOW, check_sink_tokens_flag, convert_from_hf
+from orthros_train.convert.from_hf import (
+    DEFAULT_GLOBAL_TAIL,
+    DEFAULT_WINDOW,
+    check_global_tail_flag,
+    check_sink_tokens_flag,
+    convert_from_hf,
+)
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.errors import UserError, first_line, report_bug
 
@@ -38,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
         "--sink-tokens", default="0", dest="sink_tokens",
         help="sink tokens S (0 <= S < W): every base query also attends its document's first S tokens "
         "(docs/convert.md, 'Sink tokens'); 0: the paper's layer",
+    )
+    p.add_argument(
+        "--global-tail", default=str(DEFAULT_GLOBAL_TAIL), dest="global_tail",
+        help="global tail R: the base queries of a prompt's last R tokens and of generated tokens see the whole "
+        f"document (docs/convert.md, 'The global tail'); 0: the paper's layer (default {DEFAULT_GLOBAL_TAIL})",
     )
     p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
     p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
@@ -212,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "from-hf":
             sinks = check_sink_tokens_flag(args.sink_tokens, args.window)
+            tail = check_global_tail_flag(args.global_tail)
             report = convert_from_hf(
-                args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite, sink_tokens=sinks
+                args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite, sink_tokens=sinks,
+                global_tail=tail,
             )
             print(f"{args.src} -> {args.dst}: {report.summary()}")
         elif args.command == "to-hf":

@@ -48,7 +48,7 @@ from orthros_train.convert.families import (
     FamilyRules,
     supported_families,
 )
-from orthros_train.errors import first_line
+from orthros_train.errors import UserError, first_line
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import ROPE_REQUIRED_KEYS, ROPE_TYPES, YARN_OPTIONAL_KEYS
 from orthros_train.model.orthros import OrthrosForCausalLM
@@ -57,6 +57,10 @@ if TYPE_CHECKING:
     from orthros_train.common.safetensors_io import SafetensorsReader
 
 DEFAULT_WINDOW = 128
+# Base queries of the prompt's last R tokens (and of generated tokens) that see the whole document:
+# what brings a converted model's retrieval beyond the window back with no training
+# (docs/conversion_study.md). 0 is the paper's layer.
+DEFAULT_GLOBAL_TAIL = 32
 SRC_FIX = (
     "the source must be a Hugging Face model directory (config.json + model.safetensors or "
     "model-*.safetensors with model.safetensors.index.json), e.g. "
@@ -329,7 +333,8 @@ def _provenance(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def orthros_config_from_hf(
-    hf: dict[str, Any], sliding_window: int = DEFAULT_WINDOW, source: str = CONFIG_NAME, sink_tokens: int = 0
+    hf: dict[str, Any], sliding_window: int = DEFAULT_WINDOW, source: str = CONFIG_NAME, sink_tokens: int = 0,
+    global_tail: int = 0,
 ) -> OrthrosConfig:
     """Map a ``config.json`` (as a dict) of a family in
     :data:`~orthros_train.convert.families.FAMILIES` to an :class:`OrthrosConfig` with base window
@@ -353,11 +358,12 @@ def orthros_config_from_hf(
             rope_scaling=rope_scaling,
             sliding_window=sliding_window,
             sink_tokens=sink_tokens,
+            base_global_tail=global_tail,
             attention_type="orthros",
             **moe,
             extra={"hf": _provenance(hf)},
         )
-    except (TypeError, ValueError) as err:  # what OrthrosConfig refuses, e.g. --window 0
+    except (TypeError, ValueError, UserError) as err:  # what OrthrosConfig refuses, e.g. --window 0
         raise ConversionError(f"{source}: {err}") from err
 
 
@@ -382,6 +388,23 @@ def check_sink_tokens_flag(sink_tokens: object, window: int) -> int:
             f"--sink-tokens {value} is not below --window {window} (the sinks are the document's first tokens a "
             f"base query sees beyond its window): {fix}"
         )
+    return value
+
+
+def check_global_tail_flag(global_tail: object) -> int:
+    """``--global-tail`` as an int, or a ConversionError that names the flag and the fix."""
+    fix = (f"pass an integer >= 0 (0: the paper's layer; {DEFAULT_GLOBAL_TAIL}, the default, restores retrieval "
+           "beyond the window: docs/convert.md, 'The global tail')")
+    value = global_tail
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConversionError(f"--global-tail {global_tail!r} is not an integer: {fix}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConversionError(f"--global-tail {global_tail!r} is not an integer: {fix}")
+    if value < 0:
+        raise ConversionError(f"--global-tail {value} is negative: {fix}")
     return value
 
 
@@ -423,6 +446,7 @@ class ConversionReport:
             f"in {self.seconds:.1f}s: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
             f"{c.num_attention_heads}/{c.num_key_value_heads} heads, window {c.sliding_window}"
             + (f", {c.sink_tokens} sink tokens" if c.sink_tokens else "")
+            + (f", global tail {c.base_global_tail}" if c.base_global_tail else "")
             + (f"; copied {', '.join(self.side_files)}" if self.side_files else "")
         )
 
@@ -435,6 +459,7 @@ def convert_from_hf(
     max_shard_size: str | int = "4GB",
     overwrite: bool = False,
     sink_tokens: int = 0,
+    global_tail: int = DEFAULT_GLOBAL_TAIL,
 ) -> ConversionReport:
     """Convert the HF checkpoint in ``src`` into an Orthros checkpoint directory ``dst``.
 
@@ -449,7 +474,9 @@ def convert_from_hf(
         raise ConversionError(f"source {src} is not a directory: {SRC_FIX}")
     hf = read_json(src / CONFIG_NAME, SRC_FIX)
     sink_tokens = check_sink_tokens_flag(sink_tokens, sliding_window)  # before anything is read or written
-    config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME), sink_tokens=sink_tokens)
+    global_tail = check_global_tail_flag(global_tail)
+    config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME), sink_tokens=sink_tokens,
+                                    global_tail=global_tail)
     rules = FAMILIES[hf["model_type"]]
     cast = parse_dtype(dtype)
     shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
