@@ -51,6 +51,7 @@ from megatron.core.transformer import TransformerConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from orthros_train.errors import UserError
 from orthros_train.model.cache import KVCache
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import RMSNorm, SwiGLU
@@ -64,6 +65,7 @@ from orthros_train.model.orthros import (
     initial_value,
     plan_for_layout,
 )
+from orthros_train.options import FusedTokenwise
 from orthros_train.parallel.compile import apply_regional_compile
 from orthros_train.parallel.context import context_plan
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
@@ -332,6 +334,20 @@ class TensorParallelFactory(ModuleFactory):
 
     def block(self, config: OrthrosConfig, layer_idx: int) -> OrthrosBlock:
         return ParallelBlock(config, layer_idx, self)
+
+    def fused_tokenwise(self, config: OrthrosConfig) -> FusedTokenwise:
+        # The fused path reads the norms' and the LM head's weights directly, without the TP
+        # communication these modules carry when split (the norms' gradient sum, the vocab-parallel
+        # cross entropy): it runs at tensor_parallel=1 only (context parallelism keeps it).
+        mode = config.fused_tokenwise
+        if self.tp == 1 or mode == FusedTokenwise.off:
+            return mode
+        if mode == FusedTokenwise.on:
+            raise UserError(
+                f"model.fused_tokenwise=on with parallel.tensor_parallel={self.tp}: the fused token-wise path "
+                "runs at tensor_parallel=1 only; set model.fused_tokenwise=auto (eager under TP) or off"
+            )
+        return FusedTokenwise.off
 
     def plan(self, config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache | None) -> AttentionPlan:
         # A cached forward (generation) is not split over CP: every CP rank holds all the weights
