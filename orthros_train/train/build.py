@@ -258,7 +258,8 @@ def _config_difference(cfg: RunConfig, only: tuple[str, ...] | None = None) -> l
     except (OSError, ValueError):
         return []
     ours = cfg.model.to_dict()
-    ignored = {"attention_backend", "init_from", "max_position_embeddings", "extra"}  # no effect on the weights
+    # no effect on the weights
+    ignored = {"attention_backend", "fused_tokenwise", "init_from", "max_position_embeddings", "extra"}
     return [
         f"model.{k}={ours[k]} in the recipe, {saved[k]} in {Path(cfg.init.init_from) / 'config.json'}"
         for k in sorted(set(saved) & set(ours))

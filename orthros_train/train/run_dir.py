@@ -27,7 +27,7 @@ from orthros_train.options import ResumeChanges
 IDENTITY_SECTIONS = ("model.", "data.")
 # Keys that do not change what is trained, or that resuming handles itself (resharding).
 IGNORED = re.compile(
-    r"^(hydra\.|git_commit$|parallel\.|trainer\.wandb\.|data\.cache_dir$|model\.attention_backend$|"
+    r"^(hydra\.|git_commit$|parallel\.|trainer\.wandb\.|data\.cache_dir$|model\.attention_backend$|model\.fused_tokenwise$|"
     r"trainer\.(run_dir|resume|resume_changes|dry_run|progress|log_every|eval_every|eval_batches|save_every|"
     r"keep_last_k|checkpoint_hashes|async_save|fail_at_step|sample_prompt|sample_tokens|peak_tflops|gpu|"
     r"gpu_memory_gib|allow_memory_overflow|max_nonfinite_steps|loss_spike_factor|total_tokens|device|"
