@@ -33,6 +33,16 @@ the same model eager, on the same weights and tokens: the first step's losses (e
 the time ratio. Both do the same FLOPs, so a gain comes only from fewer passes over activations.
 
     python bench/train_step.py --fused --no-peer --lengths 1024 --threads 1
+
+``--tokenwise`` adds ``tokenwise`` rows: ``model.fused_tokenwise=on`` (``model/fused.py``: one
+``[x; y]`` buffer, add+RMSNorm, merged q/k/v and gate/up GEMMs, RoPE of q and k in one kernel,
+SiLU-mul, the chunked LM head + cross entropy) against ``off`` on the same weights and tokens:
+the first step's losses, the time ratio, and beside it the byte model (``tokenwise_bytes``) of
+the token-wise passes per layer the fusion removes. Both do the same FLOPs. On a CPU without
+``TRITON_INTERPRET`` the fused ops are their plain-torch references, so a CPU ratio measures the
+merged GEMMs, the one buffer and the chunked head only; the kernels' gain is a GPU figure.
+
+    python bench/train_step.py --tokenwise --no-peer --layouts pretrain --lengths 1024 --threads 1
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import platform
 import statistics
 import time
 
@@ -191,6 +202,88 @@ def fused_rows(args: argparse.Namespace, orthros: OrthrosForCausalLM, device: to
     return rows
 
 
+def _rms_bytes(rows: int, dim: int, b: int, fused: bool, add: bool) -> int:
+    """Bytes one RMSNorm (after a residual add when ``add``) moves: eager casts to fp32, squares,
+    averages, scales, casts back and multiplies by the weight, each a pass; fused reads the inputs
+    and writes the outputs once."""
+    if fused:
+        return rows * dim * b * (4 if add else 2)
+    return rows * dim * ((3 * b if add else 0) + 4 * b + 6 * 4)
+
+
+def tokenwise_bytes(cfg: OrthrosConfig, n_base: int, n_out: int, b: int) -> dict[str, int]:
+    """Forward bytes of the token-wise work of one middle layer, eager vs fused (the backward moves
+    about twice as much the same way). GEMM FLOPs are equal; the merged GEMMs read their input once
+    instead of three (q/k/v) or two (gate/up) times but copy their weights once per pass."""
+    d, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    rows = n_base + n_out
+    q_el, k_el = rows * h * hd, n_base * kv * hd
+    eager = {
+        "cat [x; y]": 2 * rows * d * b,
+        "norms": _rms_bytes(rows, d, b, False, False) + _rms_bytes(rows, d, b, False, True),
+        "projection inputs": (rows + 2 * n_base + 2 * rows) * d * b,
+        "output affine": (4 * n_out * h * hd + 2 * q_el) * b,
+        "rope q, k": 10 * (q_el + k_el) * b,
+        "silu-mul": 5 * rows * i * b,
+        "residual add": 3 * rows * d * b,
+    }
+    fused = {
+        "cat [x; y]": 0,
+        "norms": _rms_bytes(rows, d, b, True, False) + _rms_bytes(rows, d, b, True, True),
+        "projection inputs": (n_base + n_out + rows) * d * b + 2 * ((h + 2 * kv) * hd + 2 * i) * d * b,
+        "output affine": (2 * n_out * h * hd + 2 * q_el) * b,
+        "rope q, k": 2 * (q_el + k_el) * b,
+        "silu-mul": 3 * rows * i * b,
+        "residual add": 3 * rows * d * b,
+    }
+    return {"eager": sum(eager.values()), "fused": sum(fused.values()),
+            **{f"eager {k}": v for k, v in eager.items()}, **{f"fused {k}": v for k, v in fused.items()}}
+
+
+def tokenwise_rows(args: argparse.Namespace, orthros: OrthrosForCausalLM, device: torch.device) -> list[dict]:
+    """``model.fused_tokenwise`` on vs off on each main layout and length: the first step's losses
+    on identical weights, the step times, and the byte model beside the ratio."""
+    from orthros_train.options import FusedTokenwise
+
+    cuda = device.type == "cuda"
+    b = next(orthros.parameters()).element_size()
+    rows = []
+    for length in args.lengths:
+        for kind in args.layouts:
+            eager, fast = copy.deepcopy(orthros), copy.deepcopy(orthros)
+            for model, mode in ((eager, FusedTokenwise.off), (fast, FusedTokenwise.on)):
+                for module in model.modules():
+                    if hasattr(module, "fusion"):
+                        module.fusion = mode
+            layout = make_layout(kind, args.batch, length, args.vocab, args.answer_fraction).to(device)
+            losses = [float(m.forward_layout(layout, return_logits=False).loss.detach()) for m in (eager, fast)]
+            model_bytes = tokenwise_bytes(orthros.config, layout.num_tokens, layout.num_outputs, b)
+            row = {"layout": f"tokenwise {kind}", "seq_len": length, "outputs": layout.num_outputs,
+                   "eager_loss": losses[0], "fused_loss": losses[1], "loss_diff": abs(losses[1] - losses[0]),
+                   "flop_ratio": 1.0, "eager_layer_bytes": model_bytes["eager"],
+                   "fused_layer_bytes": model_bytes["fused"],
+                   "byte_ratio": model_bytes["fused"] / model_bytes["eager"]}
+            for name, model in (("eager", eager), ("fused", fast)):
+                seconds = time_steps(model, lambda m=model, lay=layout: m.forward_layout(lay, return_logits=False).loss,
+                                     args.steps, args.warmup, cuda)
+                row[f"{name}_ms"] = seconds * 1e3
+            row["ratio"] = row["fused_ms"] / row["eager_ms"]
+            rows.append(row)
+    return rows
+
+
+def machine() -> str:
+    """The CPU model (or the platform when it is not readable)."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -224,9 +317,11 @@ def run(args: argparse.Namespace) -> dict:
             rows.append(measure(layout, row))
     sweep = sweep_rows(args, cfg, device, measure) if args.sweep else []
     fused = fused_rows(args, orthros, device) if args.fused else []
+    tokenwise = tokenwise_rows(args, orthros, device) if args.tokenwise else []
     params = sum(p.numel() for p in orthros.parameters())
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "machine": machine(),
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "time_basis": "wall clock" if cuda else "process CPU time",
@@ -239,12 +334,14 @@ def run(args: argparse.Namespace) -> dict:
         "rows": rows,
         "sweep": sweep,
         "fused": fused,
+        "tokenwise": tokenwise,
     }
 
 
 def table(result: dict) -> str:
     lines = [
-        f"device {result['device']}, {result['threads']} threads, {result['date']}, {result['time_basis']}; "
+        f"device {result['device']} ({result.get('machine', '?')}), {result['threads']} threads, "
+        f"{result['date']}, {result['time_basis']}; "
         f"{result['parameters'] / 1e6:.1f}M parameters, batch {result['batch']}, "
         f"window {result['config']['sliding_window']}, sft answers {result['answer_fraction']:.0%}; "
         f"peer: {result['peer'] or 'not run'}",
@@ -280,6 +377,14 @@ def table(result: dict) -> str:
                   f"{'T':>7}{'eager ms':>10}{'fused ms':>10}{'ratio':>7}{'loss diff':>11}"]
         lines += [f"{r['seq_len']:>7}{r['eager_ms']:>10.1f}{r['fused_ms']:>10.1f}{r['ratio']:>7.2f}"
                   f"{r['loss_diff']:>11.1e}" for r in result["fused"]]
+    if result.get("tokenwise"):
+        lines += ["", "model.fused_tokenwise on vs off (same weights and tokens); flop ratio 1.00; bytes: the forward "
+                  "token-wise bytes of one layer by the byte model (fused / eager)",
+                  f"{'layout':<20}{'T':>7}{'eager ms':>10}{'fused ms':>10}{'ratio':>7}{'byte ratio':>12}"
+                  f"{'eager MB':>10}{'fused MB':>10}{'loss diff':>11}"]
+        lines += [f"{r['layout']:<20}{r['seq_len']:>7}{r['eager_ms']:>10.1f}{r['fused_ms']:>10.1f}{r['ratio']:>7.2f}"
+                  f"{r['byte_ratio']:>12.2f}{r['eager_layer_bytes'] / 1e6:>10.2f}{r['fused_layer_bytes'] / 1e6:>10.2f}"
+                  f"{r['loss_diff']:>11.1e}" for r in result["tokenwise"]]
     return "\n".join(lines)
 
 
@@ -306,6 +411,8 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip transformers' Llama (SDPA)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument("--fused", action="store_true", help="add regional torch.compile vs eager rows (pretrain)")
+    parser.add_argument("--tokenwise", action="store_true",
+                        help="add model.fused_tokenwise on vs off rows (the main layouts) with the byte model")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -77,3 +77,20 @@ def test_fused_rows_compare_regional_compile_with_eager():
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(proc.stdout)["fused"]
     assert row["seq_len"] == 48 and row["loss_diff"] <= 1e-5 and row["eager_ms"] > 0 and row["ratio"] > 0
+
+
+def test_tokenwise_rows_compare_fused_with_eager_beside_the_byte_model():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--json", "--tokenwise", "--no-peer", "--lengths", "32", "--hidden", "32",
+         "--layers", "1", "--heads", "2", "--vocab", "64", "--window", "8", "--steps", "1", "--warmup", "0",
+         "--layouts", "pretrain", "sft", "--threads", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["threads"] == 1 and result["machine"] and result["date"]
+    rows = {r["layout"]: r for r in result["tokenwise"]}
+    assert set(rows) == {"tokenwise pretrain", "tokenwise sft"}
+    for r in rows.values():
+        assert r["loss_diff"] <= 1e-5 and r["eager_ms"] > 0 and r["fused_ms"] > 0 and r["ratio"] > 0
+        assert 0 < r["fused_layer_bytes"] < r["eager_layer_bytes"] and r["flop_ratio"] == 1.0
