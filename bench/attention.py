@@ -171,6 +171,31 @@ def fwd_bwd_ms(make_out, inputs, cuda: bool, reps: int = 3) -> tuple[float, floa
     return fwd, bwd
 
 
+def kernel_ms(fn, reps: int = 20) -> float | None:
+    """Milliseconds the GPU spends in kernels per call of ``fn``: the CUDA kernel durations the
+    profiler (CUPTI) records over ``reps`` calls, so the host's launch gaps, which ``do_bench``
+    counts, are left out (they dominate a call of a few small kernels). None when it saw none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    total_us = sum(e.device_time_total for e in prof.events() if e.device_type == cuda)
+    return total_us / reps / 1e3 if total_us > 0 else None
+
+
+def fwd_bwd_kernel_ms(make_out, inputs, reps: int = 20) -> tuple[float | None, float | None]:
+    """``fwd_bwd_ms`` by kernel time (``kernel_ms``): forward, then backward alone."""
+    out = make_out()
+    dout = torch.randn_like(out)
+    return kernel_ms(make_out, reps), kernel_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True),
+                                                reps)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU benchmark
 # ---------------------------------------------------------------------------------------------

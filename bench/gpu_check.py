@@ -46,12 +46,25 @@ OUT_FILES = ("gpu_check.json", "gpu_check.md", "gpu_check_logs.tar.gz", "gpu_che
 
 def check_out(out: str) -> str | None:
     """Why ``--out`` cannot take the report (one line), or None: it must be a folder (or be
-    creatable as one) that this process can write."""
+    creatable as one) that this process can write, and must not hold a GPU run's report (this run
+    would replace it: a rehearsal's may be replaced)."""
+    import json
     from pathlib import Path
 
     path = Path(out)
     if path.exists() and not path.is_dir():
         return f"--out {out}: exists and is not a folder"
+    report = path / "gpu_check.json"
+    if report.exists():
+        try:
+            old = json.loads(report.read_text())
+            measured = not old["dry_run"]
+            what = f"a GPU run's report ({old.get('device')}, {old.get('date')})"
+        except (OSError, ValueError, KeyError, TypeError):
+            measured, what = True, "a gpu_check.json that is not a readable report"
+        if measured:
+            return (f"--out {out}: holds {what} that this run would replace; give --out a new or empty folder "
+                    "(or move that report away first)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".gpu_check_probe_{os.getpid()}"
@@ -59,6 +72,20 @@ def check_out(out: str) -> str | None:
         probe.unlink()
     except OSError as exc:
         return f"--out {out}: cannot write there ({exc.strerror or type(exc).__name__})"
+    return None
+
+
+def check_scratch(scratch: str) -> str | None:
+    """Why ``--scratch`` cannot hold the working files (one line), or None; creates the folder."""
+    from pathlib import Path
+
+    path = Path(scratch)
+    if path.exists() and not path.is_dir():
+        return f"--scratch {scratch}: exists and is not a folder (give a folder, or leave --scratch out for a new one)"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--scratch {scratch}: cannot create it ({exc.strerror or type(exc).__name__})"
     return None
 
 
@@ -77,8 +104,10 @@ def _install_kit_and_reexec(argv: list[str]) -> None:
     p.add_argument("--out")
     p.add_argument("--scratch")
     args, rest = p.parse_known_args(argv)
-    if args.out and (why := check_out(args.out)):
-        sys.exit(f"gpu_check: error: {why}")
+    for why in (args.out and check_out(args.out), args.scratch and check_scratch(args.scratch)):
+        if why:
+            print(f"gpu_check: error: {why}", file=sys.stderr)
+            sys.exit(2)
     wheels = sorted(str(w) for w in Path(args.kit).glob("*.whl"))
     if not wheels:  # every trainer item would fail on its imports: minutes of a one-shot node for nothing
         what = "holds no wheels" if Path(args.kit).is_dir() else "is not a folder here" if Path(args.kit).exists() \
@@ -302,6 +331,10 @@ def run_item(run: Run, item: Item) -> None:
         entry.update(status="skipped", reason=f"this process's CUDA context broke in {run.state['cuda_broken']}: "
                                                "nothing more runs in it (trainer items run in their own)")  # fmt: skip
         sec.setdefault("skipped", []).append(item.name)
+    elif item.launches and run.state.get("launch_broken"):
+        entry.update(status="skipped", reason=f"a trainer failed to start in {run.state['launch_broken']}: "
+                                               "every trainer item would fail the same way")  # fmt: skip
+        sec.setdefault("skipped", []).append(item.name)
     elif not run.dry and run.left() < need:
         entry.update(status="dropped", reason=f"needs ~{need:.0f} s, {max(run.left(), 0):.0f} s left")
         run.report["dropped"].append({"item": item.name, "reason": entry["reason"]})
@@ -371,8 +404,15 @@ DRY_DEVICE = ["trainer.device=cpu", "trainer.precision=fp32", "parallel.backend=
 GPU_DEVICE = ["trainer.device=cuda", "trainer.precision=bf16", "parallel.backend=nccl"]
 # The trainer runs take the attention route a user's run takes (model.attention_backend=auto:
 # FlashAttention varlen for the pretraining streams where the node has it); each row says which.
+# Every trainer here is one process: a collective that waits 2 minutes waits for nothing, and the
+# recipes' 30 would let a hung start-up eat several items' budgets.
 COMMON = ["trainer.wandb.enabled=false", "trainer.progress=false", "trainer.eval_every=0",
-          "trainer.sample_prompt=null", "trainer.gpu=null", "trainer.gpu_memory_gib=null"]  # fmt: skip
+          "trainer.sample_prompt=null", "trainer.gpu=null", "trainer.gpu_memory_gib=null",
+          "parallel.timeout_minutes=2"]  # fmt: skip
+# NCCL of a one-process world on a node without network: bootstrap over loopback, no InfiniBand
+# probe, errors raised instead of hanging (a launcher's own values are kept).
+WORLD1_NCCL_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                   "NCCL_DEBUG": "WARN"}  # fmt: skip
 DRY_TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=128",
             "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.eval_batches=1"]  # fmt: skip
 # The tiny model's runs on the GPU take the 1.3B shape's attention geometry (head_dim 64 = 256 / 4
@@ -429,6 +469,7 @@ def launch(run: Run, cmd: list[str], name: str, data: bool = True) -> tuple[subp
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)  # the interpreter on CUDA tensors copies them to the host
+        env = {**WORLD1_NCCL_ENV, **env}
     log = run.logs / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     # Tied to this process: a check killed outright (SIGKILL at a node's command limit) takes its
@@ -439,6 +480,10 @@ def launch(run: Run, cmd: list[str], name: str, data: bool = True) -> tuple[subp
                                 start_new_session=True)  # fmt: skip
     run.child = proc
     return proc, log
+
+
+STARTUP_FAILURE = re.compile(r"ImportError|ModuleNotFoundError|NCCL|DistNetworkError|DistStoreError|[Rr]endezvous"
+                             r"|CUDA error|no CUDA|CUDA driver|timed out|[Tt]imeout")
 
 
 def wait_for(run: Run, proc: subprocess.Popen, log: Path, until=None, poll_s: float = 0.05) -> int:
@@ -454,7 +499,12 @@ def wait_for(run: Run, proc: subprocess.Popen, log: Path, until=None, poll_s: fl
         time.sleep(poll_s)
     run.child = None
     if proc.returncode != 0:
-        raise RuntimeError(f"trainer exited with {proc.returncode} (log {log.name}): {log_problem(log)}")
+        problem = log_problem(log)
+        # a start-up failure (imports, NCCL / rendezvous, the CUDA context) before the model was
+        # built is every later trainer's too: those are skipped instead of spending their budgets
+        if "attention route on " not in log.read_text(errors="replace") and STARTUP_FAILURE.search(problem):
+            run.state["launch_broken"] = f"{log.stem} ({problem[:300]})"
+        raise RuntimeError(f"trainer exited with {proc.returncode} (log {log.name}): {problem}")
     return 0
 
 
@@ -498,7 +548,15 @@ def tiny_base(run: Run) -> list[str]:
     return [*(DRY_DEVICE if run.dry else GPU_DEVICE), *COMMON, *(DRY_TINY if run.dry else GPU_TINY)]
 
 
-def layers_that_fit(device_bytes: int, seq_len: int = 4096) -> tuple[int, dict]:
+# pretrain_1p3b's step on each of its 8 GPUs (recipes/pretrain_1p3b.yaml, parallel node8_dp8_zero1):
+# micro batches of 2 sequences, 256 / (2 x 8) = 16 of them per optimizer step. The MFU item takes
+# the same step on one GPU (a global batch of 32), so the optimizer's share is the recipe's.
+RECIPE_MICRO_BATCH = 2
+RECIPE_ACCUMULATION = 16
+MFU_STEPS = 6  # logged steps of the timed run: 2 warm-up, the medians of 4
+
+
+def layers_that_fit(device_bytes: int, seq_len: int = 4096, micro_batch: int = RECIPE_MICRO_BATCH) -> tuple[int, dict]:
     """Most layers (<= 24) whose modelled peak (one process, bf16 with fp32 masters, as the
     trainer runs it) stays under 85% of the device."""
     from orthros_train.model import OrthrosConfig
@@ -508,7 +566,8 @@ def layers_that_fit(device_bytes: int, seq_len: int = 4096) -> tuple[int, dict]:
     best, est = 1, None
     for n in range(1, 25):
         cfg = OrthrosConfig(**{**shape_1p3b(), "num_hidden_layers": n})
-        e = estimate_memory(cfg, ParallelConfig(data_parallel=1, world_size=1), seq_len, 1, "bf16", "flash", 1.0)
+        e = estimate_memory(cfg, ParallelConfig(data_parallel=1, world_size=1), seq_len, micro_batch, "bf16", "flash",
+                            1.0)  # fmt: skip
         if e.total > 0.85 * device_bytes:
             break
         best, est = n, e
@@ -519,16 +578,25 @@ def item_train_1p3b(run: Run, sec: dict) -> dict:
     """The 1.3B shape with as many layers as fit at 4K tokens: the trainer's own plan
     (trainer.dry_run, whose launch measures what a launch costs here), then steps timed by the
     trainer itself (metrics.jsonl: tokens/s, MFU from the model's FLOPs, peak memory), killed once
-    enough are logged (its final save of a 1.3B model is not what is measured)."""
+    enough are logged (its final save of a 1.3B model is not what is measured). Each step is the
+    recipe's per-GPU step (``RECIPE_ACCUMULATION`` micro batches of ``RECIPE_MICRO_BATCH``); the
+    optimizer's part of it is timed apart afterwards (``optimizer_ms``). Where varlen failed its
+    first call the run takes the Triton kernels, and the row says why."""
     gib = 2**30
     device_bytes = 80 * gib if run.dry else torch.cuda.get_device_properties(0).total_memory
     layers, _ = layers_that_fit(device_bytes)
-    layout = [f"model.num_hidden_layers={layers}", "trainer.seq_len=4096", "trainer.micro_batch_size=1"]
+    sequences = RECIPE_MICRO_BATCH * RECIPE_ACCUMULATION
+    layout = [f"model.num_hidden_layers={layers}", "trainer.seq_len=4096",
+              f"trainer.micro_batch_size={RECIPE_MICRO_BATCH}", f"trainer.global_batch_size={sequences}"]  # fmt: skip
     device = DRY_DEVICE if run.dry else GPU_DEVICE
-    common = [*device, *COMMON, "parallel=single", "trainer.global_batch_size=null", "trainer.log_every=1",
+    common = [*device, *COMMON, "parallel=single", "trainer.log_every=1",
               "trainer.save_every=0", "trainer.resume=none", "trainer.overwrite=true"]  # fmt: skip
     out: dict = {"item": "1.3B shape through the trainer", "layers": layers, "seq_len": 4096,
-                 "device_gib": round(device_bytes / gib, 1)}  # fmt: skip
+                 "micro_batch_size": RECIPE_MICRO_BATCH, "accumulation": RECIPE_ACCUMULATION,
+                 "tokens_per_step": sequences * 4096, "device_gib": round(device_bytes / gib, 1)}  # fmt: skip
+    if reason := run.state.get("fallback", {}).get("varlen"):
+        common.append("model.attention_backend=triton")
+        out["fallback"] = f"varlen failed its first call ({reason[:200]}): model.attention_backend=triton"
     sec["rows"].append(out)
     t0 = time.monotonic()
     plan_dir = run.scratch / "runs" / "plan_1p3b"
@@ -541,14 +609,56 @@ def item_train_1p3b(run: Run, sec: dict) -> dict:
     out["estimate_gib"] = plan.get("memory_per_gpu", {}).get("peak_gib")
     out["flops_per_token"] = plan.get("flops_per_token")
     # the rehearsal: the same path at a size the interpreter can run; the plan is for the real layers
-    timed = [*DRY_TINY, "model.num_attention_heads=4", "model.num_key_value_heads=4"] if run.dry else layout
-    out.update(time_steps(run, [*common, *timed], want=4 if run.dry else 8))
+    # (accumulation 2 of the tiny micro batches: the same engine path)
+    timed = [*DRY_TINY, "model.num_attention_heads=4", "model.num_key_value_heads=4", "trainer.global_batch_size=4"] \
+        if run.dry else layout  # fmt: skip
+    out.update(time_steps(run, [*common, *timed], want=4 if run.dry else MFU_STEPS))
+    if run.dry:
+        out["tokens_per_step"] = 4 * 64
+    try:  # after the trainer is gone: its memory is free again
+        out.update(optimizer_ms(run, layers))
+    except Exception as exc:  # noqa: BLE001 - the MFU figure stands without the breakdown
+        out["optimizer_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if not run.dry:
+        torch.cuda.empty_cache()
     # a run on the Triton kernels compiled and tuned them into the shared cache
     run.state["kernels_warm"] = "pretraining -> triton" in (out.get("attention_route") or "")
     if out.get("peak_gib") and out["estimate_gib"]:
         out["peak_over_estimate"] = out["peak_gib"] / out["estimate_gib"]
     out["ok"] = bool(out.get("records"))
     return out
+
+
+def optimizer_ms(run: Run, layers: int) -> dict:
+    """One optimizer step over the MFU run's parameters the way its engine takes it with bf16
+    (DeepSpeed's bf16 optimizer: fp32 master weights and gradients, the global gradient norm for
+    clipping, torch's fused AdamW, the bf16 weights copied back), timed in this process: the
+    trainer logs whole steps only, and this is the part of a step that does not grow with its
+    micro batches. On CPU (the rehearsal) the tiny model's step runs and nothing is timed."""
+    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+
+    shape = tiny_shape() if run.dry else shape_1p3b()
+    with torch.device("meta"):  # shapes only: nothing allocated for the model itself
+        model = OrthrosForCausalLM(OrthrosConfig(**{**shape, "num_hidden_layers": 2 if run.dry else layers}))
+    dev = torch.device("cpu" if run.dry else "cuda")
+    masters = [torch.zeros(p.shape, device=dev, dtype=torch.float32, requires_grad=True) for p in model.parameters()]
+    for m in masters:
+        m.grad = torch.full_like(m, 1e-3)
+    weights = [m.detach().to(torch.bfloat16) for m in masters]
+    opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.1, fused=dev.type == "cuda")
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt.step()
+        torch._foreach_copy_(weights, [m.detach() for m in masters])
+
+    step()  # the optimizer's states are allocated by its first step
+    n = sum(m.numel() for m in masters)
+    if run.dry:
+        return {"optimizer_ms": None, "optimizer_parameters": n}
+    import triton.testing
+
+    return {"optimizer_ms": float(triton.testing.do_bench(step, warmup=5, rep=50)), "optimizer_parameters": n}
 
 
 def time_steps(run: Run, overrides: list[str], want: int) -> dict:
@@ -571,7 +681,8 @@ def time_steps(run: Run, overrides: list[str], want: int) -> dict:
         return vals[len(vals) // 2] if vals else None
 
     out = {"records": len(recs), "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"),
-           "peak_gib": median("max_memory_gib"), **route_and_determinism(log)}  # fmt: skip
+           "model_tflops_per_s": median("model_tflops_per_s"), "peak_gib": median("max_memory_gib"),
+           **route_and_determinism(log)}  # fmt: skip
     if partial:
         out.update(status="partial", partial=partial)
     if run.dry:
@@ -737,6 +848,173 @@ def item_preflight(run: Run, sec: dict) -> dict:
            "problems": problems, "ok": not problems}  # fmt: skip
     sec["rows"].append(row)
     return dict(row)
+
+
+# ---------------------------------------------------------------------------------------------
+# first calls: every GPU call a timed item makes for the first time, at a tiny size, first
+# ---------------------------------------------------------------------------------------------
+
+# The check's own test hook (not the library's): GPU_CHECK_FORCE_FAIL=varlen,cudnn,graph makes
+# those first calls fail as a node's library might, so a rehearsal walks the fallbacks.
+FORCE_FAIL_ENV = "GPU_CHECK_FORCE_FAIL"
+FIRST_CALL_T = 256  # tokens of the varlen probe: every kernel path, in milliseconds
+# The capture child's limit: it starts in the first_calls item and runs beside the items after
+# it; the first item that needs a graph reads it (a hung capture is killed there, not waited on).
+GRAPH_PROBE_TIMEOUT_S = 90
+FALLBACKS = {
+    "varlen": "the MFU run takes model.attention_backend=triton; the varlen kernel rows are not timed",
+    "cudnn": "the cuDNN SDPA rows are not timed; the output stream is held to SDPA flash alone",
+    "graph": "decode is timed eager only (no CUDA graph rows)",
+}
+
+
+def forced_failure(call: str) -> None:
+    if call in os.environ.get(FORCE_FAIL_ENV, "").split(","):
+        raise RuntimeError(f"forced by {FORCE_FAIL_ENV}={os.environ[FORCE_FAIL_ENV]} (the check's test hook)")
+
+
+def item_first_calls(run: Run, sec: dict) -> dict:
+    """The first call of everything a timed item relies on, at a tiny size, before that item:
+    FlashAttention varlen forward + backward on both pretraining streams against the reference op
+    (the route the MFU run's ``auto`` takes), cuDNN SDPA forward + backward against SDPA's math
+    backend (a kernels row), and a CUDA graph capture of the decode step (the decode rows), the
+    last in a child process with its own time limit: a hung capture cannot be interrupted in this
+    process, by the budget's alarm either. A call that fails routes its items to their fallback
+    (``FALLBACKS``) with the reason in the report, instead of failing them."""
+    fallback = run.state.setdefault("fallback", {})
+    run.report["fallback"] = fallback  # the report shows what later items fell back from, and why
+    start_graph_probe(run)
+    for call, probe in (("varlen", probe_varlen), ("cudnn", probe_cudnn)):
+        row: dict = {"call": call}
+        sec["rows"].append(row)
+        t0 = time.monotonic()
+        try:
+            forced_failure(call)
+            row.update(probe(run))
+        except Exception as exc:  # noqa: BLE001 - a failed first call is this row's result
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        row["seconds"] = round(time.monotonic() - t0, 2)
+        if row.get("error"):
+            fallback[call] = row["error"]
+            row["fallback"] = FALLBACKS[call]
+        if cuda_fault(run):
+            break  # run_item names the fault; the later in-process items are skipped
+    calls = {r["call"]: "fallback" if r.get("fallback") else "ok" for r in sec["rows"] if "call" in r}
+    return {"calls": calls, "fallback": {k: FALLBACKS[k] for k in fallback if k in calls},
+            **({"status": "fallback"} if any(v == "fallback" for v in calls.values()) else {})}  # fmt: skip
+
+
+def probe_varlen(run: Run) -> dict:
+    """varlen fwd+bwd of both pretraining streams at ``FIRST_CALL_T`` tokens vs the reference op."""
+    from orthros_train.ops.reference import attention_reference
+
+    shape = DRY_ATTN_SHAPE if run.dry else ATTN_SHAPE
+    dev, dtype = _dev_dtype(run)
+    t = 64 if run.dry else FIRST_CALL_T
+    g = torch.Generator(device=dev).manual_seed(11)
+    k, v = (torch.randn(t, shape["kv_heads"], shape["head_dim"], device=dev, dtype=dtype, generator=g)
+            .requires_grad_() for _ in range(2))  # fmt: skip
+    row = {"case": "varlen pretrain[both]"}
+    fn, q = varlen_case(run, row, shape, (k, v), g)
+    if fn is None:
+        return {"implementation": None, "note": "no FlashAttention varlen here: auto takes the Triton kernels"}
+    import attention as attn_bench
+
+    qi, qw, cu = (x.to(dev) for x in attn_bench.make_queries("pretrain", t, shape["window"]))
+    out = fn()
+    dout = torch.randn(out.shape, device=dev, dtype=out.dtype, generator=g)
+    got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
+    ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    r_out = attention_reference(*ref_in, qi, qw, cu)[0]
+    errs = max_errors(got, [r_out, *torch.autograd.grad(r_out, ref_in, dout.float())], ["out", "dq", "dk", "dv"])
+    bad = {n: e for n, e in errs.items() if not e <= TOL[n]}
+    if bad:
+        raise AssertionError(f"{row['implementation']} differs from the reference: max rel err {bad}")
+    return {"implementation": row["implementation"], "T": t, "max_rel_err": errs}
+
+
+def probe_cudnn(run: Run) -> dict:
+    """cuDNN SDPA fwd+bwd (causal, the kernels item's case) vs SDPA's math backend."""
+    if run.dry:
+        return {"note": "CPU: no cuDNN SDPA to call"}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    h, d = ATTN_SHAPE["heads"], ATTN_SHAPE["head_dim"]
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(1, h, FIRST_CALL_T, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    got = []
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+        with sdpa_kernel(backend):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        got.append([out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))])
+    errs = max_errors(got[0], got[1], ["out", "dq", "dk", "dv"])
+    bad = {n: e for n, e in errs.items() if not e <= TOL[n]}
+    if bad:
+        raise AssertionError(f"cuDNN SDPA differs from the math backend: max rel err {bad}")
+    return {"T": FIRST_CALL_T, "max_rel_err": errs}
+
+
+def start_graph_probe(run: Run) -> None:
+    """Start the capture child (``--graph-probe``), tied to this process, its log in the bundle."""
+    log = run.logs / "graph_probe.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "orthros_train.common.lifetime", sys.executable, os.path.abspath(__file__),
+           "--graph-probe", *(["--rehearse"] if run.dry else [])]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    with log.open("w") as handle:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_environment(env), stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    run.state["graph_probe"] = {"proc": proc, "log": log, "started": time.monotonic()}
+
+
+def graph_fallback(run: Run) -> str | None:
+    """Why the decode rows cannot use a CUDA graph (the capture child failed or hung), or None;
+    waits for the child up to its limit the first time it is asked."""
+    fallback = run.state.setdefault("fallback", {})
+    probe = run.state.get("graph_probe")
+    if probe is None or "graph" in fallback or probe.get("done"):
+        return fallback.get("graph")
+    proc, log = probe["proc"], probe["log"]
+    try:
+        proc.wait(timeout=max(0.0, probe["started"] + GRAPH_PROBE_TIMEOUT_S - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        kill_child(proc)
+        fallback["graph"] = f"the capture child did not finish within {GRAPH_PROBE_TIMEOUT_S} s (hung; killed)"
+    probe["done"] = True
+    text = log.read_text(errors="replace")
+    result = next((json.loads(line) for line in reversed(text.splitlines()) if line.startswith("{")), None)
+    if "graph" not in fallback and (proc.returncode != 0 or result is None):
+        fallback["graph"] = f"the capture child exited with {proc.returncode}: {log_problem(log)[:300]}"
+    elif "graph" not in fallback and not result.get("tokens_equal"):
+        fallback["graph"] = f"the captured decode step chose other tokens than eager decode: {result}"
+    run.report.setdefault("first_calls", {})["graph"] = result or {"error": fallback.get("graph")}
+    return fallback.get("graph")
+
+
+def graph_probe(dry: bool) -> dict:
+    """The child's work: a 2-layer tiny model's decode step captured in a CUDA graph (the rehearsal:
+    the same static step without a graph), its greedy tokens against eager decode."""
+    from orthros_train.infer.generate import decode
+    from orthros_train.infer.static_decode import StaticDecoder
+    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+
+    forced_failure("graph")
+    dev, dtype = (torch.device("cpu"), torch.float32) if dry else (torch.device("cuda"), torch.bfloat16)
+    cfg = OrthrosConfig(**{**tiny_shape(sliding_window=8), "num_hidden_layers": 2})
+    model = OrthrosForCausalLM(cfg).to(dev, dtype).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).to(dev)
+    with torch.no_grad():
+        logits, cache = model.prefill(ids)
+        eager_cache = repeated_rows(cache, 1, capacity=16 + 8)
+        graph_cache = eager_cache.clone()
+        _, eager = _decode_seconds(lambda nxt: decode(model, nxt, eager_cache), logits, 4)
+        decoder = StaticDecoder(model, graph_cache, graph=not dry)
+        try:
+            _, graphed = _decode_seconds(lambda nxt: decoder.step([0], nxt), logits, 4)
+        finally:
+            decoder.close()
+    return {"captured": not dry, "tokens_equal": bool(torch.equal(eager, graphed))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -930,6 +1208,11 @@ def _sdpa_fn(q, k, v, backend: str):
     return fn
 
 
+# Below this many ms per call, do_bench's time holds visible host gaps between launches: such a
+# case is timed by the profiler's kernel time as well (bench/attention.py fwd_bwd_kernel_ms).
+KERNEL_ONLY_BELOW_MS = 1.0
+
+
 def kernels_item(t: int) -> Callable:
     """An item: every case of the table at sequence length ``t`` (the 1.3B's attention shape);
     the autotuner's choices it made for this length, or that a shorter one's were reused."""
@@ -959,6 +1242,10 @@ def kernels_item(t: int) -> Callable:
                 continue
             if r["case"].startswith("sdpa") and run.dry:
                 continue  # flash / cuDNN exist on CUDA only
+            call = "varlen" if r["case"].startswith("varlen") else "cudnn" if "cudnn" in r["case"] else None
+            if call and (reason := run.state.get("fallback", {}).get(call)):
+                r["skipped"] = f"{call} failed its first call ({reason[:160]})"
+                continue
             if not case_isolated(run, r, lambda r=r: time_case(run, r, shape, k, v, g)):
                 break  # the CUDA context is broken: nothing more can run in this process
             done += 1 if "error" not in r else 0
@@ -970,8 +1257,10 @@ def kernels_item(t: int) -> Callable:
         _quietly(lambda: plot_kernels(run, sec))
         cut = any(r.get("error", "").startswith("not timed") for r in rows)
         failed = any("error" in r and not r["error"].startswith("not timed") for r in rows)
-        return {"T": t_run, "cases": done, "of": len(rows), **({"status": "partial"} if cut and not failed else {}),
-                "ok": None if run.dry else done == len(rows)}  # fmt: skip
+        skipped = sum(1 for r in rows if "skipped" in r)
+        return {"T": t_run, "cases": done, "of": len(rows), **({"skipped": skipped} if skipped else {}),
+                **({"status": "partial"} if cut and not failed else {}),
+                "ok": None if run.dry else done + skipped == len(rows)}  # fmt: skip
 
     return item
 
@@ -989,7 +1278,10 @@ def case_isolated(run: Run, row: dict, fn: Callable[[], None]) -> bool:
 
 
 def time_case(run: Run, r: dict, shape: dict, k: torch.Tensor, v: torch.Tensor, g: torch.Generator) -> None:
-    """Fill one row's forward / backward ms and TFLOP/s (on the interpreter: ran, nothing timed)."""
+    """Fill one row's forward / backward ms and TFLOP/s (on the interpreter: ran, nothing timed).
+    A case whose do_bench time is under ``KERNEL_ONLY_BELOW_MS`` (the small base-stream and 4K
+    cases, where launch gaps are a visible part of it) is timed again by the profiler's kernel
+    time; the row keeps both and says which one its TFLOP/s use."""
     import attention as attn_bench
 
     dev, dtype = k.device, k.dtype
@@ -998,22 +1290,33 @@ def time_case(run: Run, r: dict, shape: dict, k: torch.Tensor, v: torch.Tensor, 
         fn, q = varlen_case(run, r, shape, (k, v), g)
         if fn is None:
             return
-        f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (q, k, v), not run.dry, reps=1 if run.dry else 3)
+        inputs = (q, k, v)
     elif r["case"].startswith("sdpa"):
         qs = torch.randn(1, h, t, d, device=dev, dtype=dtype, generator=g).requires_grad_()
         ks, vs = (x.detach().transpose(0, 1).repeat_interleave(h // shape["kv_heads"], 0)[None].requires_grad_()
                   for x in (k, v))  # fmt: skip
-        f_ms, b_ms = attn_bench.fwd_bwd_ms(_sdpa_fn(qs, ks, vs, r["case"].split()[1]), (qs, ks, vs), True)
+        fn, inputs = _sdpa_fn(qs, ks, vs, r["case"].split()[1]), (qs, ks, vs)
     else:
         layout, streams = r["case"].split()[1].rstrip("]").split("[")
         qi, qw, cu = (x.to(dev) for x in attn_bench.make_queries(layout, t, shape["window"], streams))
         q = torch.randn(qi.numel(), h, d, device=dev, dtype=dtype, generator=g).requires_grad_()
         fn = attn_bench.orthros_fn(q, k, v, qi, qw, cu, deterministic=not r["case"].endswith("atomic bwd"),
                                    blocks=(16, 16) if run.dry else None)  # fmt: skip
-        f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, (q, k, v), not run.dry, reps=1 if run.dry else 3)
+        inputs = (q, k, v)
+    f_ms, b_ms = attn_bench.fwd_bwd_ms(fn, inputs, not run.dry, reps=1 if run.dry else 3)
     if run.dry:  # interpreter timings are no measurement
         r["ran"] = True
         return
+    r["timing"] = "do_bench"
+    if min(f_ms, b_ms) < KERNEL_ONLY_BELOW_MS:
+        try:
+            kernel = attn_bench.fwd_bwd_kernel_ms(fn, inputs)
+        except Exception as exc:  # noqa: BLE001 - the wall-clock figures stand
+            r["timing"] = f"do_bench (the profiler failed: {type(exc).__name__}: {str(exc)[:120]})"
+        else:
+            if all(kernel):
+                r.update(wall_fwd_ms=f_ms, wall_bwd_ms=b_ms, timing="profiler kernel time (no launch gaps)")
+                f_ms, b_ms = kernel
     r.update(fwd_ms=f_ms, bwd_ms=b_ms, fwd_tflops=r["fwd_gflop"] / f_ms, bwd_tflops=r["bwd_gflop"] / b_ms)
 
 
@@ -1137,8 +1440,10 @@ def inference_item(t: int) -> Callable:
 def prefill_decode(run: Run, model, t: int, steps: int) -> dict:
     """TTFT of one ``t``-token prompt (after an untimed prefill of the same length: the Triton
     autotuners key on the length bucket, so a shorter warm-up would leave this one's autotune in
-    the timing); per batch size, decode tokens/s eager and graph-captured from copies of that
-    prompt's cache. A batch repeats the prompt rather than prefilling ``b`` of them: a batch's
+    the timing); per batch size, decode tokens/s eager, then (every eager row first: a capture
+    that fails or hangs costs only its own rows) graph-captured, from copies of that prompt's
+    cache; no graph rows where the first_calls capture child failed.
+    A batch repeats the prompt rather than prefilling ``b`` of them: a batch's
     packed prefill is another length bucket (another cold autotune, ~40 s at 256K) and its decode
     costs the same. Stops adding batches when the item's time is spent."""
     from orthros_train.infer.generate import decode
@@ -1153,19 +1458,27 @@ def prefill_decode(run: Run, model, t: int, steps: int) -> dict:
         logits, prompt_cache = model.prefill(ids)
         _sync()
         row["ttft_ms"] = (time.perf_counter() - t0) * 1e3
+        caches, eager_tokens = {}, {}
         for b in DECODE_BATCHES:
             if left_s(run) <= 0:
                 break
             cache = repeated_rows(prompt_cache, b, capacity=t + steps + 2)
-            graph_cache = cache.clone()
+            caches[b] = cache.clone()  # the graph's copy, decoded after every eager row
             first = logits.expand(b, -1)
-            eager_s, eager_tokens = _decode_seconds(lambda nxt, c=cache: decode(model, nxt, c), first, steps)
-            graph_s, graph_tokens = _graph_decode_seconds(run, model, graph_cache, first, steps)
+            eager_s, eager_tokens[b] = _decode_seconds(lambda nxt, c=cache: decode(model, nxt, c), first, steps)
             row[f"decode_tokens_per_s_b{b}"] = b * steps / eager_s
+            del cache
+        # graph capture last: a capture that fails or hangs costs only these rows
+        if caches and (reason := graph_fallback(run)):
+            row["graph_skipped"] = f"the capture child failed ({reason[:160]})"
+            caches = {}
+        for b, graph_cache in caches.items():
+            if left_s(run) <= 0:
+                break
+            graph_s, graph_tokens = _graph_decode_seconds(run, model, graph_cache, logits.expand(b, -1), steps)
             row[f"graph_decode_tokens_per_s_b{b}"] = b * steps / graph_s
             # greedy chains from one cache: the graph's tokens are the eager ones (bf16 ties aside)
-            row[f"graph_tokens_equal_b{b}"] = float((graph_tokens == eager_tokens).float().mean())
-            del cache, graph_cache
+            row[f"graph_tokens_equal_b{b}"] = float((graph_tokens == eager_tokens[b]).float().mean())
     return row
 
 
@@ -1343,6 +1656,9 @@ def greedy_agreement(root: Path, prompts: list, outs: list, new: int, dry: bool)
 PLAN: tuple[Item, ...] = (
     Item("preflight", "setup", 5, 0, 0, item_preflight,
          "every module the items import, the kit's wheels at their pins, the corpora the recipes read"),
+    Item("first_calls", "setup", 6, 0, 2, item_first_calls,
+         "the first call of varlen fwd+bwd (both streams, vs the reference), cuDNN SDPA and a CUDA graph capture "
+         "(a child with its own limit), at tiny sizes: a failure routes its items to a fallback, with the reason"),
     Item("train_1p3b", "training", 100, 2, 20, item_train_1p3b,
          "1.3B shape, as many layers as fit at 4K tokens, through the trainer: MFU, tokens/s, peak memory "
          "next to the trainer's own estimate"),
@@ -1413,6 +1729,9 @@ def markdown(report: dict) -> str:
     for t in report.get("targets", []):
         met = "-" if t["met"] is None else ("yes" if t["met"] else "NO")
         lines.append(f"| {t['target']} | {_f(t['value'], '.3f')} | {t['goal']} | {met} |")
+    lines += [f"\nWhy: {t['why']}" for t in report.get("targets", []) if t.get("why")]
+    if report.get("fallback"):
+        lines += ["", "## Fallbacks (a first call failed)", ""] + [f"- {k}: {v}" for k, v in report["fallback"].items()]
     if report.get("dropped"):
         lines += ["", "## Dropped for time", ""] + [f"- {d['item']}: {d['reason']}" for d in report["dropped"]]
     errors = [(e["name"], e["error"]) for e in report["items"] if e.get("error")]
@@ -1466,11 +1785,52 @@ def _md_serving(sv: dict | None) -> list[str]:
 
 def all_targets(report: dict) -> list[dict]:
     s = report["sections"]
-    out = kernel_targets(s["kernels"]["rows"]) if s.get("kernels", {}).get("rows") else []
+    kernel_rows = s.get("kernels", {}).get("rows") or []
+    out = kernel_targets(kernel_rows) if kernel_rows else []
     for r in s.get("training", {}).get("rows", []):
         if r.get("item", "").startswith("1.3B"):
-            out.append(_target("1.3B-shape training MFU (the real trainer)", r.get("mfu"), ">=", "mfu"))
+            target = _target("1.3B-shape training MFU (the real trainer)", r.get("mfu"), ">=", "mfu")
+            if target["met"] is False:
+                target["why"] = mfu_miss(r, kernel_rows, TARGETS["mfu"])
+            out.append(target)
     return out
+
+
+def attention_per_step(row: dict, kernel_rows: list[dict]) -> tuple[float, float] | None:
+    """(seconds, TFLOP) of the MFU run's attention per step, from the kernels item's 4K rows of the
+    route the run took (varlen or the Triton kernels; both streams, fwd + bwd, every layer and
+    sequence), or None before those rows are timed."""
+    route = (row.get("attention_route") or "").split("pretraining -> ", 1)[-1].split(";")[0]
+    kind = "orthros" if route.startswith("triton") else "varlen"
+    by = {r["case"]: r for r in kernel_rows if r.get("T") == 4096}
+    cases = [by.get(f"{kind} pretrain[{stream}]") for stream in ("output", "base")]
+    if not all(c and c.get("fwd_ms") and c.get("bwd_ms") for c in cases):
+        return None
+    per = row["layers"] * row["tokens_per_step"] // 4096
+    return (per * sum(c["fwd_ms"] + c["bwd_ms"] for c in cases) / 1e3,
+            per * sum(c["fwd_gflop"] + c["bwd_gflop"] for c in cases) / 1e3)  # fmt: skip
+
+
+def mfu_miss(row: dict, kernel_rows: list[dict], goal: float) -> str | None:
+    """One line: which part of the MFU run's step is furthest over its share of a step at the goal
+    (each part's FLOPs at the goal's rate; the optimizer, timed apart, has no model FLOPs)."""
+    mfu, tps, tflops = row.get("mfu"), row.get("tokens_per_s"), row.get("model_tflops_per_s")
+    if not (mfu and tps and tflops and row.get("tokens_per_step")):
+        return None
+    step = row["tokens_per_step"] / tps
+    flops = tflops * step  # TFLOP per step
+    at_goal = step * mfu / goal  # the same FLOPs at the goal's rate
+    parts: dict[str, tuple[float, float]] = {}
+    if row.get("optimizer_ms"):
+        parts["optimizer (timed apart)"] = (row["optimizer_ms"] / 1e3, 0.0)
+    attention = attention_per_step(row, kernel_rows)
+    if attention:
+        parts["attention (4K kernel rows)"] = (attention[0], at_goal * attention[1] / flops)
+    rest = "GEMMs + token-wise work" + ("" if attention else " + attention")
+    parts[rest] = (step - sum(t for t, _ in parts.values()), at_goal - sum(sh for _, sh in parts.values()))
+    order = sorted(parts, key=lambda k: parts[k][1] - parts[k][0])
+    return (f"MFU {mfu:.2f} < {goal:.2f}: a step takes {step:.3f} s, {at_goal:.3f} s at {goal:.0%}; "
+            + "; ".join(f"{k} {parts[k][0]:.3f} s vs a share of {parts[k][1]:.3f} s" for k in order))
 
 
 def _pyplot():
@@ -1563,9 +1923,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.kit:
         p.error("--kit installs the kit and starts again: give it on the command line (python3 bench/gpu_check.py)")
-    if why := check_out(args.out):
-        print(f"gpu_check: error: {why}", file=sys.stderr)
-        raise SystemExit(2)
+    for why in (check_out(args.out), args.scratch and check_scratch(str(args.scratch))):
+        if why:
+            print(f"gpu_check: error: {why}", file=sys.stderr)
+            raise SystemExit(2)
     if not args.rehearse and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU, or pass --rehearse to walk every item on CPU")
     unknown = sorted(set(filter(None, args.sections.split(","))) - set(SECTIONS))
@@ -1576,11 +1937,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--graph-probe" in (sys.argv[1:] if argv is None else argv):  # the capture child (first_calls)
+        print(json.dumps(graph_probe(REHEARSE or not torch.cuda.is_available())), flush=True)
+        return 0
     args = parse_args(argv)
     chosen = set(filter(None, args.items.split(",")))
     items = [i for i in PLAN if (i.name in chosen if chosen else i.section in args.sections.split(","))]
-    if args.scratch:
-        args.scratch.mkdir(parents=True, exist_ok=True)
     run = Run(Path(args.out), args.rehearse, args.scratch)
     triton_cache(run.scratch)
     run.report["triton_cache"] = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")}

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import zipfile
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_out_naming_a_file_or_a_read_only_place_is_refused_in_one_line(tmp_path,
 
 def test_the_plan_runs_in_value_order_and_fits_the_node():
     names = [i.name for i in gpu_check.PLAN]
-    assert names[:2] == ["preflight", "train_1p3b"]  # 1.3B MFU and memory first
+    assert names[:3] == ["preflight", "first_calls", "train_1p3b"]  # first calls checked, then 1.3B MFU first
     first = {sec: min(names.index(i.name) for i in gpu_check.PLAN if i.section == sec) for sec in gpu_check.SECTIONS}
     assert first["kernels"] < first["correctness"] < names.index("resume") < first["inference"]
     assert names.index("ttft_128k") < min(names.index(n) for n in ("export_generate", "sft_step", "rl_step", "serving"))
@@ -401,3 +402,125 @@ def test_a_trainer_log_s_route_and_nondeterministic_ops_are_read(tmp_path):
                    "nondeterministic_ops": ["Flash Attention", "scatter_add_cuda_kernel"]}  # fmt: skip
     assert gpu_check.route_and_determinism(tmp_path / "missing.log") == {"attention_route": None,
                                                                        "nondeterministic_ops": []}  # fmt: skip
+
+
+def test_out_holding_a_gpu_run_s_report_is_refused_and_a_rehearsal_s_replaced(tmp_path, capsys):
+    """A rehearsal (or another run) must not silently replace a node's report in --out."""
+    out = tmp_path / "node_out"
+    out.mkdir()
+    node = json.dumps({"dry_run": False, "device": "NVIDIA H100 80GB HBM3", "date": "2026-12-06 09:00 UTC"})
+    (out / "gpu_check.json").write_text(node)
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--out", str(out), "--rehearse", "--items", "preflight"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpu_check: error: --out {out}: holds a GPU run's report (NVIDIA H100 80GB HBM3, ")
+    assert "give --out a new or empty folder" in err and len(err.strip().splitlines()) == 1
+    assert (out / "gpu_check.json").read_text() == node
+    (out / "gpu_check.json").write_text("{not json")  # unreadable: kept too
+    assert "not a readable report" in gpu_check.check_out(str(out))
+    (out / "gpu_check.json").write_text(json.dumps({"dry_run": True}))  # a rehearsal's: replaced
+    assert gpu_check.check_out(str(out)) is None
+
+
+def test_scratch_naming_a_file_is_refused_in_one_line(tmp_path, capsys):
+    target = tmp_path / "scratch.txt"
+    target.write_text("mine")
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--out", str(tmp_path / "out"), "--rehearse", "--scratch", str(target)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.startswith(f"gpu_check: error: --scratch {target}: exists and is not a folder")
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    _tiny_wheel(kit)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--kit", str(kit), "--rehearse",
+                           "--out", str(tmp_path / "out"), "--scratch", str(target)], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"--scratch {target}: exists and is not a folder" in proc.stderr and target.read_text() == "mine"
+
+
+def test_the_mfu_item_takes_the_recipe_s_per_gpu_step():
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "recipes" / "pretrain_1p3b.yaml").read_text())["trainer"]
+    node = yaml.safe_load((REPO / "recipes" / "parallel" / "node8_dp8_zero1.yaml").read_text())
+    dp = node.get("data_parallel") or node["world_size"]
+    assert recipe["micro_batch_size"] == gpu_check.RECIPE_MICRO_BATCH
+    assert recipe["global_batch_size"] // (recipe["micro_batch_size"] * dp) == gpu_check.RECIPE_ACCUMULATION
+
+
+def test_an_mfu_miss_is_explained_in_one_line():
+    """The part of the step furthest over its FLOP share at the goal comes first."""
+    row = {"mfu": 0.25, "tokens_per_s": 131072 / 4.0, "model_tflops_per_s": 250.0, "tokens_per_step": 131072,
+           "layers": 24, "optimizer_ms": 100.0, "attention_route": "cuda: pretraining -> triton; prefill -> triton"}
+    kernels = [{"T": 4096, "case": f"orthros pretrain[{s}]", "fwd_ms": f, "bwd_ms": 2 * f, "fwd_gflop": g,
+                "bwd_gflop": 2.5 * g} for s, f, g in (("output", 0.5, 275.0), ("base", 0.1, 17.0))]  # fmt: skip
+    line = gpu_check.mfu_miss(row, kernels, 0.5)
+    assert line.startswith("MFU 0.25 < 0.50: a step takes 4.000 s, 2.000 s at 50%; ") and "\n" not in line
+    # attention: 24 layers x 32 sequences x 1.8 ms = 1.382 s against a FLOP share of 2 s x 0.97 / 1000
+    attention = 24 * 32 * 1.8e-3
+    assert f"attention (4K kernel rows) {attention:.3f} s" in line
+    first = line.split("; ")[1]
+    assert first.startswith("GEMMs + token-wise work")  # 4 - 0.1 - 1.382 s, the furthest over its share
+    assert gpu_check.mfu_miss({**row, "mfu": None}, kernels, 0.5) is None
+    without = gpu_check.mfu_miss(row, [], 0.5)  # kernel rows not timed yet: attention stays in the rest
+    assert "GEMMs + token-wise work + attention" in without and "optimizer (timed apart) 0.100 s" in without
+
+
+def test_first_calls_fall_back_with_the_reason(tmp_path, monkeypatch):
+    """A forced varlen failure (the check's test hook) is recorded with its fallback; the kernels
+    item then leaves the varlen rows untimed with the reason instead of failing them."""
+    monkeypatch.setenv(gpu_check.FORCE_FAIL_ENV, "varlen")
+    monkeypatch.setattr(gpu_check, "start_graph_probe", lambda run: None)  # the child: the slow test's
+    run = gpu_check.Run(tmp_path / "out", dry=True, scratch=tmp_path / "scratch")
+    result = gpu_check.item_first_calls(run, gpu_check.section_entry(run, "setup"))
+    assert result["status"] == "fallback" and result["calls"] == {"varlen": "fallback", "cudnn": "ok"}
+    assert "forced by GPU_CHECK_FORCE_FAIL=varlen" in run.state["fallback"]["varlen"]
+    assert run.report["fallback"] is run.state["fallback"]
+    monkeypatch.delenv(gpu_check.FORCE_FAIL_ENV)
+    run.state["fallback"].clear()
+    result = gpu_check.item_first_calls(run, gpu_check.section_entry(run, "setup"))  # the stand-in vs reference
+    assert result["calls"] == {"varlen": "ok", "cudnn": "ok"} and "status" not in result
+
+
+def test_a_trainer_start_up_failure_skips_the_later_trainer_items(tmp_path):
+    run = gpu_check.Run(tmp_path / "out", dry=True, scratch=tmp_path / "scratch")
+    log = tmp_path / "plan_1p3b.log"
+    log.write_text("ModuleNotFoundError: No module named 'megatron'\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    with pytest.raises(RuntimeError, match="megatron"):
+        gpu_check.wait_for(run, proc, log)
+    assert run.state["launch_broken"].startswith("plan_1p3b (")
+    ran = []
+    items = [gpu_check.Item("trainer", "training", 5, 1, 0, lambda r, s: ran.append("t"), "t"),
+             gpu_check.Item("in_process", "correctness", 5, 0, 0, lambda r, s: ran.append("p"), "p")]  # fmt: skip
+    run.report["items"] = [{"name": i.name, "section": i.section, "status": "pending"} for i in items]
+    for item in items:
+        gpu_check.run_item(run, item)
+    assert ran == ["p"] and "a trainer failed to start in plan_1p3b" in run.report["items"][0]["reason"]
+
+
+@pytest.mark.slow
+def test_rehearsal_with_failed_first_calls_falls_back_and_still_reports(tmp_path, monkeypatch):
+    """GPU_CHECK_FORCE_FAIL=varlen,graph: the MFU item runs on the Triton kernels and reports, the
+    decode rows are eager only, each saying why; the same 8-file, 2-level --out."""
+    monkeypatch.setenv(gpu_check.FORCE_FAIL_ENV, "varlen,graph")
+    out = tmp_path / "out"
+    code = gpu_check.main(["--out", str(out), "--rehearse", "--items", "first_calls,train_1p3b,ttft_16k",
+                           "--scratch", str(tmp_path / "scratch")])  # fmt: skip
+    report = json.loads((out / "gpu_check.json").read_text())
+    items = {e["name"]: e for e in report["items"]}
+    assert code == 0 and items["first_calls"]["status"] == "fallback", items
+    big = items["train_1p3b"]["result"]
+    assert items["train_1p3b"]["status"] == "ok" and big["records"] >= 1
+    assert big["fallback"].startswith("varlen failed its first call") and "pretraining -> triton" in big[
+        "attention_route"]
+    assert big["accumulation"] == gpu_check.RECIPE_ACCUMULATION and big["optimizer_parameters"] > 0
+    rows = report["sections"]["inference"]["rows"]
+    assert rows and all("capture child failed" in r["graph_skipped"] for r in rows)
+    assert all("graph_decode_tokens_per_s_b1" not in r for r in rows)
+    assert set(report["fallback"]) == {"varlen", "graph"}
+    assert "Fallbacks (a first call failed)" in (out / "gpu_check.md").read_text()
+    assert "logs/graph_probe.log" in tarfile.open(out / "gpu_check_logs.tar.gz").getnames()
+    assert_out_comes_back(out)
