@@ -18,7 +18,7 @@ from orthros_train.errors import UserError
 from orthros_train.infer.generate import decode, generate, prefill
 from orthros_train.model.cache import KVCache
 from orthros_train.ops.attention import attention_with_lse, orthros_attention, prepare_attention
-from orthros_train.ops.keys import UNBOUNDED, KeyRule, allowed_keys, prompt_tail_flags, span_tail_flags
+from orthros_train.ops.keys import UNBOUNDED, KeyRule, allowed_keys, answer_tail_flags, prompt_tail_flags
 from orthros_train.ops.reference import attention_naive
 from orthros_train.phase.builders import prefill_layout, sft_layout
 
@@ -38,13 +38,17 @@ def test_tail_flags_follow_the_prompt_end_not_the_chunk():
     assert prompt_tail_flags(5, 0, 5, 0) is None  # R = 0: the paper's layer
 
 
-def test_span_flags_stop_at_the_document_start_and_before_the_last_answer_token():
-    doc_start = torch.tensor([0] * 6 + [6] * 8)
-    flags = span_tail_flags(doc_start, [(8, 12), (3, 5)], 4)
+def test_answer_flags_stop_at_the_document_start_and_before_the_last_answer_token():
+    """Answers (8, 12) in a document starting at 6 and (3, 5) in one starting at 0: outputs sit at
+    7..10 and 2..3 (an output predicts the next token)."""
+    cu = torch.tensor([0, 6, 14])
+    outputs = torch.tensor([2, 3, 7, 8, 9, 10])
+    flags = answer_tail_flags(outputs, cu, 14, 4)
     want = torch.zeros(14, dtype=torch.bool)
     want[6:11] = True  # doc 2 starts at 6: the tail is cut there; the last answer token (11) is not fed back
-    want[0:4] = True  # span (3, 5): tail 0..2, generated token 3
+    want[0:4] = True  # answer (3, 5): prompt tail 0..2, generated token 3
     assert torch.equal(flags, want)
+    assert answer_tail_flags(outputs, cu, 14, 0) is None
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3", None])
@@ -164,11 +168,12 @@ def test_sft_layout_gives_the_logits_generate_gives_the_same_tokens():
     for token in answer[:-1]:
         steps.append(decode(model, token.view(1), cache)[0])
     row = torch.cat([prompt, answer])
-    trained = model.forward_layout(sft_layout([row], [[(11, 15)]], global_tail=3)).logits
+    layout = sft_layout([row], [[(11, 15)]])
+    trained = model.forward_layout(layout).logits
     assert (trained - torch.stack(steps)).abs().max() < 1e-10
-    # without the flags (a layout built for R = 0) the answer positions read other keys
-    plain = model.forward_layout(sft_layout([row], [[(11, 15)]])).logits
-    assert (plain - torch.stack(steps)).abs().max() > 1e-4
+    # read as a layout whose outputs are not answers (no global token) the answers see other keys
+    layout.answers = False
+    assert (model.forward_layout(layout).logits - torch.stack(steps)).abs().max() > 1e-4
 
 
 @torch.no_grad()
@@ -218,3 +223,24 @@ def test_prefill_layout_marks_each_rows_tail():
                          prompt_lengths=[6, 9])  # fmt: skip
     assert lay.base_global.tolist() == [False, False, False, True, True, True, False, False]
     assert lay.num_global == 3
+
+
+@torch.no_grad()
+def test_a_two_turn_chat_with_the_cache_kept_is_what_its_sft_layout_trains():
+    """Turn 1 (prompt, answer) then turn 2 (a question appended to the kept cache, its answer):
+    the SFT layout of the whole conversation gives the logits of both generations."""
+    model = tail_model()
+    p1, a1, p2, a2 = PROMPTS[0][:8], PROMPTS[0][8:11], PROMPTS[1][:5], PROMPTS[1][5:]
+    steps = []
+    logits, cache = prefill(model, [p1])
+    steps.append(logits[0])
+    for token in a1[:-1]:
+        steps.append(decode(model, token.view(1), cache)[0])
+    logits, cache = prefill(model, [torch.cat([a1[-1:], p2])], cache)  # the last answer token opens turn 2
+    steps.append(logits[0])
+    for token in a2[:-1]:
+        steps.append(decode(model, token.view(1), cache)[0])
+    row = torch.cat([p1, a1, p2, a2])
+    s1, s2 = 8, 8 + 3 + 5
+    trained = model.forward_layout(sft_layout([row], [[(s1, s1 + 3), (s2, s2 + 2)]])).logits
+    assert (trained - torch.stack(steps)).abs().max() < 1e-10

@@ -40,7 +40,7 @@ from orthros_train.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from orthros_train.model.moe import MoEOutput, SparseMoE, StreamPairs
 from orthros_train.ops.attention import UNBOUNDED, orthros_attention, prepare_attention
 from orthros_train.ops.fused_tokenwise import add_rms_norm, linear_cross_entropy, rms_norm
-from orthros_train.ops.keys import KeyRule
+from orthros_train.ops.keys import KeyRule, answer_tail_flags
 from orthros_train.options import FusedTokenwise
 from orthros_train.phase.builders import decode_layout, positions_layout, prefill_layout
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout
@@ -66,7 +66,7 @@ class AttentionPlan:
     sink_tokens: int = 0  # the base stream's attention sinks (``OrthrosConfig.sink_tokens``)
     # [T] bool or None: base queries that see their whole document (the global tail, ``ops/keys.py``)
     base_global: torch.Tensor | None = None
-    num_global: int = 0  # how many (host-known, for the kernels' plan)
+    num_global: int = 0  # how many (host-known, for the kernels' plan; -1: not known on the host)
     new_lengths: torch.Tensor | None = None  # per-row new tokens when a KV cache is extended (CPU)
     # Per-forward attention metadata, filled by the first layer and reused by every later layer
     # and the backward (the kernels' query sort and tile plan, host-known counts): no layer
@@ -131,7 +131,9 @@ class AttentionPlan:
         if key not in self.attention_meta:
             # the base queries but the global ones are the windowed ones when the window is shorter
             # than the keys
-            n_band = self.num_base - self.num_global if with_base and self.base_window <= k.shape[0] else 0
+            n_band = 0
+            if with_base and self.base_window <= k.shape[0]:
+                n_band = None if self.num_global < 0 else self.num_base - self.num_global
             self.attention_meta[key] = prepare_attention(
                 q_index, q_window, self.key_cu_seqlens, k.shape[0], backend, sink_tokens=self.sink_tokens,
                 n_band=n_band, max_range=self.attention_meta.get("max_range"), query=(q.dtype, q.shape[-1]),
@@ -182,11 +184,25 @@ def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache
         key_cu_seqlens=cu,
         base_window=window,
         sink_tokens=config.base_sink_tokens,
-        base_global=layout.base_global if config.base_global_tail else None,
-        num_global=layout.num_global if config.base_global_tail else 0,
+        **_global_queries(config, layout),
         new_lengths=new_lengths,
         attention_meta=meta,
     )
+
+
+def _global_queries(config: OrthrosConfig, layout: OrthrosLayout) -> dict:
+    """``base_global`` and ``num_global`` of a pass (``ops/keys.py``): the layout's own flags (a
+    prompt's tail), or those an answer layout implies (SFT/RL), or none. ``num_global`` -1: not
+    known on the host (derived on the device; the kernels count it)."""
+    tail = config.base_global_tail
+    if not tail:
+        return {}
+    if layout.base_global is not None:
+        return {"base_global": layout.base_global, "num_global": layout.num_global}
+    if layout.answers:
+        flags = answer_tail_flags(layout.output_index, layout.cu_seqlens, layout.num_tokens, tail)
+        return {"base_global": flags, "num_global": -1}
+    return {}
 
 
 def initial_value(

@@ -13,8 +13,9 @@ the number of keys its window holds counting its own (``q_window``), and the doc
 * **the global tail** ``R`` (``KeyRule.global_tail``): the base queries of a prompt's last ``R``
   tokens, and of every generated token, see their whole document (``UNBOUNDED``), as output
   queries do. The tail is a choice of window per query, so executors that take per-query windows
-  need nothing else; which base queries are global is decided here (``prompt_tail_flags``,
-  ``span_tail_flags``) and carried by the layout (``OrthrosLayout.base_global``).
+  need nothing else; which base queries are global is decided here: ``prompt_tail_flags`` (a
+  prompt being read, a generated token; carried by the layout as ``OrthrosLayout.base_global``)
+  and ``answer_tail_flags`` (a training layout whose outputs are answers, ``OrthrosLayout.answers``).
 
 With ``S = 0`` and ``R = 0`` a base query sees exactly the paper's window. Keys a query sees are
 one contiguous *window range* ``[key_start, q_index]`` plus, with sinks, a *sink range*
@@ -123,25 +124,30 @@ def prompt_tail_flags(
     return positions >= first_global
 
 
-def span_tail_flags(
-    doc_start: torch.Tensor, spans: Sequence[tuple[int, int]], global_tail: int
-) -> torch.Tensor | None:
-    """Global base tokens of a training row whose answer spans are ``spans`` (``[start, end)`` each,
-    the tokens the model learns to generate); ``doc_start [T]`` is each token's document start.
+def answer_tail_flags(output_index: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int,
+                      global_tail: int) -> torch.Tensor | None:
+    """Global base tokens of a training layout whose output tokens are answer spans (SFT, RL).
 
-    A span's prompt is its document up to the span: its last ``global_tail`` tokens are the tail a
-    generation reads, and the span's tokens but the last are the tokens it generates and feeds back
-    (the last one is sampled, never fed). So a row trained with these flags sees the keys
-    ``generate`` gives the same tokens, turn after turn with the cache kept (train == prefill ==
-    decode). ``None`` when ``global_tail`` is 0.
+    A run of consecutive output positions ``[a, b]`` is one answer: its outputs predict tokens
+    ``a+1 .. b+1``. Generating it, a model reads the prompt up to ``a`` (its last ``global_tail``
+    tokens are the tail) and feeds back the generated tokens ``a+1 .. b`` (the last one, ``b+1``,
+    is sampled, never fed). So the global tokens are ``[a + 1 - global_tail, b]``, cut at the
+    document start, and a layout trained with them sees the keys ``generate`` gives the same tokens,
+    turn after turn with the cache kept (train == prefill == decode). Computed on the layout's
+    device without a host sync. ``None`` when ``global_tail`` is 0.
     """
     if not global_tail:
         return None
-    flags = torch.zeros(doc_start.numel(), dtype=torch.bool)
-    for start, end in spans:
-        first = max(int(start) - global_tail, int(doc_start[int(start)]))
-        flags[first : int(end) - 1] = True
-    return flags
+    device = output_index.device
+    index = torch.arange(num_tokens, device=device)
+    never = num_tokens + global_tail  # farther than any tail reaches
+    out_at = torch.full((num_tokens,), never, dtype=torch.long, device=device)
+    out_at[output_index.long()] = output_index.long()
+    # the nearest output position at or after each token: a reversed running minimum
+    nearest = torch.flip(torch.cummin(torch.flip(out_at, (0,)), 0).values, (0,))
+    cu = cu_seqlens.long().to(device)
+    doc_end = cu[torch.searchsorted(cu, index, right=True)]  # exclusive end of each token's document
+    return (nearest < doc_end) & (nearest - index < global_tail)
 
 
 def document_starts(q_index: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -213,5 +219,5 @@ def allowed_keys(
 
 __all__ = [
     "UNBOUNDED", "KeyRule", "allowed_keys", "check_sink_tokens", "document_starts", "key_ranges",
-    "missed_sinks", "prompt_tail_flags", "sink_queries", "span_tail_flags",
+    "missed_sinks", "prompt_tail_flags", "sink_queries", "answer_tail_flags",
 ]

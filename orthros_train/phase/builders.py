@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from orthros_train.ops.keys import prompt_tail_flags, span_tail_flags
+from orthros_train.ops.keys import prompt_tail_flags
 from orthros_train.phase.layout import IGNORE_INDEX, OrthrosLayout, concat_layouts
 
 Rows = torch.Tensor | Sequence[torch.Tensor]
@@ -156,13 +156,11 @@ def sft_layout(
     answer_spans: Sequence[Sequence[Span]],
     document_ids: Rows | None = None,
     eod_token_id: int | None = None,
-    global_tail: int = 0,
 ) -> OrthrosLayout:
-    """Output tokens only where the next token lies in an answer span ``[start, end)``.
-
-    ``global_tail`` (the model's ``base_global_tail``): each span's last prompt tokens and its
-    generated tokens get global base queries (``keys.span_tail_flags``), as ``generate`` gives them."""
-    return rl_layout(input_ids, answer_spans, None, document_ids, eod_token_id, what="answer", global_tail=global_tail)
+    """Output tokens only where the next token lies in an answer span ``[start, end)``. A model
+    with a global tail gives each span's last prompt tokens and its generated tokens global base
+    queries (``OrthrosLayout.answers``, ``keys.answer_tail_flags``), as ``generate`` gives them."""
+    return rl_layout(input_ids, answer_spans, None, document_ids, eod_token_id, what="answer")
 
 
 def rl_layout(
@@ -172,12 +170,11 @@ def rl_layout(
     document_ids: Rows | None = None,
     eod_token_id: int | None = None,
     what: str = "response",
-    global_tail: int = 0,
 ) -> OrthrosLayout:
     """Output tokens where the next token lies in a response span, weighted per target token.
 
     ``token_weights[b][j]`` is the weight (e.g. advantage) of predicting token ``j`` of row b.
-    ``global_tail``: as in ``sft_layout``.
+    The outputs are answers a generation produces (``OrthrosLayout.answers``): see ``sft_layout``.
     """
     rows = _as_rows(input_ids)
     if len(response_spans) != len(rows):
@@ -200,11 +197,7 @@ def rl_layout(
                 raise ValueError(f"token_weights shape {tuple(w.shape)} != row shape {tuple(ids.shape)}")
             weights = w[targets]
         lay = _row_layout(ids, doc, index, labels, weights)
-        doc_start = torch.arange(ids.numel()) - lay.positions.cpu()
-        lay.base_global = span_tail_flags(doc_start, [(int(a), int(b)) for a, b in spans], global_tail)
-        if lay.base_global is not None:
-            lay.base_global = lay.base_global.to(ids.device)
-            lay.validate()
+        lay.answers = True
         out.append(lay)
     if sum(lay.num_outputs for lay in out) == 0:
         raise ValueError(f"empty layout: no {what} tokens in any row")

@@ -34,7 +34,9 @@ class OrthrosLayout:
                          labels (RL: the sampling policy's and the reference's log-probs)
     row_values     name -> B numbers per row, for an objective's diagnostics (RL: each rollout's reward)
     base_global    [T] bool, or None: the base tokens whose query sees its whole document instead of
-                   the window (the global tail, ``ops/keys.py``); None: no such token (the paper's layer)
+                   the window (a prompt's global tail, ``ops/keys.py``); None: no such token
+    answers        the output tokens are answers a generation produces (SFT, RL): a model with a
+                   global tail derives its global tokens from them (``keys.answer_tail_flags``)
 
     Every phase returns this one type (RL's rollouts included), so the trainer's step reads the
     same batch whatever the objective.
@@ -51,6 +53,7 @@ class OrthrosLayout:
     output_values: dict[str, torch.Tensor] = field(default_factory=dict)
     row_values: dict[str, list[float]] = field(default_factory=dict)
     base_global: torch.Tensor | None = None
+    answers: bool = False
     # Labelled output tokens, counted once by ``validate`` (on the host, where layouts are built):
     # a count on the device would make every forward wait for the GPU.
     num_loss_tokens: int = field(init=False, default=0)
@@ -152,7 +155,14 @@ def concat_layouts(layouts: list[OrthrosLayout]) -> OrthrosLayout:
         output_values={k: torch.cat([x.output_values[k] for x in layouts]) for k in layouts[0].output_values},
         row_values={k: [v for x in layouts for v in x.row_values[k]] for k in layouts[0].row_values},
         base_global=_concat_flags([x.base_global for x in layouts], [x.num_tokens for x in layouts]),
+        answers=_all_or_none([x.answers for x in layouts]),
     )
+
+
+def _all_or_none(answers: list[bool]) -> bool:
+    if len(set(answers)) > 1:
+        raise ValueError("concat_layouts: answer layouts (SFT/RL) and others cannot be packed together")
+    return answers[0]
 
 
 def _concat_flags(flags: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
