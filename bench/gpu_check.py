@@ -1117,6 +1117,51 @@ def item_decode(run: Run, sec: dict) -> dict:
     return dict(row)
 
 
+def item_fused_tokenwise(run: Run, sec: dict) -> dict:
+    """model.fused_tokenwise on vs off: two 1.3B layers and the LM head at 4K tokens, bf16 fwd+bwd
+    timed after a warm-up; the kernels' first-call check, the loss difference and the ratio. The
+    ``auto`` default fuses on CUDA: a ratio >= 1 says to set model.fused_tokenwise=off."""
+    import copy
+    import time
+
+    from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+    from orthros_train.ops.fused_tokenwise import kernel_problem
+    from orthros_train.options import FusedTokenwise
+    from orthros_train.phase import pretrain_layout
+
+    dev, dtype = _dev_dtype(run)
+    cfg = OrthrosConfig(**{**(tiny_shape() if run.dry else shape_1p3b()), "num_hidden_layers": 2})
+    eager = OrthrosForCausalLM(cfg).to(dev, dtype)
+    fast = copy.deepcopy(eager)
+    for model, mode in ((eager, FusedTokenwise.off), (fast, FusedTokenwise.on)):
+        for module in model.modules():
+            if hasattr(module, "fusion"):
+                module.fusion = mode
+    ids = torch.randint(0, cfg.vocab_size, (1, 24 if run.dry else 4096), generator=torch.Generator().manual_seed(0))
+    layout = pretrain_layout(ids, labels=torch.roll(ids, -1, 1)).to(dev)
+    row: dict = {"check": "fused_tokenwise on vs off", "dtype": str(dtype).split(".")[-1],
+                 "kernel_problem": kernel_problem(dev, dtype)}
+    ms, losses = {}, {}
+    for name, model in (("eager", eager), ("fused", fast)):
+        times = []
+        for _ in range(1 if run.dry else 7):
+            _sync()
+            start = time.perf_counter()
+            loss = model.forward_layout(layout, return_logits=False).loss
+            loss.backward()
+            _sync()
+            times.append(time.perf_counter() - start)
+            losses.setdefault(name, float(loss.detach()))
+        ms[name] = 1e3 * sorted(times[2:] or times)[len(times[2:] or times) // 2]  # median after the warm-up
+    row.update({"eager_ms": ms["eager"], "fused_ms": ms["fused"], "ratio": ms["fused"] / ms["eager"],
+                "loss_rel_diff": abs(losses["fused"] - losses["eager"]) / max(abs(losses["eager"]), 1e-6)})
+    row["ok"] = row["kernel_problem"] is None and row["loss_rel_diff"] <= (1e-5 if dtype == torch.float32 else 2e-2)
+    row["verdict"] = ("keep model.fused_tokenwise=auto (fused on CUDA)" if row["ratio"] < 1
+                      else "set model.fused_tokenwise=off: the fused path is not faster here")
+    sec["rows"].append(row)
+    return dict(row)
+
+
 def sync_free_item(backend: str) -> Callable:
     def item(run: Run, sec: dict) -> dict:
         row = sync_free_check(_dev_dtype(run)[0], backend, run.dry)
@@ -1677,6 +1722,9 @@ PLAN: tuple[Item, ...] = (
            f"prefill TTFT, decode tokens/s eager and CUDA graph (batch 1, 2) at {t // 1024}K, Orthros vs dense, "
            f"{INFER_LAYERS} layers")
       for t in (16384, 131072)),
+    Item("fused_tokenwise", "kernels", 15, 0, 5, item_fused_tokenwise,
+         "model.fused_tokenwise on vs off, two 1.3B layers + LM head at 4K, bf16 fwd+bwd: the kernels' first-call "
+         "check, loss difference, time ratio (>= 1: set the key off)"),
     Item("export_generate", "training", 25, 0, 10, item_export_generate,
          "the reference run's export through transformers: AutoModelForCausalLM + generate"),
     Item("sft_step", "training", 40, 1, 5, one_step_item("sft_tiny_cpu", "one SFT step from the export", True),

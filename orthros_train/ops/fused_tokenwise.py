@@ -94,10 +94,17 @@ def kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     answer, so ``model.fused_tokenwise=auto`` falls back to eager instead of failing a step."""
     key = (str(device), str(dtype))
     if key not in _PROBLEMS:
+        # the check reads its results on the host once: not a sync of the step a detector watches
+        sync_mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
+        if sync_mode:
+            torch.cuda.set_sync_debug_mode(0)
         try:
             _PROBLEMS[key] = _check_kernels(device, dtype)
         except Exception as exc:  # noqa: BLE001 - any failure of a first call is the answer
             _PROBLEMS[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        finally:
+            if sync_mode:
+                torch.cuda.set_sync_debug_mode(sync_mode)
     return _PROBLEMS[key]
 
 
