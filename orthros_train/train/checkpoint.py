@@ -7,7 +7,8 @@ Layout of ``<run_dir>/checkpoints``::
                       (``OrthrosForCausalLM.from_pretrained`` loads it)
         optimizer/    Adam moments in reference layout: ``<param>.exp_avg`` / ``<param>.exp_avg_sq``
                       fp32 safetensors files + index.json (optimizer step)
-        rank_00000.pt RNG states (python, numpy, torch, CUDA) and data state of each rank
+        rank_00000.pt RNG states (python, numpy, torch, CUDA) and data state of each rank: plain
+                      data, read back with ``weights_only`` (``rank_state.py``): nothing in it can run
         meta.json     step, parallel layout, counters, wandb run id, resolved recipe
         manifest.json size and sha256 of every file above (written last)
     latest            name of the newest complete checkpoint
@@ -38,7 +39,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import random
 import shutil
 import threading
 import time
@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -66,6 +65,7 @@ from orthros_train.train.checkpoint_store import (
     verify_checkpoint,
 )
 from orthros_train.train.deepspeed_state import ADAM_KEYS, MASTER_KEY, DeepSpeedState, check_deepspeed_version
+from orthros_train.train.rank_state import ProcessRNG, load_rank_state
 
 __all__ = [
     "CheckpointError",
@@ -95,23 +95,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class ProcessRNG:
-    """The random streams of this process (python, numpy, torch, CUDA) as a ``Stateful``."""
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass
@@ -364,7 +347,7 @@ class CheckpointManager:
         collectives.barrier()
         # copies: the background write must see the state of this step, not a later one
         rank_state = {"rng": state.rng.state_dict(), "data": copy.deepcopy(state.data.state_dict())}
-        rank_file = tmp / f"rank_{rank:05d}.pt"
+        rank_file = tmp / f"rank_{rank:05d}.pt"  # plain data only: read back with weights_only (rank_state.py)
         sink.put(lambda: torch.save(rank_state, rank_file), hash_path=rank_file)
         shard_bytes = budget.limit // 2
         try:
@@ -469,6 +452,10 @@ class CheckpointManager:
         saved = {"precision": "fp32", "cp": 1, "ep": 1, **meta["layout"]}  # keys older checkpoints lack
         same_layout = saved == state.layout
         cfg = state.model_config
+        # Each rank continues its own RNG streams and data shard with the same layout; otherwise the
+        # data position is global (rank 0's) and the streams belong to the old ranks. Read first and
+        # agreed on by every rank, so a refused file changes no state and leaves no rank waiting.
+        extra = self._read_rank_state(path / f"rank_{rank if same_layout else 0:05d}.pt")
         load_reference_weights(state.engine, cfg, path / MODEL_DIR)
         optimizer_dir = path / OPTIMIZER_DIR
         if optimizer_dir.is_dir():
@@ -479,11 +466,9 @@ class CheckpointManager:
                 path,
                 OPTIMIZER_DIR,
             )
-        if same_layout:  # each rank continues its own RNG streams and data shard: bitwise
-            extra = torch.load(path / f"rank_{rank:05d}.pt", weights_only=False)
+        if same_layout:  # bitwise
             state.rng.load_state_dict(extra["rng"])
-        else:  # the data position is global; RNG streams belong to the old ranks and are not restored
-            extra = torch.load(path / "rank_00000.pt", weights_only=False)
+        else:
             if rank == 0:
                 log.warning(
                     "checkpoint %s was written with layout %s, this run uses %s: weights and optimizer state resharded",
@@ -498,3 +483,18 @@ class CheckpointManager:
             wandb_run_id=meta.get("wandb_run_id"),
         )
         return Restored(counters=counters, meta=meta, resharded=not same_layout)
+
+    @staticmethod
+    def _read_rank_state(path: Path) -> dict[str, Any]:
+        """Collective: this rank's rank file (``load_rank_state``: plain data only, nothing in it
+        runs); the first rank's refusal is raised on every rank."""
+        try:
+            extra, problem = load_rank_state(path), None
+        except (CheckpointError, OSError) as exc:
+            extra, problem = None, exc
+        messages = [str(p) for p in collectives.all_gather_object(None if problem is None else str(problem)) if p]
+        if problem is not None:
+            raise problem
+        if messages:
+            raise CheckpointError(f"another rank refused its rank file: {messages[0]}")
+        return extra
