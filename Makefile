@@ -89,7 +89,7 @@ test-gpu-node: $(STAMP) $(NODE_VENV)/.installed
 # (triton 3.6 ships its own ptxas): 0 spills and no duplicated dot work for every autotune config.
 TRITON36_VENV ?= .venv-triton36
 TRITON36_TESTS ?= tests/test_triton_attention.py tests/test_triton_decode.py tests/test_decode_rows.py tests/test_backward_delta.py \
-	tests/test_dot_replication.py
+	tests/test_dot_replication.py tests/test_autotune_entries.py
 $(TRITON36_VENV)/.installed: pyproject.toml
 	test -x $(TRITON36_VENV)/bin/python || python3 -m venv $(TRITON36_VENV)
 	$(TRITON36_VENV)/bin/python -m pip install -q --upgrade pip
