@@ -33,7 +33,7 @@ def _simulated_cp_error(cfg, layout, cp: int, backend: str = "reference", heads=
     q = torch.randn(q_index.numel(), heads[0], dim, generator=g, requires_grad=grads)
     k = torch.randn(t, heads[1], dim, generator=g, requires_grad=grads)
     v = torch.randn(t, heads[1], dim, generator=g, requires_grad=grads)
-    ref, _ = attention_reference(q, k, v, q_index, q_window, full.key_cu_seqlens)
+    ref, _ = attention_reference(q, k, v, q_index, q_window, full.key_cu_seqlens, sink_tokens=full.sink_tokens)
     upstream = torch.randn(ref.shape, generator=g)
     plans = [context_plan(cfg, layout, r, cp) for r in range(cp)]
     c = plans[0].chunk_len
@@ -134,3 +134,20 @@ def test_clip_cu_seqlens():
     cu = torch.tensor([0, 5, 9, 20])
     assert clip_cu_seqlens(cu, 3, 12).tolist() == [0, 2, 6, 9]
     assert clip_cu_seqlens(cu, 5, 9).tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_cp_attention_with_the_global_tail(cp, sinks):
+    """Global base queries (``model.base_global_tail``) under CP: an SFT layout's answer tails
+    (derived on the device) and a prefill layout's prompt tails (explicit flags), with gradients
+    through the past partials they add."""
+    from orthros_train.phase.builders import prefill_layout
+
+    cfg = tiny_config(64, num_hidden_layers=1, sliding_window=5, sink_tokens=sinks, base_global_tail=4)
+    ids = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(cp))
+    sft = sft_layout(ids, [[(12, 16), (24, 29)], [(25, 30)]])
+    assert _simulated_cp_error(cfg, sft, cp, grads=True) <= 2e-6
+    prefill = prefill_layout([ids[0], ids[1, :17]], global_tail=4)
+    assert prefill.num_global == 8
+    assert _simulated_cp_error(cfg, prefill, cp, grads=True) <= 2e-6

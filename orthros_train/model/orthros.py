@@ -184,13 +184,13 @@ def plan_for_layout(config: OrthrosConfig, layout: OrthrosLayout, cache: KVCache
         key_cu_seqlens=cu,
         base_window=window,
         sink_tokens=config.base_sink_tokens,
-        **_global_queries(config, layout),
+        **global_queries(config, layout),
         new_lengths=new_lengths,
         attention_meta=meta,
     )
 
 
-def _global_queries(config: OrthrosConfig, layout: OrthrosLayout) -> dict:
+def global_queries(config: OrthrosConfig, layout: OrthrosLayout) -> dict:
     """``base_global`` and ``num_global`` of a pass (``ops/keys.py``): the layout's own flags (a
     prompt's tail), or those an answer layout implies (SFT/RL), or none. ``num_global`` -1: not
     known on the host (derived on the device; the kernels count it)."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.model.orthros import AttentionPlan
+from orthros_train.model.orthros import AttentionPlan, global_queries
 from orthros_train.ops.attention import UNBOUNDED, prepare_attention, resolve_backend
 from orthros_train.ops.keys import key_ranges, sink_queries
 from orthros_train.ops.reference import merge_partial_attention
@@ -84,6 +84,10 @@ class ContextPlan(AttentionPlan):
     # from them (per-chunk clips, the attention op's prepared metadata) for the later layers.
     slot_outputs: tuple[int, int] = (0, 0)
     host_cu_seqlens: torch.Tensor | None = None
+    # The global tail (``ops/keys.py``): each slot's base rows (relative to the slot) whose query
+    # sees its whole document; ``any_global``: whether any rank has one (collectives must match).
+    global_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    any_global: bool = False
     _meta: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -134,11 +138,12 @@ class ContextPlan(AttentionPlan):
             raise ValueError("a ContextPlan needs its CP all-gather (context_plan(..., gather=...))")
         gather = self.gather
         op = self._op(backend, with_base)
-        _, q_global, q_window = self.queries(with_base)
+        _, q_global, _ = self.queries(with_base)
         kv = torch.cat([k, v], dim=1)  # one collective for both
         h_kv = k.shape[1]
         halo = self._gather_halo(kv, gather) if with_base and self.base_window < UNBOUNDED else None
-        full = self._gather_full(kv, gather) if self.has_outputs or self.base_window >= UNBOUNDED else None
+        full = (self._gather_full(kv, gather)
+                if self.has_outputs or self.any_global or self.base_window >= UNBOUNDED else None)  # fmt: skip
         sinks = self._sink_meta(q.device) if with_base and self.base_window < UNBOUNDED and self.sink_tokens else None
         sink_kv = None
         if sinks is not None:
@@ -159,9 +164,12 @@ class ContextPlan(AttentionPlan):
                 rows = torch.arange(*base_rows, device=q.device)
                 keys = torch.cat([halo[chunk], local_kv]) if halo is not None else local_kv
                 lo = e - keys.shape[0]
+                # every base row takes the window here; the global ones are computed again below
+                # over the whole past and replace these rows
                 o, lse = op(
-                    ("halo", slot), q[rows], *keys.split(h_kv, dim=1), q_global[rows] - lo, q_window[rows],
-                    self._clip(lo, e, q.device), rows.numel() if self.base_window <= keys.shape[0] else 0,
+                    ("halo", slot), q[rows], *keys.split(h_kv, dim=1), q_global[rows] - lo,
+                    torch.full_like(rows, self.base_window), self._clip(lo, e, q.device),
+                    rows.numel() if self.base_window <= keys.shape[0] else 0,
                 )
                 if sinks is not None and sinks["rows"][slot].numel():
                     o = self._merge_sinks(op, slot, q, o, lse, sink_kv, sinks, h_kv)
@@ -169,8 +177,11 @@ class ContextPlan(AttentionPlan):
             spans = [(out_start[slot], out_start[slot] + self.slot_outputs[slot])]
             if dense_base:
                 spans.insert(0, base_rows)
-            if sum(b - a for a, b in spans):
+            global_rows = self.global_rows[slot] + slot * self.chunk_len if with_base and self.global_rows else None
+            if sum(b - a for a, b in spans) or (global_rows is not None and global_rows.numel()):
                 rows = torch.cat([torch.arange(a, b, device=q.device) for a, b in spans])
+                if global_rows is not None:
+                    rows = torch.cat([global_rows, rows])
                 out = out.index_copy(
                     0, rows, self._unbounded(op, slot, q, rows, q_global, local_kv, full, s, e, h_kv)
                 )
@@ -362,6 +373,7 @@ def context_plan(
         [torch.arange(c * chunk_len, (c + 1) * chunk_len, device=device) for c in (first, last)]
     )
     orthros = config.attention_type == "orthros"
+    tail = _global_tail_rows(config, layout, token_global, padded, chunk_len)
     select = output_select(layout, rank, cp)
     output_global = layout.output_index.long()[select]
     slot = (output_global // chunk_len == last).long()
@@ -385,4 +397,20 @@ def context_plan(
         gather=gather,
         slot_outputs=(slot.numel() - late, late) if orthros else (0, 0),
         host_cu_seqlens=cu.cpu(),
+        **tail,
     )
+
+
+def _global_tail_rows(config: OrthrosConfig, layout: OrthrosLayout, token_global: torch.Tensor, padded: int,
+                      chunk_len: int) -> dict:
+    """The ``ContextPlan`` fields of the global tail: the local base flags, their rows per slot
+    (host copies, once per forward) and whether any rank has a global query."""
+    flags = global_queries(config, layout).get("base_global")
+    if flags is None:
+        return {}
+    device = token_global.device
+    host = torch.cat([flags.cpu(), torch.zeros(padded - flags.numel(), dtype=torch.bool)])  # padding: windowed
+    local = host[token_global.cpu()]
+    rows = tuple(torch.nonzero(local[i * chunk_len : (i + 1) * chunk_len]).flatten().to(device) for i in (0, 1))
+    return {"base_global": local.to(device), "num_global": int(local.sum()), "global_rows": rows,
+            "any_global": bool(host.any())}
