@@ -6,7 +6,8 @@ when it is built: in the process that starts the engine (the OpenAI server's fro
 ``LLM`` object's), before any engine process or model exists. So a refused setting stops
 ``vllm serve`` / ``LLM(...)`` at once with its message. It also makes the output attention a
 splitting op of vLLM's piecewise CUDA graphs and adds the logits processor through which the model
-learns which requests want prompt logprobs.
+learns which requests want prompt logprobs, and, with a global tail, the one through which it learns
+each request's prompt length (turning prefix caching off: see ``tail_prefix_caching``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from orthros_train.errors import UserError, first_line
+from orthros_train.ops.keys import KeyRule
 from orthros_train.serve.refusal import OrthrosServeError
 
 if TYPE_CHECKING:
@@ -27,11 +30,14 @@ ARCHITECTURE = "OrthrosForCausalLM"
 # Loaded by vLLM from these names (front end and engine), one per model-runner interface.
 PROMPT_LOGPROBS_ROWS = "orthros_train.serve.prompt_logprobs:PromptLogprobRows"
 PROMPT_LOGPROBS_REFUSAL_V2 = "orthros_train.serve.prompt_logprobs:RefusePromptLogprobsV2"
+# How the model learns each request's prompt length (the global tail; V1 runner).
+PROMPT_LENGTHS = "orthros_train.serve.prompt_lengths:PromptLengths"
 # The output stream's attention and the base stream's with sink tokens: splitting ops of vLLM's
 # piecewise CUDA graphs, as its own attention is (they read the step's metadata).
 OUTPUT_ATTENTION_OP = "orthros::output_attention"
 BASE_ATTENTION_OP = "orthros::base_attention"
-ATTENTION_OPS = (OUTPUT_ATTENTION_OP, BASE_ATTENTION_OP)
+GLOBAL_ATTENTION_OP = "orthros::global_attention"  # the global tail's base rows over every key
+ATTENTION_OPS = (OUTPUT_ATTENTION_OP, BASE_ATTENTION_OP, GLOBAL_ATTENTION_OP)
 # Speculative methods whose drafts need only the target's logits at the verified positions, which
 # the model gives by putting output tokens there. The others condition the draft on the target's
 # hidden states at every scheduled position (EAGLE, EAGLE-3, MTP, DFlash, DSpark, hidden-state
@@ -83,6 +89,77 @@ def check_serving_config(vllm_config: VllmConfig) -> None:
             f"sink_tokens in config.json must be an integer in 0..base_window-1={window - 1} (the base stream's "
             f"attention sinks; absent means 0), got {sinks!r}: re-export the checkpoint with `orthros-convert to-hf`"
         )
+    try:  # the one validation of W, S, R (ops/keys.py)
+        KeyRule(window, sinks, getattr(hf, "base_global_tail", 0))
+    except UserError as e:
+        raise OrthrosServeError(f"{path}: {first_line(e)}; fix base_global_tail there or re-export the checkpoint "
+                                "with `orthros-convert to-hf`") from None
+    if served_global_tail(hf, vllm_config.model_config.max_model_len):
+        check_tail_serving(vllm_config)
+
+
+def check_tail_serving(vllm_config: VllmConfig) -> None:
+    """Refuse what the global tail cannot be served with: the model must know every request's prompt
+    length before each forward, which only the V1 runner's logits processors learn in time."""
+    tail = vllm_config.model_config.hf_config.base_global_tail
+    what = f"an Orthros model with base_global_tail={tail} needs each request's prompt length before the forward"
+    if vllm_config.speculative_config is not None:
+        raise OrthrosServeError(
+            f"speculative decoding is not supported with base_global_tail > 0: {what}, which vLLM tells the model "
+            "through a custom logits processor and takes none under speculative decoding; drop the speculative "
+            "config, or serve an export with base_global_tail 0"
+        )
+    if vllm_config.use_v2_model_runner:
+        raise OrthrosServeError(
+            f"vLLM's Model Runner V2 cannot serve base_global_tail > 0: {what}, and V2 tells logits processors "
+            "about requests only after it; start the engine with VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner)"
+        )
+    if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
+        raise OrthrosServeError(
+            f"prompt embeddings are not supported with base_global_tail > 0: {what}, and vLLM gives it the prompt's "
+            "token ids only; drop --enable-prompt-embeds"
+        )
+
+
+def served_global_tail(hf_config: Any, max_model_len: int) -> int:
+    """The global tail the served base stream applies: the export's ``base_global_tail`` (absent: 0),
+    or 0 where no request is longer than the window (``max_model_len <= base_window``: every base
+    row already sees its whole request, as for ``served_sink_tokens``)."""
+    tail = int(getattr(hf_config, "base_global_tail", 0) or 0)
+    return tail if max_model_len > int(hf_config.base_window) else 0
+
+
+def tail_prefix_caching(vllm_config: VllmConfig) -> None:
+    """With a global tail, prefix caching is turned off (with a warning).
+
+    A cached block holds K/V computed for the request that wrote it: a token that was among that
+    request's last ``R`` prompt tokens or that it generated has K/V from a global base query, and
+    the same token read afresh inside a longer prompt has K/V from a windowed one (and the reverse:
+    a prompt's own tail found in a block another request wrote windowed). Reusing blocks would make
+    a request's answer depend on what the cache held, which a user of prefix caching does not
+    expect. vLLM turns prefix caching on by default and hands the hook the same flag whether a user
+    asked for it or not, so it is turned off rather than refused (refusing would refuse every
+    default engine), and the warning says why.
+    """
+    cache = vllm_config.cache_config
+    if not cache.enable_prefix_caching:
+        return
+    tail = vllm_config.model_config.hf_config.base_global_tail
+    logger.warning(
+        "Orthros model with base_global_tail=%d: prefix caching is turned off. A cached block holds K/V "
+        "computed for another request's prompt tail or answer (global base queries), which a fresh read of "
+        "the same tokens computes windowed; each request reads its whole prompt instead (a chat's earlier "
+        "turns are read as part of the new prompt: only its last %d tokens are the tail)", tail, tail)
+    cache.enable_prefix_caching = False
+
+
+def add_prompt_lengths(vllm_config: VllmConfig) -> None:
+    """Append the logits processor through which the model learns each request's prompt length
+    (``prompt_lengths.py``), for an export served with a global tail."""
+    model_config = vllm_config.model_config
+    processors: list[Any] = list(model_config.logits_processors or [])
+    if PROMPT_LENGTHS not in processors:
+        model_config.logits_processors = [*processors, PROMPT_LENGTHS]
 
 
 def served_sink_tokens(hf_config: Any, max_model_len: int) -> int:
@@ -165,3 +242,6 @@ class OrthrosConfigHook(VerifyAndUpdateConfig):
         check_serving_config(vllm_config)
         split_graphs_at_output_attention(vllm_config)
         add_prompt_logprobs_rows(vllm_config)
+        if served_global_tail(vllm_config.model_config.hf_config, vllm_config.model_config.max_model_len):
+            tail_prefix_caching(vllm_config)
+            add_prompt_lengths(vllm_config)

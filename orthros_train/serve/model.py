@@ -12,6 +12,11 @@ maps onto that as follows:
   manager frees blocks that fall out of the window, but the output stream still reads them. With
   sink tokens (``sink_tokens > 0`` in config.json) vLLM only writes the K/V and the window plus the
   request's first ``S`` keys is the model's own op (``torch.ops.orthros.base_attention``).
+  With a global tail (``base_global_tail = R > 0``) the base rows of each request's last ``R``
+  prompt tokens and of its generated tokens (``tail_rows.py``; the prompt lengths come from a
+  logits processor, ``prompt_lengths.py``) are computed again over every key of their request, in
+  the same pass, by the output stream's unwindowed attention (``torch.ops.orthros.global_attention``),
+  and only those rows.
 * **output stream** ``y``: an output token at every row whose logits vLLM reads (``output_rows.py``
   plans them per step: the last row of each request; the last ``1 + k`` under speculative
   decoding; every prompt row of a request that asks for prompt logprobs; every row of a step that
@@ -67,10 +72,12 @@ from vllm.utils.torch_utils import _encode_layer_name, direct_register_custom_op
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from orthros_train.serve import kv_layout
-from orthros_train.serve.config import served_sink_tokens
+from orthros_train.serve.config import served_global_tail, served_sink_tokens
 from orthros_train.serve.output_rows import OutputRows, every_row, plan_output_rows
+from orthros_train.serve.prompt_lengths import lengths_of
 from orthros_train.serve.prompt_logprobs import prompt_logprob_rows
 from orthros_train.serve.refusal import OrthrosServeError
+from orthros_train.serve.tail_rows import plan_tail_rows, tail_row_keys
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +106,13 @@ class OutputQueries:
     # padding rows), computed on the device once per step for every layer.
     base_request: torch.Tensor | None = None
     base_keys: torch.Tensor | None = None
+    # The global tail's base rows. CPU: their suffix plan over the requests that have any
+    # (``tail_requests``), with the CPU op's work split; GPU: every row's key count where it is
+    # global, else 0 (with ``base_request``, on the device).
+    tail: OutputRows | None = None
+    tail_requests: torch.Tensor | None = None
+    tail_schedule: torch.Tensor | None = None
+    tail_keys: torch.Tensor | None = None
     prepared: bool = False  # the cache layout was checked and the Triton kernels compiled (at load)
 
 
@@ -119,6 +133,7 @@ class BaseStreamAttention(Attention):
     output_queries: OutputQueries  # shared by every layer of a model, refreshed every step
     window: int = 0  # the base stream's window W
     sink_tokens: int = 0  # the base stream's sink tokens S (0: vLLM's windowed attention does it all)
+    global_tail: int = 0  # the base stream's global tail R (0: no base row sees more than its window)
     layout: str | None = None  # how this model reads the cache by hand (``kv_layout``), where it does
     cache_block_size: int = 16  # vLLM's cache block size (the test block written at load)
 
@@ -249,18 +264,8 @@ class BaseStreamAttention(Attention):
         if n == 0:
             return
         if q_out.device.type == "cpu":
-            from vllm import _custom_ops as ops
-
-            # The CPU cache packs K and V of a block side by side (as its backend reads them).
-            key_cache, value_cache = kv_layout.cpu_op_views(self.kv_cache)
-            ops.cpu_attention_with_kv_cache(
-                query=q_out[:n].view(n, self.num_heads, self.head_size),
-                key_cache=key_cache, value_cache=value_cache, output=out[:n].view(n, self.num_heads, self.head_size),
-                query_start_loc=plan.query_start_loc, seq_lens=md.seq_lens, scale=self.impl.scale, causal=True,
-                alibi_slopes=None, sliding_window=-1, block_table=md.block_table, softcap=0,
-                scheduler_metadata=queries.cpu_schedule, s_aux=None, dynamic_causal=None,
-                k_scale=self._k_scale_float, v_scale=self._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
-            )
+            self._cpu_suffix_attention(q_out[:n], out[:n], plan.query_start_loc, md.seq_lens, md.block_table,
+                                       queries.cpu_schedule)
             return
         # The backend's cache as checked at load (``kv_layout.PAGED``) -> K, V [blocks, block_size, kv heads, D].
         key_cache, value_cache = self._paged_views()
@@ -289,6 +294,55 @@ class BaseStreamAttention(Attention):
         paged_output_attention(q_out[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                                md.block_table, md.seq_lens, md.query_start_loc, scale=self.impl.scale,
                                out=out[:n].view(n, self.num_heads, self.head_size))
+
+    def _cpu_suffix_attention(self, q: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
+                              seq_lens: torch.Tensor, block_table: torch.Tensor, schedule: torch.Tensor) -> None:
+        """The CPU backend's own paged attention: the queries of request ``r`` (rows
+        ``query_start_loc[r]:[r + 1]``) are the last rows of its ``seq_lens[r]`` keys, causal, no window."""
+        from vllm import _custom_ops as ops
+
+        m = q.shape[0]
+        # The CPU cache packs K and V of a block side by side (as its backend reads them).
+        key_cache, value_cache = kv_layout.cpu_op_views(self.kv_cache)
+        ops.cpu_attention_with_kv_cache(
+            query=q.view(m, self.num_heads, self.head_size),
+            key_cache=key_cache, value_cache=value_cache, output=out.view(m, self.num_heads, self.head_size),
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.impl.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0,
+            scheduler_metadata=schedule, s_aux=None, dynamic_causal=None,
+            k_scale=self._k_scale_float, v_scale=self._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def global_attention(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The global tail: the base rows that are global this step (``tail_rows.py``) attend every
+        key of their request up to their own, replacing what the windowed base attention wrote in
+        ``out [T, heads * head_dim]`` for them; the other rows are left as they are.
+
+        CPU: those rows are gathered and run through the CPU backend's paged attention (they are a
+        suffix of each request's rows, as output rows are). GPU: the paged Triton kernel with one
+        program per row, every row of the step with its own key count, 0 (nothing read) for the rows
+        that are not global, computed on the device, so a captured graph replays it."""
+        queries = self.output_queries
+        md = queries.metadata
+        if md is None:  # vLLM's profiling / warm-up run: no cache yet
+            return
+        if q.device.type == "cpu":
+            tail = queries.tail
+            if tail is None:  # no global row in this step
+                return
+            rows, reqs = tail.rows, queries.tail_requests
+            got = out.new_empty(tail.count, out.shape[1])
+            self._cpu_suffix_attention(q[rows], got, tail.query_start_loc, md.seq_lens[reqs], md.block_table[reqs],
+                                       queries.tail_schedule)
+            out[rows] = got
+            return
+        from orthros_train.serve.paged_attention import paged_global_rows
+
+        m = q.shape[0]
+        key_cache, value_cache = self._paged_views()
+        shape = (m, self.num_heads, self.head_size)
+        paged_global_rows(q.view(shape), key_cache, value_cache, md.block_table, queries.base_request[:m],
+                          queries.tail_keys[:m], out[:m].view(shape), scale=self.impl.scale)
 
     def use_flash(self, graph_mode: object) -> bool:
         """Whether this step's output attention runs with vLLM's FlashAttention: where the base stream
@@ -345,12 +399,25 @@ def _base_attention_op(q: torch.Tensor, out: torch.Tensor, layer_name: str,
     get_forward_context().no_compile_layers[layer_name].base_attention(q, out)
 
 
+def _global_attention_op(q: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    """``torch.ops.orthros.global_attention``: the global tail's base rows over every key of their
+    request, written over the windowed result in ``out``; opaque as the other two (it reads the
+    cache, the step's metadata and its tail plan), ordered after the base attention by ``out``."""
+    get_forward_context().no_compile_layers[layer_name].global_attention(q, out)
+
+
+def _global_attention_fake(q: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
 # The ops live in their own library, kept alive as long as this module (the ops' lifetime).
 _ORTHROS_OPS = Library("orthros", "FRAGMENT")
 direct_register_custom_op("output_attention", _output_attention_op, mutates_args=["out"],
                           fake_impl=_output_attention_fake, target_lib=_ORTHROS_OPS)
 direct_register_custom_op("base_attention", _base_attention_op, mutates_args=["out"],
                           fake_impl=_output_attention_fake, target_lib=_ORTHROS_OPS)
+direct_register_custom_op("global_attention", _global_attention_op, mutates_args=["out"],
+                          fake_impl=_global_attention_fake, target_lib=_ORTHROS_OPS)
 
 
 def _head_split_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -403,6 +470,7 @@ class OrthrosAttention(nn.Module):
         )
         self.attn.window = int(config.base_window)
         self.attn.sink_tokens = served_sink_tokens(config, vllm_config.model_config.max_model_len)
+        self.attn.global_tail = served_global_tail(config, vllm_config.model_config.max_model_len)
         self.attn.cache_block_size = vllm_config.cache_config.block_size
 
     def _per_head(self, t: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -431,6 +499,8 @@ class OrthrosAttention(nn.Module):
             attn = q.new_empty(h.shape[0], self.q_size)
             written = self._write_kv(k, v)
             torch.ops.orthros.base_attention(q[:n_base], attn[:n_base], self.attn.layer_name, written)
+            if self.attn.global_tail:
+                torch.ops.orthros.global_attention(q[:n_base], attn[:n_base], self.attn.layer_name)
             torch.ops.orthros.output_attention(q[n_base:], attn[n_base:], self.attn.layer_name, written)
             return self.o_proj(attn)[0]
         # Writes the step's K/V, then the windowed attention into the first n_base rows of a buffer
@@ -438,6 +508,8 @@ class OrthrosAttention(nn.Module):
         # (as for a padded batch), so the two streams need no concatenation. The output attention
         # reads what the base call wrote (ordered by its use of the same buffer).
         attn = self.attn(q[:n_base], k, v, output_shape=torch.Size((h.shape[0], self.q_size)))
+        if self.attn.global_tail:  # the tail's rows again, over every key (vLLM's call wrote their K/V)
+            torch.ops.orthros.global_attention(q[:n_base], attn[:n_base], self.attn.layer_name)
         torch.ops.orthros.output_attention(q[n_base:], attn[n_base:], self.attn.layer_name)
         return self.o_proj(attn)[0]
 
@@ -570,10 +642,11 @@ class OrthrosForCausalLM(nn.Module):
                              persistent=False)
         refuse_breakable_graphs()
         sinks = self.model.layers[0].self_attn.attn.sink_tokens
-        logger.info("Orthros model: %d layers, base window %d, %d sink tokens%s, %d query heads / %d kv heads",
-                    config.num_hidden_layers, config.base_window, sinks,
-                    " (base stream on the model's own attention)" if sinks else "", config.num_attention_heads,
-                    config.num_key_value_heads)
+        self.global_tail = self.model.layers[0].self_attn.attn.global_tail
+        logger.info("Orthros model: %d layers, base window %d, %d sink tokens%s, global tail %d, %d query heads / "
+                    "%d kv heads", config.num_hidden_layers, config.base_window, sinks,
+                    " (base stream on the model's own attention)" if sinks else "", self.global_tail,
+                    config.num_attention_heads, config.num_key_value_heads)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -634,22 +707,16 @@ class OrthrosForCausalLM(nn.Module):
         )
         queries.plan = plan
         queries.base_request = queries.base_keys = None
-        if attn.attn.sink_tokens and device.type != "cpu":
+        if (attn.attn.sink_tokens or self.global_tail) and device.type != "cpu":
             # Every row of the step is a base query: its request and key count, on the device (the
             # CPU path reads them per request from the host metadata).
             queries.base_request, queries.base_keys = every_row(
                 md.query_start_loc, num_tokens, md.num_actual_tokens, md.max_query_len).row_requests(md.seq_lens)
+        if self.global_tail:
+            self._plan_tail(md, queries, device)
         if device.type == "cpu":
-            from vllm import _custom_ops as ops
-            from vllm import envs
-
-            n_req = plan.query_start_loc.shape[0] - 1
-            queries.cpu_schedule = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=n_req, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                seq_lens=md.seq_lens, dtype=self.dtype, query_start_loc=plan.query_start_loc, causal=True,
-                sliding_window_size=-1, isa=attn.attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                dynamic_causal=None, kv_cache_dtype=attn.attn.kv_cache_dtype,
-            )
+            queries.cpu_schedule = self._cpu_schedule(plan.query_start_loc.shape[0] - 1, md.seq_lens,
+                                                      plan.query_start_loc)
         else:
             from orthros_train.serve.paged_attention import is_compiled
 
@@ -662,6 +729,49 @@ class OrthrosForCausalLM(nn.Module):
             if not queries.flash and (plan.every_row or plan.max_query_len > 1):
                 queries.row_request, queries.row_keys = plan.row_requests(md.seq_lens)
         return plan
+
+    def _plan_tail(self, md: object, queries: OutputQueries, device: torch.device) -> None:
+        """This step's global base rows (``tail_rows.py``), from each request's prompt length
+        (``prompt_lengths.py``): a host plan on CPU, per-row key counts on the device on GPU."""
+        queries.tail = queries.tail_requests = queries.tail_schedule = queries.tail_keys = None
+        lengths = lengths_of(self.vllm_config_id)
+        if lengths is None:
+            raise OrthrosServeError(
+                "the Orthros model serves base_global_tail > 0 but its prompt-length logits processor "
+                "(orthros_train.serve.prompt_lengths:PromptLengths) was not built: the plugin's config hook did not "
+                "run for this engine (is the orthros_train plugin installed in every vLLM process?)"
+            )
+        if device.type != "cpu":
+            if lengths.device is None:
+                raise OrthrosServeError("the Orthros prompt-length buffer was not made on the GPU (PromptLengths "
+                                        "was built for another device)")
+            queries.tail_keys = tail_row_keys(queries.base_request, queries.base_keys, lengths.device, self.global_tail)
+            return
+        n_req = md.query_start_loc.shape[0] - 1
+        tail = plan_tail_rows(md.query_start_loc, md.seq_lens, lengths.host(n_req), self.global_tail, device)
+        if tail is None:
+            return
+        # Only the requests with global rows go to the CPU op (a request with no query is not its case).
+        counts = tail.query_start_loc[1:] - tail.query_start_loc[:-1]
+        requests = torch.nonzero(counts).flatten()
+        qsl = torch.zeros(requests.shape[0] + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(counts[requests], 0)
+        tail.query_start_loc = qsl
+        queries.tail, queries.tail_requests = tail, requests
+        queries.tail_schedule = self._cpu_schedule(requests.shape[0], md.seq_lens[requests], qsl)
+
+    def _cpu_schedule(self, num_requests: int, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        """The CPU attention op's work split for suffix queries (``query_start_loc``) of these requests."""
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        attn = self.model.layers[0].self_attn
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=num_requests, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            seq_lens=seq_lens, dtype=self.dtype, query_start_loc=query_start_loc, causal=True,
+            sliding_window_size=-1, isa=attn.attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=None, kv_cache_dtype=attn.attn.kv_cache_dtype,
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

@@ -249,6 +249,27 @@ def paged_window_attention(
                                   sink_tokens=sink_tokens)
 
 
+def paged_global_rows(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    row_request: torch.Tensor,
+    tail_keys: torch.Tensor,
+    out: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The global tail over the paged cache: row ``i`` with ``tail_keys[i] > 0`` (a global base row,
+    ``tail_rows.tail_row_keys``) attends all of its request's first ``tail_keys[i]`` keys, written
+    over ``out [M, Hq, D]`` (the windowed result); rows with 0 keep ``out`` (the kernel reads no key
+    for them). One launch over every row, no host sync: a captured graph replays it."""
+    full = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    paged_output_attention(q, key_cache, value_cache, block_table, tail_keys, None, scale=scale, out=full,
+                           row_request=row_request)
+    out.copy_(torch.where((tail_keys > 0)[:, None, None], full, out))
+    return out
+
+
 # Kernels compiled by ``compile_paged_kernels``: (device, dtype, query heads, kv heads, head_dim).
 _COMPILED: set[tuple] = set()
 
