@@ -6,6 +6,9 @@ DeepSpeed does over the data x context parallel group) on layouts whose document
 cross the chunk boundaries, one with a window longer than a chunk. Prints one ``RESULT <json>``
 line on rank 0 with the worst absolute differences.
 
+``cp_equivalence <tp> <recompute> tail=R``: every variant but the dense one with the global tail
+``R`` (the SFT layout's answers then have global base queries).
+
 ``cp_equivalence <tp> <recompute> sinks=S``: the base stream with ``S`` sink tokens instead; the
 variants are orthros (sink keys taken from the output stream's full gather), the sliding
 baseline (sink keys gathered alone) and a mixture-of-experts orthros model. The documents that
@@ -42,7 +45,8 @@ def main() -> None:
     rank, world = rank_and_world()
     tp = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     recompute = sys.argv[2] if len(sys.argv) > 2 else "none"
-    sinks = int(sys.argv[3].split("=", 1)[1]) if len(sys.argv) > 3 else 0
+    options = dict(a.split("=", 1) for a in sys.argv[3:])
+    sinks, tail = int(options.get("sinks", 0)), int(options.get("tail", 0))
     cp = world // tp
     pcfg = ParallelConfig(tensor_parallel=tp, context_parallel=cp, sequence_parallel=tp > 1, recompute=recompute)
     start_parallel(pcfg, tiny_config(64, **SHAPE))
@@ -80,6 +84,8 @@ def main() -> None:
     results = {}
     for attention_type, window in variants:
         extra = {"sink_tokens": sinks} if sinks else {}
+        if tail and attention_type != "dense":
+            extra["base_global_tail"] = tail
         if attention_type == "moe":
             # EP = 1: every CP rank holds all experts. No router loss: each CP rank balances its own
             # chunk's routing by design, which is not the single-device sequence's balance.

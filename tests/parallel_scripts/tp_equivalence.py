@@ -7,7 +7,9 @@ Prints one ``RESULT <json>`` line on rank 0 with the worst absolute differences.
 
 ``tp_equivalence sinks=S``: the same variants with ``S`` base-stream sink tokens (the sliding
 baseline instead of the dense one, which has no sinks), on layouts with documents longer than W.
-Any other argument runs the first variant only.
+``tp_equivalence tail=R`` (with or without ``sinks=S``): the global tail ``R`` on every variant
+but the dense one (the SFT layout's answers then have global base queries). Any other argument
+runs the first variant only.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ def main() -> None:
 
     rank, world = rank_and_world()
     variants = [(False, "orthros"), (True, "orthros"), (True, "dense")]
-    sinks = int(sys.argv[1].split("=", 1)[1]) if len(sys.argv) > 1 and sys.argv[1].startswith("sinks=") else 0
+    options = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    sinks, tail = int(options.get("sinks", 0)), int(options.get("tail", 0))
     if sinks:
         variants = [(False, "orthros"), (True, "orthros"), (True, "sliding")]
-    elif len(sys.argv) > 1:
+    elif len(sys.argv) > 1 and not options:
         variants = variants[:1]
     start_parallel(ParallelConfig(tensor_parallel=world, data_parallel=1), tiny_config(64, **SHAPE))
     ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
@@ -49,7 +52,9 @@ def main() -> None:
     }
     results = {}
     for sp, attention_type in variants:
-        cfg = tiny_config(64, **SHAPE, attention_type=attention_type, tie_word_embeddings=not sp, sink_tokens=sinks)
+        extra = {"base_global_tail": tail} if tail and attention_type != "dense" else {}
+        cfg = tiny_config(64, **SHAPE, attention_type=attention_type, tie_word_embeddings=not sp, sink_tokens=sinks,
+                          **extra)  # fmt: skip
         ref = seeded_model(cfg, output_affine="resampled")
         # TP=1 weights on disk -> TP=2 model (the reference checkpoint format reshards on load).
         ckpt = tempfile.mkdtemp() if rank == 0 else None
