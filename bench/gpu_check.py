@@ -595,7 +595,7 @@ def item_train_1p3b(run: Run, sec: dict) -> dict:
                  "micro_batch_size": RECIPE_MICRO_BATCH, "accumulation": RECIPE_ACCUMULATION,
                  "tokens_per_step": sequences * 4096, "device_gib": round(device_bytes / gib, 1)}  # fmt: skip
     if reason := run.state.get("fallback", {}).get("varlen"):
-        common.append("model.attention_backend=triton")
+        common.append("++model.attention_backend=triton")  # ++: the recipe's model group may not state it
         out["fallback"] = f"varlen failed its first call ({reason[:200]}): model.attention_backend=triton"
     sec["rows"].append(out)
     t0 = time.monotonic()
@@ -622,7 +622,7 @@ def item_train_1p3b(run: Run, sec: dict) -> dict:
     if not run.dry:
         torch.cuda.empty_cache()
     # a run on the Triton kernels compiled and tuned them into the shared cache
-    run.state["kernels_warm"] = "pretraining -> triton" in (out.get("attention_route") or "")
+    run.state["kernels_warm"] = pretraining_on_triton(out.get("attention_route"))
     if out.get("peak_gib") and out["estimate_gib"]:
         out["peak_over_estimate"] = out["peak_gib"] / out["estimate_gib"]
     out["ok"] = bool(out.get("records"))
@@ -1844,12 +1844,18 @@ def all_targets(report: dict) -> list[dict]:
     return out
 
 
+def pretraining_on_triton(route: str | None) -> bool:
+    """Whether a trainer's logged route (``cuda: pretraining -> triton; ...``, or ``every layout ->
+    triton (model.attention_backend)`` when the backend is forced) runs pretraining on the Triton kernels."""
+    parts = (route or "").split(": ", 1)[-1].split("; ")
+    return any(p.startswith(("pretraining -> triton", "every layout -> triton")) for p in parts)
+
+
 def attention_per_step(row: dict, kernel_rows: list[dict]) -> tuple[float, float] | None:
     """(seconds, TFLOP) of the MFU run's attention per step, from the kernels item's 4K rows of the
     route the run took (varlen or the Triton kernels; both streams, fwd + bwd, every layer and
     sequence), or None before those rows are timed."""
-    route = (row.get("attention_route") or "").split("pretraining -> ", 1)[-1].split(";")[0]
-    kind = "orthros" if route.startswith("triton") else "varlen"
+    kind = "orthros" if pretraining_on_triton(row.get("attention_route")) else "varlen"
     by = {r["case"]: r for r in kernel_rows if r.get("T") == 4096}
     cases = [by.get(f"{kind} pretrain[{stream}]") for stream in ("output", "base")]
     if not all(c and c.get("fwd_ms") and c.get("bwd_ms") for c in cases):

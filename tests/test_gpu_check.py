@@ -464,6 +464,8 @@ def test_an_mfu_miss_is_explained_in_one_line():
     first = line.split("; ")[1]
     assert first.startswith("GEMMs + token-wise work")  # 4 - 0.1 - 1.382 s, the furthest over its share
     assert gpu_check.mfu_miss({**row, "mfu": None}, kernels, 0.5) is None
+    assert gpu_check.pretraining_on_triton("cpu: every layout -> triton (model.attention_backend)")
+    assert not gpu_check.pretraining_on_triton("cuda: pretraining -> flash_attn_3; prefill -> triton")
     without = gpu_check.mfu_miss(row, [], 0.5)  # kernel rows not timed yet: attention stays in the rest
     assert "GEMMs + token-wise work + attention" in without and "optimizer (timed apart) 0.100 s" in without
 
@@ -514,8 +516,8 @@ def test_rehearsal_with_failed_first_calls_falls_back_and_still_reports(tmp_path
     assert code == 0 and items["first_calls"]["status"] == "fallback", items
     big = items["train_1p3b"]["result"]
     assert items["train_1p3b"]["status"] == "ok" and big["records"] >= 1
-    assert big["fallback"].startswith("varlen failed its first call") and "pretraining -> triton" in big[
-        "attention_route"]
+    assert big["fallback"].startswith("varlen failed its first call")
+    assert gpu_check.pretraining_on_triton(big["attention_route"]), big["attention_route"]
     assert big["accumulation"] == gpu_check.RECIPE_ACCUMULATION and big["optimizer_parameters"] > 0
     rows = report["sections"]["inference"]["rows"]
     assert rows and all("capture child failed" in r["graph_skipped"] for r in rows)
