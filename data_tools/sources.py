@@ -192,7 +192,10 @@ def _json_file_records(path: str) -> Iterator[Record]:
                 return
         for i, item in enumerate(items):
             where = f"{path}[{i}]"
-            if isinstance(item, dict):
+            surrogate = _lone_surrogate(None, item)
+            if surrogate:
+                yield Record(where, error=surrogate, kind="not_utf8")
+            elif isinstance(item, dict):
                 yield Record(where, value=item)
             else:
                 yield Record(where, error=f"expected a JSON object, got {type(item).__name__}")
@@ -215,7 +218,29 @@ def _json_file_records(path: str) -> Iterator[Record]:
             if not isinstance(value, dict):
                 yield Record(where, error=f"expected a JSON object, got {type(value).__name__}")
                 continue
+            surrogate = _lone_surrogate(line, value)
+            if surrogate:
+                yield Record(where, error=surrogate, kind="not_utf8")
+                continue
             yield Record(where, value=value)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(line: str | None, value: object) -> str | None:
+    """Why a decoded JSON record is not Unicode text, or None. JSON may escape half of a UTF-16
+    pair (``"\\ud800"``): Python's json decodes it to a lone surrogate, which no tokenizer can
+    encode (the tokenizers library raises a TypeError naming neither file nor line)."""
+    if line is not None and not _SURROGATE_ESCAPE.search(line):
+        return None  # the cheap test: no escape of a surrogate anywhere on the line
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end]
+        return (f"holds an escaped lone surrogate ({ascii(bad)[1:-1]}, half of a UTF-16 pair), which is not Unicode "
+                "text; fix the record where it was written")
+    return None
 
 
 def _datasets_records(builder: str, files: list[str], txt_sample_by: str) -> Iterator[Record]:

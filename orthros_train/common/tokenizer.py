@@ -9,6 +9,7 @@ special tokens when it can). Every refusal is a one-line ``TokenizerError`` nami
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -89,12 +90,49 @@ def load_tokenizer(path: str | Path, required: bool = True, pad_with_eos: bool =
             except (ValueError, OSError, KeyError):
                 tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     except Exception as e:  # transformers raises many types for a bad folder; name it
+        broken = _broken_json_file(folder)
+        if broken:
+            raise TokenizerError(
+                f"{broken[0]}: {broken[1]}, so the tokenizer in {text} cannot load; the file is truncated or "
+                "corrupt: copy it again from where the tokenizer came from, or save the tokenizer again "
+                "(tokenizer.save_pretrained)"
+            ) from e
         reason = " ".join(str(e).split())
-        raise TokenizerError(f"{text}: cannot load a tokenizer ({type(e).__name__}: {reason})") from e
+        raise TokenizerError(
+            f"{text}: cannot load a tokenizer ({type(e).__name__}: {reason}); point at a folder a tokenizer was "
+            "saved to (tokenizer.save_pretrained), or save it there again"
+        ) from e
     return _padded(tok, pad_with_eos)
+
+
+def _broken_json_file(folder: Path) -> tuple[Path, str] | None:
+    """The first of a tokenizer folder's JSON files that does not parse, with why: the file to
+    name when a load fails (the tokenizers library says "EOF while parsing" without a file name)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            return path, f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        except json.JSONDecodeError as exc:
+            return path, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        except OSError as exc:
+            return path, f"cannot be read ({exc.strerror or exc})"
+    return None
 
 
 def _padded(tok: Any, pad_with_eos: bool) -> Any:
     if pad_with_eos and tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def check_loadable(*folders: str | Path | None) -> None:
+    """Load the tokenizer of every folder that holds one, so a truncated or corrupt tokenizer is a
+    ``TokenizerError`` naming its file before a command copies it onward (an export that would
+    fail only when someone loads it)."""
+    for folder in folders:
+        if folder is not None and has_tokenizer(folder):
+            load_tokenizer(folder)

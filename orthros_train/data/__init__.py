@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from orthros_train.common.blank import refuse_blank, refuse_blank_items
 from orthros_train.data.embedded import CHAT_CORPORA, EOD_TOKEN, corpus_documents, corpus_files, train_tokenizer
 from orthros_train.errors import UserError
 from orthros_train.options import DataKind, DataSource, LossAverage, Overlong
@@ -49,6 +50,11 @@ class DataConfig:
         self.kind = DataKind.parse(self.kind, "data.kind")
         self.overlong = Overlong.parse(self.overlong, "data.overlong")
         self.loss_average = LossAverage.parse(self.loss_average, "data.loss_average")
+        refuse_blank_items("data.paths", self.paths, "an orthros-data output, a .bin/.idx prefix or a directory")
+        refuse_blank("data.tokenizer", self.tokenizer, "a tokenizer directory or tokenizer.json",
+                     "null for the one orthros-data recorded")
+        refuse_blank("data.cache_dir", self.cache_dir, "a cache directory", "~/.cache/orthros_train")
+        refuse_blank("data.corpus", self.corpus, "an embedded corpus name", "paul_graham")
         if self.source == "indexed" and not self.paths:
             raise UserError("data.source=indexed needs data.paths (orthros-data outputs or .bin/.idx prefixes)")
         if self.weights is not None and len(self.weights) != len(self.paths):

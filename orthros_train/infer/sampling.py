@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,11 +41,21 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        for name in ("max_new_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise UserError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise UserError(f"{name} must be a number, got {value!r}")
         if self.max_new_tokens < 0:
             raise UserError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        # NaN passes every comparison's negation (nan < 0 is false) and inf divides the logits to 0:
+        # both would reach torch as a broken probability tensor, so finite is checked first.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
             raise UserError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}")

@@ -89,6 +89,7 @@ class StudyOptions:
                 f"--train-archs {','.join(stray)} not in --archs {','.join(self.archs)}: the study evaluates only "
                 f"--archs, so a run it does not evaluate is not trained; add them to --archs or drop them"
             )
+        check_arch_overrides(self.archs, self.overrides)
         if self.overwrite and (self.skip_train or self.train_archs is not None):
             raise UserError("--overwrite retrains every run: it cannot go with --skip-train or --train-archs")
         if self.jobs < 1:
@@ -103,6 +104,32 @@ class StudyOptions:
 
 
 logger = logging.getLogger(__name__)
+
+
+def _override_key(override: str) -> str:
+    """``model.sink_tokens`` of ``+model.sink_tokens=2``, ``++model.sink_tokens=2`` or ``~model.sink_tokens``."""
+    return override.split("=", 1)[0].lstrip("+~").strip()
+
+
+def check_arch_overrides(archs: Sequence[str], overrides: Sequence[str]) -> None:
+    """An --override of a key that an arch fixes (``orthros_sinks``'s ``model.sink_tokens``) would
+    be dropped for that arch (its own ``++`` override comes last and wins) while the report labels
+    the row by the arch's value; ``model.attention_type`` is what every arch is. Both refused, naming
+    the override and the arch, instead of a study that silently trains something else."""
+    for override in overrides:
+        key = _override_key(override)
+        if key == "model.attention_type":
+            raise UserError(f"--override {override}: model.attention_type is what each of --archs "
+                            f"{','.join(archs)} trains; choose the models with --archs instead")
+        for arch in archs:
+            fixed = {_override_key(o): o.lstrip("+") for o in EXTRA_ARCHS.get(arch, (arch, []))[1]}
+            if key in fixed:
+                raise UserError(f"--override {override} sets {key}, which --archs {arch} fixes ({fixed[key]}): "
+                                f"the arch's value would win and the report label its row by it; drop the override, "
+                                f"or train it as another arch (e.g. --archs orthros --override {override})")
+    for override in overrides:
+        if not _override_key(override):
+            raise UserError(f"--override {override!r} names no key: give key=value (e.g. trainer.max_steps=100)")
 
 
 def check_seeds_and_rates(seeds: Sequence[int], lrs: Sequence[float]) -> None:

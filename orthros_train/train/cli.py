@@ -450,6 +450,22 @@ def _keys(tree: object, prefix: str = "") -> list[str]:
     return out
 
 
+def _group_not_in_recipe(config_name: str, parsed: list, exc: Exception) -> str | None:
+    """``distill=dense_twin`` on a recipe whose defaults list has no ``distill`` entry (only the
+    convert_* recipes have one): Hydra's "No match in the defaults list" names neither the recipe
+    nor the preset, so say which and give the ``+`` form that adds it."""
+    text = str(exc)
+    for o in parsed:
+        group = o.key_or_group
+        if o.is_add() or o.is_force_add() or "." in group or f"Could not override '{group}'" not in text:
+            continue
+        return (
+            f"{group}={o.value()}: recipe {config_name} has no {group} entry in its defaults list to replace; "
+            f"add the preset with +{group}={o.value()}"
+        )
+    return None
+
+
 def override_typo(config_name: str | None, overrides: list[str]) -> str | None:
     """A plain ``key=value`` override whose key the recipe does not have (``trainer.max_step``):
     the problem with the nearest keys, instead of Hydra's advice to append it with ``+key``, which
@@ -472,8 +488,8 @@ def override_typo(config_name: str | None, overrides: list[str]) -> str | None:
             # the recipe with its group choices (data=indexed_blend) but none of the value overrides
             groups = [o.input_line for o in parsed if "." not in o.key_or_group and not o.is_sweep_override()]
             recipe = OmegaConf.to_container(compose(config_name, overrides=groups), resolve=False)
-    except Exception:  # noqa: BLE001 - a bad recipe name or group: Hydra's own message says it
-        return None
+    except Exception as exc:  # noqa: BLE001 - a bad recipe name or group: Hydra's own message says it
+        return _group_not_in_recipe(config_name, parsed, exc)
     known = set(_keys(recipe))
     for o in plain:
         key = o.key_or_group

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from orthros_train.common.blank import refuse_blank
 from orthros_train.common.overrides import check_types
 from orthros_train.data import DataConfig
 from orthros_train.errors import UserError
@@ -45,6 +46,9 @@ class OptimConfig:
     trainable: str | None = None
 
     def __post_init__(self) -> None:
+        # '' is a regular expression that matches every name: training everything is trainable=null
+        refuse_blank("optim.trainable", self.trainable, "a regular expression on parameter names (e.g. 'self_attn')",
+                     "null to train every weight")
         if self.trainable is not None:
             try:
                 re.compile(self.trainable)
@@ -148,6 +152,15 @@ class TrainerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"trainer.{name} must be >= 1, got {value}")
+        refuse_blank("trainer.run_dir", self.run_dir, "a directory for the run", "runs/NAME")
+        refuse_blank("trainer.resume", self.resume, "auto, none or a checkpoint directory", "auto")
+        if self.fail_at_step is not None and not 1 <= self.fail_at_step <= self.max_steps:
+            # a test hook (trainer.py): a value the loop never reaches would silently do nothing
+            raise UserError(
+                f"trainer.fail_at_step={self.fail_at_step} can never fire: steps run 1..trainer.max_steps="
+                f"{self.max_steps}. It is a test hook that kills the process after that step (a lost node); "
+                "leave it null for a normal run"
+            )
         if self.overwrite and self.resume == "auto":
             raise UserError(
                 "trainer.overwrite=true replaces the run in trainer.run_dir with a new one, but trainer.resume=auto "
@@ -176,6 +189,10 @@ class ModelInit:
     """How the model's weights start: random (``init_from=None``) or from a checkpoint dir."""
 
     init_from: str | None = None
+
+    def __post_init__(self) -> None:
+        # '' would read as "no checkpoint" and train random weights without a word
+        refuse_blank("model.init_from", self.init_from, "a checkpoint directory", "null to start from random weights")
 
 
 @dataclass
@@ -234,6 +251,8 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         self.name = RLTask.parse(self.name, "task.name")
+        refuse_blank("task.reward", self.reward, "a reward function 'package.module:function'")
+        refuse_blank("task.rollouts", self.rollouts, "a JSONL file of rollouts")
         if self.name == "prompts" and not self.reward:
             raise UserError("task.name=prompts needs task.reward (a reward function 'module:function')")
         if self.name == "rollouts" and not self.rollouts:
@@ -268,13 +287,16 @@ class DistillConfig:
     align_steps: int | None = None
 
     def __post_init__(self) -> None:
+        refuse_blank("distill.teacher", self.teacher, "a checkpoint directory", "null to use model.init_from")
         given = [f.name for f in fields(self) if f.name != "enabled" and getattr(self, f.name) is not None]
         if not self.enabled:
             if given:
                 keys = ", ".join(f"distill.{k}={getattr(self, k)}" for k in given)
+                # A preset (+distill=dense_twin) sets keys the user never typed: say so, and how to turn it off.
                 raise UserError(
-                    f"{keys} set but distill.enabled=false: the key would do nothing; set distill.enabled=true "
-                    "to distill from a teacher, or drop the key"
+                    f"{keys} set but distill.enabled=false: they would do nothing. To turn distillation off, "
+                    "leave out the preset that set them (+distill=dense_twin) or pick distill=disabled in a recipe "
+                    "with a distill default; to distill, set distill.enabled=true; or drop the keys"
                 )
             return
         for key, default in DISTILL_DEFAULTS.items():
@@ -315,6 +337,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_distill(self.distill, self.init, self.rl is not None)
+        check_distill_positions(self.distill, self.trainer, self.model)
+        check_sinks(self.model)
         # Every RunConfig carries a resolved geometry; idempotent for one already resolved.
         resolve_batch_geometry(self.trainer, self.parallel, self.parallel.world_size, self.rl)
         check_expert_layout(self.parallel, self.model)  # a config error, before any process starts
@@ -386,6 +410,38 @@ def check_distill(distill: DistillConfig, init: ModelInit, rl: bool) -> None:
         raise UserError(
             "distill.enabled=true but there is no teacher: set distill.teacher=PATH (an Orthros checkpoint "
             "directory, e.g. the output of orthros-convert from-hf) or model.init_from=PATH (the teacher by default)"
+        )
+
+
+def check_distill_positions(distill: DistillConfig, trainer: TrainerConfig, model: OrthrosConfig) -> None:
+    """distill.beyond_window_only and the alignment stage act on output positions >= the window
+    only: with sequences no longer than the window there are none, and the run would silently train
+    on (1 - alpha) x cross entropy alone."""
+    if not distill.enabled:
+        return
+    longest = max([trainer.seq_len, *(length for _, length in trainer.seq_len_schedule or [])])
+    if longest > model.sliding_window:
+        return
+    keys = (["distill.beyond_window_only=true"] if distill.beyond_window_only else []) + (
+        [f"distill.align={distill.align}"] if distill.align != DistillAlign.none else [])
+    if keys:
+        verb = "acts" if len(keys) == 1 else "act"
+        raise UserError(
+            f"{' and '.join(keys)} {verb} only on positions >= model.sliding_window={model.sliding_window}, but "
+            f"trainer.seq_len={longest} holds none beyond it: the term would never apply. Use a "
+            f"model.sliding_window below trainer.seq_len, or drop {' and '.join(k.split('=')[0] for k in keys)}"
+        )
+
+
+def check_sinks(model: OrthrosConfig) -> None:
+    """Sink tokens on a dense model do nothing (its window already holds every earlier token):
+    refused up front, as megatron refuses an argument its model cannot use, instead of training a
+    model whose exported config claims sinks it never had."""
+    if model.sink_tokens and model.attention_type == "dense":
+        raise UserError(
+            f"model.sink_tokens={model.sink_tokens} with model.attention_type=dense: a dense model attends every "
+            "earlier token already, so the sinks would do nothing (yet be recorded in its config.json); set "
+            "model.sink_tokens=0, or model.attention_type=orthros|sliding for a windowed model with sinks"
         )
 
 

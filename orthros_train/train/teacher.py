@@ -17,7 +17,7 @@ from typing import Any
 from orthros_train.errors import UserError
 from orthros_train.logging_setup import RANK_ZERO
 from orthros_train.model.config import OrthrosConfig
-from orthros_train.options import AttentionType
+from orthros_train.options import AttentionType, DistillAlign
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +88,18 @@ def teacher_config(path: str | Path, student: OrthrosConfig) -> OrthrosConfig:
             "model.init_from, its default) at the output of orthros-convert from-hf or a checkpoint's model/ or "
             "final/ directory"
         )
-    fields = json.loads(config.read_text())
-    cfg = OrthrosConfig.from_dict(
-        {**fields, "attention_type": AttentionType.dense, "sink_tokens": 0,
-         "attention_backend": student.attention_backend}
-    )  # fmt: skip
+    try:
+        fields = json.loads(config.read_text())
+        cfg = OrthrosConfig.from_dict(
+            {**fields, "attention_type": AttentionType.dense, "sink_tokens": 0,
+             "attention_backend": student.attention_backend}
+        )  # fmt: skip
+    except (UnicodeDecodeError, json.JSONDecodeError, UserError, TypeError, AttributeError) as exc:
+        # TypeError/AttributeError: JSON that is not an object of config fields
+        raise UserError(
+            f"distill.teacher={path}: {config} is not an Orthros model config ({exc}); restore it, or point "
+            "distill.teacher (or model.init_from) at another checkpoint directory"
+        ) from exc
     if cfg.vocab_size != student.vocab_size:
         raise UserError(
             f"the teacher's vocab_size is {cfg.vocab_size} (distill.teacher={path}) but the student's is "
@@ -102,13 +109,30 @@ def teacher_config(path: str | Path, student: OrthrosConfig) -> OrthrosConfig:
     return cfg
 
 
+def check_alignment(teacher: OrthrosConfig, cfg: Any) -> None:
+    """``distill.align`` compares the student's base-stream hidden states with the teacher's, layer
+    by layer: another hidden size or depth cannot be compared (refused before any model is built,
+    naming both shapes, not a tensor-size error at the first step)."""
+    if cfg.distill.align == DistillAlign.none:
+        return
+    student = cfg.model
+    differ = [f"{key} {getattr(teacher, key)} (the student's model.{key}={getattr(student, key)})"
+              for key in ("hidden_size", "num_hidden_layers") if getattr(teacher, key) != getattr(student, key)]
+    if differ:
+        raise UserError(
+            f"distill.align={cfg.distill.align} compares hidden states layer by layer, but the teacher "
+            f"(distill.teacher={cfg.distill.teacher}) has {', '.join(differ)}; use a teacher of the student's shape "
+            "(the converted checkpoint itself), or distill.align=none to distil the logits only"
+        )
+
+
 def check_teacher(cfg: Any) -> None:
     """Refuse a distillation run whose teacher is missing, holds no weights or has another
     vocabulary, before the run writes anything (the tokenizer is compared once the data is built)."""
     if not cfg.distill.enabled:
         return
     path = Path(cfg.distill.teacher)
-    teacher_config(path, cfg.model)
+    check_alignment(teacher_config(path, cfg.model), cfg)
     if not _weight_files(path):
         raise UserError(
             f"distill.teacher={path} holds a config.json but no *.safetensors weights: point it at a complete "
@@ -122,7 +146,9 @@ def planned_teacher_config(cfg: Any) -> tuple[OrthrosConfig, str]:
     twin of the student, which is what a converted checkpoint is. Returns (config, where from)."""
     path = Path(cfg.distill.teacher)
     if (path / "config.json").is_file():
-        return teacher_config(path, cfg.model), f"{path / 'config.json'}"
+        teacher = teacher_config(path, cfg.model)
+        check_alignment(teacher, cfg)
+        return teacher, f"{path / 'config.json'}"
     twin = replace(cfg.model, attention_type=AttentionType.dense, sink_tokens=0)
     return twin, f"the student's shape (no {path / 'config.json'} yet)"
 
@@ -147,6 +173,7 @@ def check_teacher_tokenizer(path: str | Path, tokenizer: Any, student_tokenizer_
 
 
 __all__ = [
+    "check_alignment",
     "check_teacher",
     "check_teacher_tokenizer",
     "check_teacher_unchanged",

@@ -199,6 +199,13 @@ class Trainer:
                     steps.write(record)
                     self.checkpointing.after_step(self.step)
                     if t.fail_at_step is not None and self.step == t.fail_at_step:
+                        # Said on every rank and flushed: os._exit skips the handlers' own flush.
+                        log.error("trainer.fail_at_step=%d: this process is killed on purpose after step %d (exit "
+                                  "%d, a test hook that simulates a lost node; checkpoints are kept and a relaunch "
+                                  "resumes); leave trainer.fail_at_step null for a normal run", t.fail_at_step,
+                                  self.step, LOST_NODE_EXIT_CODE)
+                        for handler in logging.getLogger().handlers:
+                            handler.flush()
                         os._exit(LOST_NODE_EXIT_CODE)
                     if stop.requested():
                         break
