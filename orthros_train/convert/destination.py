@@ -27,9 +27,8 @@ import torch
 
 from orthros_train.common.publish import begin, carry_over, check_no_symlinks, discard, swap_into_place
 from orthros_train.common.safetensors_io import INDEX_NAME, WEIGHTS_NAME
-from orthros_train.convert import checkpoint_io
+from orthros_train.convert import checkpoint_io, remote_code
 from orthros_train.convert.checkpoint_io import CONFIG_NAME, SIDE_FILES, ConversionError, PlannedTensor
-from orthros_train.convert.remote_code import REMOTE_CODE_FILES
 
 MANIFEST = ".orthros-convert.json"
 # Names a conversion writes whatever the model: shards as transformers names them, leftovers of an
@@ -60,7 +59,7 @@ def written_before(dst: Path) -> set[str]:
             return {n for n in recorded if n and "/" not in n and n not in (".", "..")} | {MANIFEST}
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    names = {CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, MANIFEST, *SIDE_FILES, *REMOTE_CODE_FILES}
+    names = {CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, MANIFEST, *SIDE_FILES, *remote_code.REMOTE_CODE_FILES}
     try:
         weight_map = json.loads((dst / INDEX_NAME).read_text()).get("weight_map") or {}
         names |= {f for f in weight_map.values() if isinstance(f, str) and "/" not in f}
