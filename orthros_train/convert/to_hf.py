@@ -1,8 +1,9 @@
 """Orthros checkpoint -> Hugging Face directory with self-contained remote code.
 
 The export holds ``config.json`` (``model_type: orthros`` with an ``auto_map``), the weights under
-HF names (``model.layers.0.self_attn.gamma``, ``lm_head.weight``, ...), the remote code files
-``configuration_orthros.py`` / ``modeling_orthros.py`` (torch + transformers only) and the
+HF names (``model.layers.0.self_attn.gamma``, ``lm_head.weight``, ...), the remote code
+(``configuration_orthros.py`` / ``modeling_orthros.py`` and the package modules they import, made
+from the package's own files: ``remote_code/shipping.py``; torch + transformers only) and the
 tokenizer files. It loads without orthros_train installed::
 
     AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True)
@@ -15,7 +16,6 @@ decode (one base + output pair per step).
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +37,7 @@ from orthros_train.convert.checkpoint_io import (
 from orthros_train.convert.destination import write_destination
 from orthros_train.convert.families import LM_HEAD, hf_name, orthros_name
 from orthros_train.convert.from_hf import ConversionReport, expected_state
-from orthros_train.convert.remote_code import REMOTE_CODE_DIR, REMOTE_CODE_FILES
+from orthros_train.convert.remote_code import write_remote_code
 from orthros_train.errors import UserError
 from orthros_train.model.config import OrthrosConfig
 from orthros_train.model.layers import rope_type
@@ -80,7 +80,10 @@ def hf_config_from_orthros(config: OrthrosConfig, torch_dtype: str) -> dict[str,
         "qk_norm": config.qk_norm,
         "attention_bias": config.attention_bias,
         "base_window": config.sliding_window,
-        "sink_tokens": config.sink_tokens,  # written even when 0, so an export states which layer it is
+        # written even when 0: an export states which keys each query sees (its remote code refuses a
+        # config.json without them rather than default them)
+        "sink_tokens": config.sink_tokens,
+        "base_global_tail": config.base_global_tail,
         "max_position_embeddings": config.max_position_embeddings,
         "initializer_range": config.initializer_range,
         "tie_word_embeddings": config.tie_word_embeddings,
@@ -191,10 +194,10 @@ def _plan_export(
 
 
 def _copy_remote_code_and_side_files(src: Path, dst: Path, tokenizer: str | Path | None) -> list[str]:
-    """The remote code files, then the tokenizer / generation files of ``src`` and of
-    ``tokenizer`` (those ``src`` lacks); returns the side files' names."""
-    for name in REMOTE_CODE_FILES:
-        shutil.copyfile(REMOTE_CODE_DIR / name, dst / name)
+    """The remote code (the package's own model files, ``remote_code/shipping.py``), then the
+    tokenizer / generation files of ``src`` and of ``tokenizer`` (those ``src`` lacks); returns the
+    side files' names."""
+    write_remote_code(dst)
     side = copy_side_files(src, dst)
     if tokenizer is not None:
         side += [n for n in copy_side_files(Path(tokenizer), dst) if n not in side]
