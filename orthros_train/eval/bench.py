@@ -73,6 +73,54 @@ def prefill_flop_limits(cfg: OrthrosConfig, length: int) -> tuple[float, float]:
     return dense / orthros, dense / orthros_skip
 
 
+def tail_flop_ratios(cfg: OrthrosConfig, length: int, tail: int) -> tuple[float, float]:
+    """FLOP ratio of a prefill with the global tail ``tail`` over the same prefill without it:
+    ``(model, base_attention)``. The tail's ``R`` base queries see every earlier key instead of the
+    ``W + S`` of a windowed one (``ops/keys.py``); the base stream's attention grows by
+    ``R (T - W - S) / (T (W + S))``, about ``R / (W + S)`` at any length, the model by that share of
+    its per-token FLOPs."""
+    d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    n = cfg.num_hidden_layers
+    mlp = sum(cfg.mlp_parameters(i, active=True) for i in range(n)) / n
+    linear = 2 * (2 * d * h * hd + 2 * d * kv * hd + mlp)
+    per_pair = 4 * h * hd
+    seen = min(cfg.sliding_window + cfg.sink_tokens, length)
+    base = length * seen
+    extra = min(tail, length) * max(length - seen, 0)
+    return (1 + per_pair * extra / (length * (linear + per_pair * seen)), 1 + extra / base)
+
+
+@dataclasses.dataclass
+class _Tail:
+    """The model read with ``base_global_tail = R`` for one timing (a config field every pass reads)."""
+
+    model: torch.nn.Module
+    tail: int
+
+    def __enter__(self) -> torch.nn.Module:
+        self.old = self.model.config.base_global_tail
+        self.model.config.base_global_tail = self.tail
+        return self.model
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.config.base_global_tail = self.old
+
+
+def _tail_prefill(row: dict[str, Any], model: torch.nn.Module, ids: torch.Tensor, o: dict[str, float],
+                  tails: list[int], repeats: int, chunk_size: ChunkSize, time_key: str) -> None:
+    """TTFT of each global tail ``R`` beside Orthros without it and the dense twin (``row['tails']``)."""
+    row["tails"] = []
+    for tail in tails:
+        with _Tail(model, tail):
+            m, _, _ = measure_prefill(model, ids, repeats, chunk_size)
+        model_ratio, attention_ratio = tail_flop_ratios(model.config, ids.shape[1], tail)
+        dense = row.get(f"dense_ttft{'_cpu' if time_key == 'cpu' else ''}_s")
+        row["tails"].append({"tail": tail, "ttft_s": m["wall"], "ttft_cpu_s": m["cpu"],
+                             "over_orthros": m[time_key] / max(o[time_key], 1e-9),
+                             "dense_over_tail": None if dense is None else dense / max(m[time_key], 1e-9),
+                             "flop_ratio": model_ratio, "base_attention_flop_ratio": attention_ratio})
+
+
 # -- the transformers peer ---------------------------------------------------------------------
 
 
@@ -302,6 +350,7 @@ def bench_prefill(
     log: Callable[[str], None] | None = print,
     peer: bool = True,
     cuda_graph: bool = False,
+    global_tails: list[int] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns ``{"config", "environment", "rows": [...]}`` (one row per length).
 
@@ -310,6 +359,8 @@ def bench_prefill(
     ``chunk_size`` is the prefill chunking of this repository's models (``"auto"``: each model's
     default, see ``infer.generate``; None: one forward). ``cuda_graph``: Orthros and the dense twin
     decode through the static step, captured in a CUDA graph on a GPU (the peer decodes eagerly).
+    ``global_tails``: also the prefill with each global tail R (``model.base_global_tail``), its
+    ratio to Orthros without it beside ``tail_flop_ratios``.
     """
     overrides = dict(overrides or {})
     overrides.setdefault("attention_type", "orthros")
@@ -334,6 +385,8 @@ def bench_prefill(
         peer_cache = peer_first = None
         if max_baseline_length is None or t <= max_baseline_length:
             peer_cache, peer_first = _baseline_prefill(row, o, other, peer_model, ids, repeats, chunk_size, time_key)
+        if global_tails:
+            _tail_prefill(row, orthros, ids, o, list(global_tails), repeats, chunk_size, time_key)
         if decode_tokens > 0:
             steppers, firsts = _decode_steppers(orthros, other, cache, first, decode_tokens * decode_rounds, cuda_graph)
             if peer_cache is not None:
@@ -394,6 +447,23 @@ TABLE_HEADER = (
 )
 
 
+TAIL_HEADER = (
+    "|  prompt | R | Orthros TTFT s | tail TTFT s | tail/Orthros | FLOP ratio (model) "
+    "| FLOP ratio (base attention, ~1 + R/(W+S)) | dense/tail |\n"
+    "| ------: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+)
+
+
+def format_tail_table(result: dict[str, Any]) -> str:
+    """The global-tail rows (``global_tails``), '' when none was measured."""
+    t = "_cpu_s" if result.get("time_basis", "").startswith("process") else "_s"
+    lines = [f"| {r['length']:>7} | {x['tail']} | {_fmt(r.get(f'orthros_ttft{t}'), '8.3f')} "
+             f"| {_fmt(x[f'ttft{t}'], '8.3f')} | {x['over_orthros']:5.3f}x | {x['flop_ratio']:5.3f}x "
+             f"| {x['base_attention_flop_ratio']:5.3f}x | {_fmt(x['dense_over_tail'], '6.2f')}x |"
+             for r in result["rows"] for x in r.get("tails", ())]
+    return "\n".join([TAIL_HEADER, *lines]) if lines else ""
+
+
 def format_table(result: dict[str, Any]) -> str:
     cfg = result["config"]
     env = result["environment"]
@@ -410,4 +480,6 @@ def format_table(result: dict[str, Any]) -> str:
         "FLOPs per token (Orthros' last-layer skip not credited); 'weak baseline': a ratio above the FLOP ratio "
         "with that skip credited."
     )
-    return "\n".join([head, TABLE_HEADER, *(format_row(r, time_key) for r in result["rows"])])
+    table = "\n".join([head, TABLE_HEADER, *(format_row(r, time_key) for r in result["rows"])])
+    tails = format_tail_table(result)
+    return f"{table}\n\nThe global tail (prefill with base_global_tail = R):\n{tails}" if tails else table

@@ -147,6 +147,9 @@ def _add_bench_prefill(sub) -> None:
     p.add_argument("--cuda-graph", action="store_true",
                    help="Orthros and the dense baseline decode through the static step, captured in a CUDA graph "
                         "on a GPU (generate's cuda_graph); the peer decodes eagerly")  # fmt: skip
+    p.add_argument("--global-tails", default="",
+                   help="also time the prefill with each global tail R (comma-separated, e.g. 10,32,128): its ratio "
+                   "to Orthros without it beside the FLOP ratio (docs/convert.md, 'The global tail')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the machine-readable result here")
     p.add_argument("--no-plot", action="store_true")
@@ -345,6 +348,17 @@ def _lm_eval_vllm(args: argparse.Namespace, tasks: list[str], common: dict[str, 
     return run_vllm_lm_eval(str(export), tasks, dtype=dtype, **common)
 
 
+def _tails(text: str) -> list[int]:
+    """``--global-tails 10,32,128``: integers >= 1 (R = 0 is the Orthros column itself)."""
+    try:
+        tails = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--global-tails {text!r}: give integers >= 1, comma-separated (e.g. 10,32,128)") from None
+    if any(t < 1 for t in tails):
+        raise UserError(f"--global-tails {text!r}: every R must be >= 1 (R = 0 is the Orthros column itself)")
+    return tails
+
+
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     from orthros_train.eval.bench import TABLE_HEADER, bench_prefill, format_table
 
@@ -357,7 +371,7 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         chunk_size="auto" if args.prefill_chunk_size is None else (args.prefill_chunk_size or None),
         batch_size=args.batch_size, max_baseline_length=args.max_baseline_length, seed=args.seed,
         decode_rounds=args.decode_rounds, peer=not args.no_peer, cuda_graph=args.cuda_graph,
-        overrides=overrides,
+        overrides=overrides, global_tails=_tails(args.global_tails),
     )  # fmt: skip
     out = Path(args.output_dir)
     paths = {"json": str(write_json(result, out / "bench_prefill.json"))}

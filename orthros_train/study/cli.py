@@ -104,6 +104,9 @@ def _add_smollm2_options(p: argparse.ArgumentParser) -> None:
                    "Llama stands in for it)")
     p.add_argument("--smollm2-only", action="store_true",
                    help="only the SmolLM2 section: <out>/smollm2.json, merged into <out>/conversion.json if present")
+    p.add_argument("--smollm2-tail", action="store_true",
+                   help="only the SmolLM2 global-tail arms (study/smollm2_tail.py; sinks_ce/sinks_kd of --smollm2-arms "
+                   "trained and read with the tail): <out>/smollm2_tail.json and smollm2_tail.md")
     p.add_argument("--smollm2-minutes", type=float, default=30.0,
                    help="SmolLM2 training budget of all arms together, wall clock at --jobs processes (30)")
     p.add_argument("--smollm2-steps", type=positive_int, default=None,
@@ -210,13 +213,18 @@ def conversion_main(argv: list[str]) -> int:
         if args.report_only:  # measures nothing: no need to own --out
             rerender(opts)
             return 0
-        if not args.smollm2_only:
+        if not (args.smollm2_only or args.smollm2_tail):
             check_options(opts)  # before --out is created: a refused study writes nothing
     except UserError as exc:
         print(f"{prog}: {first_line(exc)}", file=sys.stderr)
         return 2
 
     def work() -> None:
+        if args.smollm2_tail:
+            from orthros_train.study.smollm2_tail import run_smollm2_tail
+
+            run_smollm2_tail(opts)
+            return
         if not args.smollm2_only:
             run_conversion_study(opts)
         if opts.smollm2 or args.smollm2_only:

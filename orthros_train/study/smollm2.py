@@ -205,7 +205,9 @@ def prepare(opts: ConversionOptions, recipe: dict[str, Any], log: Callable[[str]
     hf = _source_model(folder, opts.quick, log)
     converted = folder / f"orthros-w{window}"
     if not (converted / "config.json").is_file():
-        convert_from_hf(hf, converted, sliding_window=window, overwrite=True)
+        # The paper's layer (no tail): every arm states its own sinks and tail, and the original is
+        # this checkpoint read dense, which a tail would refuse.
+        convert_from_hf(hf, converted, sliding_window=window, overwrite=True, global_tail=0)
     essays = corpus_files("paul_graham")
     train_files, heldout_files = essays[:-HELDOUT_ESSAYS], essays[-HELDOUT_ESSAYS:]
     tokenizer = load_tokenizer(converted)
