@@ -94,6 +94,7 @@ def verify(
     ``trust_remote_code`` only: HF_DIR's own Python files are run (``load_hf_model``)."""
     import torch
 
+    from orthros_train.convert.prompt_logits import prompt_logits
     from orthros_train.model import OrthrosForCausalLM
 
     for name, value in (("--tokens", tokens), ("--batch", batch)):
@@ -135,7 +136,8 @@ def verify(
     ids = torch.randint(0, orthros.config.vocab_size, (batch, length), generator=gen)
     with torch.no_grad():
         a = hf(ids).logits.float()
-        b = orthros(ids).logits.float()
+        # the checkpoint reads the tokens as a prompt, as an export's forward does (the global tail)
+        b = prompt_logits(orthros, ids).float()
     return {
         "tokens": length,
         "batch": batch,
