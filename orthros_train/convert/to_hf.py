@@ -24,7 +24,6 @@ import torch
 
 from orthros_train.common.tokenizer import check_loadable
 from orthros_train.common.tokenizer import check_loadable
-from orthros_train.common.tokenizer import check_loadable
 from orthros_train.convert.checkpoint_io import (
     CONFIG_NAME,
     ConversionError,
@@ -128,7 +127,6 @@ def convert_to_hf(
     config = _orthros_source_config(src)
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ConversionError(f"--tokenizer {tokenizer} is not a directory")
-    check_loadable(src, tokenizer)  # a corrupt tokenizer.json is refused, not exported
     check_loadable(src, tokenizer)  # a corrupt tokenizer.json is refused, not exported
     check_loadable(src, tokenizer)  # a corrupt tokenizer.json is refused, not exported
     cast = parse_dtype(dtype)
