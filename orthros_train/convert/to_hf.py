@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from orthros_train.common.tokenizer import check_loadable
-from orthros_train.common.tokenizer import check_loadable
 from orthros_train.convert.checkpoint_io import (
     CONFIG_NAME,
     ConversionError,
@@ -127,7 +126,6 @@ def convert_to_hf(
     config = _orthros_source_config(src)
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ConversionError(f"--tokenizer {tokenizer} is not a directory")
-    check_loadable(src, tokenizer)  # a corrupt tokenizer.json is refused, not exported
     check_loadable(src, tokenizer)  # a corrupt tokenizer.json is refused, not exported
     cast = parse_dtype(dtype)
     shard_bytes = parse_byte_size(max_shard_size)  # before anything is created
