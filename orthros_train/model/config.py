@@ -42,8 +42,9 @@ class OrthrosConfig:
     # Fused token-wise work of both streams (``ops/fused_tokenwise.py``: add+RMSNorm, RoPE of q and k
     # in one kernel, merged q/k/v and gate/up GEMMs, SiLU-mul, chunked LM head + cross entropy):
     # auto | on | off. ``auto``: fused on CUDA after its kernels pass a first-call check, eager on CPU.
-    # The weights and their names are the same either way.
-    fused_tokenwise: FusedTokenwise = FusedTokenwise.auto
+    # The weights and their names are the same either way. Off by default until gpu_check's
+    # ``fused_tokenwise`` item has timed the kernels faster on a GPU (docs/benchmarks.md).
+    fused_tokenwise: FusedTokenwise = FusedTokenwise.off
     # Mixture of experts, with Qwen3-MoE / Qwen2-MoE's names and layer rule (``is_sparse_layer``).
     # num_experts = 0: every layer has the dense SwiGLU MLP of width intermediate_size.
     num_experts: int = 0
