@@ -244,3 +244,23 @@ def test_a_two_turn_chat_with_the_cache_kept_is_what_its_sft_layout_trains():
     s1, s2 = 8, 8 + 3 + 5
     trained = model.forward_layout(sft_layout([row], [[(s1, s1 + 3), (s2, s2 + 2)]])).logits
     assert (trained - torch.stack(steps)).abs().max() < 1e-10
+
+
+def test_the_flop_model_counts_the_keys_the_rule_gives():
+    """layout_flops' attention pairs are the rule's visible keys: an SFT layout whose answers have
+    global queries costs more than the same layout read by a model without the tail, by exactly
+    the extra keys ``allowed_keys`` gives its global base queries."""
+    from orthros_train.model.orthros import plan_for_layout
+    from orthros_train.train.metrics import layout_flops
+
+    with_tail, without = tail_model().config, tail_model(tail=0).config
+    row = torch.cat([PROMPTS[0], PROMPTS[1]])
+    layout = sft_layout([row], [[(11, 15)]])
+    extra = layout_flops(with_tail, layout, training=False) - layout_flops(without, layout, training=False)
+    masks = []
+    for cfg in (with_tail, without):
+        _, q_index, q_window = plan_for_layout(cfg, layout).queries(True)
+        base = slice(0, layout.num_tokens)
+        masks.append(allowed_keys(q_index[base], q_window[base], layout.cu_seqlens, layout.num_tokens, 2).sum())
+    per_pair = 4 * with_tail.num_attention_heads * with_tail.head_dim
+    assert extra == per_pair * (with_tail.num_hidden_layers - 1) * float(masks[0] - masks[1]) > 0

@@ -184,6 +184,18 @@ def sink_queries(
     return rows, sink_end[rows] - 1, sink_end[rows] - doc_start[rows]
 
 
+def visible_keys(
+    q_index: torch.Tensor, q_window: torch.Tensor, cu_seqlens: torch.Tensor, sink_tokens: int = 0
+) -> torch.Tensor:
+    """How many keys each query sees (int64): its window range plus the sink keys before it. What
+    the FLOP and memory models count; ``allowed_keys(...).sum(1)`` without the dense mask."""
+    start, end = key_ranges(q_index, q_window, cu_seqlens)
+    count = end - start + 1
+    if sink_tokens:
+        count = count + (start - document_starts(q_index, cu_seqlens)).clamp(max=sink_tokens)
+    return count
+
+
 def missed_sinks(position: torch.Tensor, window: int, sink_tokens: int) -> torch.Tensor:
     """Sink keys a query at ``position`` of a document starting at key 0 lacks: its window holds
     keys ``(position - window, position]``, so the first ``clamp(position - window + 1, 0, S)``
@@ -219,5 +231,5 @@ def allowed_keys(
 
 __all__ = [
     "UNBOUNDED", "KeyRule", "allowed_keys", "check_sink_tokens", "document_starts", "key_ranges",
-    "missed_sinks", "prompt_tail_flags", "sink_queries", "answer_tail_flags",
+    "missed_sinks", "prompt_tail_flags", "visible_keys", "sink_queries", "answer_tail_flags",
 ]

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from orthros_train.ops.reference import check_attention_inputs, key_ranges
+from orthros_train.ops.keys import key_ranges
+from orthros_train.ops.reference import check_attention_inputs
 from orthros_train.ops.triton_interpreter import interpreter_index_fix, interpreting
 
 INTERPRET = interpreting()  # kernels run on CPU tensors in triton's interpreter (tests)

@@ -38,7 +38,8 @@ def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = Tru
     with few answer tokens this is close to a sliding-window model; for pretrain it is the
     Orthros cost of a pretraining layout (T*W + T^2/2 pairs per layer).
     """
-    from orthros_train.ops.keys import UNBOUNDED, key_ranges
+    from orthros_train.model.orthros import global_queries
+    from orthros_train.ops.keys import UNBOUNDED, visible_keys
 
     d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     # Weights a token multiplies by in each layer: q/k/v/o and its MLP (a sparse layer's router, its
@@ -48,22 +49,14 @@ def layout_flops(cfg: OrthrosConfig, layout: OrthrosLayout, training: bool = Tru
     k_v = 2 * d * kv * hd
     n_layers = cfg.num_hidden_layers
     t, n = layout.num_tokens, layout.num_outputs
+    layout = layout.to("cpu")
     base_index = torch.arange(t)
-    window = cfg.base_window
-    start, end = key_ranges(base_index, torch.full((t,), window), layout.cu_seqlens.cpu())
-    base_pairs = float((end - start + 1).sum())
-    sinks = cfg.base_sink_tokens
-    if sinks:
-        # Sink keys a base query sees beyond its window: [doc_start, min(doc_start + S, window start)),
-        # at most S/W more base work (none for queries whose window still holds the document start).
-        cu = layout.cu_seqlens.cpu().long()
-        doc_start = cu[torch.searchsorted(cu, base_index, right=True) - 1]
-        base_pairs += float((start - doc_start).clamp(max=sinks).sum())
+    # the key rule's windows: W, or the whole document for the global tail's queries
+    base_window = cfg.key_rule.base_windows(global_queries(cfg, layout).get("base_global"), base_index)
+    base_pairs = float(visible_keys(base_index, base_window, layout.cu_seqlens, cfg.base_sink_tokens).sum())
     per_pair = 4 * h * hd
     if cfg.attention_type == "orthros":
-        out_idx = layout.output_index.cpu()
-        s_out, e_out = key_ranges(out_idx, torch.full((n,), UNBOUNDED), layout.cu_seqlens.cpu())
-        out_pairs = float((e_out - s_out + 1).sum())
+        out_pairs = float(visible_keys(layout.output_index, torch.full((n,), UNBOUNDED), layout.cu_seqlens).sum())
         matmul = t * (sum(layers[:-1]) + k_v) + n * (sum(layers) + d * cfg.vocab_size)
         attn = per_pair * ((n_layers - 1) * base_pairs + n_layers * out_pairs)
     else:

@@ -60,6 +60,12 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         # work, in flops_per_token), no extra KV memory
         "sink_tokens": cfg.model.sink_tokens,
         "base_attention_work": 1 + cfg.model.base_sink_tokens / cfg.model.sliding_window,
+        # the global tail: R base queries per prompt (and each generated token) see the whole
+        # document: x(1 + R/(W+S)) the base-stream attention of a long prefill; in training only
+        # SFT/RL answers and their prompt tails (counted in flops_per_token's layouts)
+        "base_global_tail": cfg.model.base_global_tail,
+        "prefill_base_attention_work": 1 + cfg.model.base_global_tail / (cfg.model.sliding_window
+                                                                          + cfg.model.base_sink_tokens),
         "init_from": cfg.init.init_from,
         # What a cluster would do: H100 bf16 peak (or trainer.peak_tflops) at the planned MFU.
         "expected_at_40pct_mfu": _expected_throughput(cfg, flops, PLANNED_MFU),
