@@ -45,4 +45,5 @@ def test_zero_tail_is_bitwise_the_previous_model(sinks, backend):
     with torch.no_grad():
         got = _logits(sinks, backend)
     for part, value in got.items():
-        assert torch.equal(value, golden[f"s{sinks}_{backend}_{part}"]), (part, (value - golden[f"s{sinks}_{backend}_{part}"]).abs().max())
+        want = golden[f"s{sinks}_{backend}_{part}"]
+        assert torch.equal(value, want), (part, (value - want).abs().max())

@@ -26,7 +26,6 @@ the tests hold every executor to.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
