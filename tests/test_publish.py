@@ -352,3 +352,31 @@ def test_kill_9_of_the_command_line_by_the_clock(models, tmp_path, delay):
     recover(dst)
     got = checksums(dst)
     assert got == old or _same_model(got, new)
+
+
+# -- the other folders published the same way ----------------------------------------------------------
+
+
+def test_a_symlinked_final_export_or_study_run_dir_is_refused_with_one_line(tmp_path):
+    """The run's final/ (train/run_dir.publish_directory) and a study's run dir under --overwrite
+    (study/runs.py) refuse a link instead of writing or deleting through it."""
+    from orthros_train.errors import UserError
+    from orthros_train.study.runs import train_or_reuse
+    from orthros_train.train.run_dir import publish_directory
+
+    victim = tmp_path / "victim2"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("keep")
+    (victim / "study_train.json").write_text("{}")
+    final = tmp_path / "run" / "checkpoints" / "final"
+    final.parent.mkdir(parents=True)
+    final.symlink_to(victim)
+    with pytest.raises(UserError, match="is a symbolic link"):
+        publish_directory(final, _write({"config.json": "{}"}))
+    run_dir = tmp_path / "st" / "orthros" / "lr0.001-seed1"
+    run_dir.parent.mkdir(parents=True)
+    run_dir.symlink_to(victim)
+    with pytest.raises(UserError, match="--overwrite: the run directory .* is a symbolic link") as refused:
+        train_or_reuse(["orthros-train", "--config-name", "tiny_cpu"], run_dir, log=lambda line: None, overwrite=True)
+    assert "\n" not in str(refused.value)
+    assert sorted(os.listdir(victim)) == ["notes.txt", "study_train.json"] and run_dir.is_symlink()

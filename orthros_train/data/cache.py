@@ -9,10 +9,10 @@ fingerprint means a changed input gets a fresh cache and a stale one is never re
 record per *name* (the inputs' paths and the build parameters) remembers which fingerprint was
 built last, so a rebuild says in the log which cache went stale and why.
 
-A folder is built under a private name and renamed into place once complete with its
-``fingerprint.json`` inside, so a reader never sees half a cache and a crash leaves only a
-``*.tmp-*`` folder that the next build ignores. Concurrent builders take turns through
-``BuildLock`` (the project's one lock, ``common.lock``).
+A folder is built under a private name and swapped into place once complete with its
+``fingerprint.json`` inside (``common.publish``), so a reader never sees half a cache and a crash
+leaves only a hidden build beside it that the next build of that folder deletes. Concurrent
+builders take turns through ``BuildLock`` (the project's one lock, ``common.lock``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from orthros_train.common.files import sha256_file, write_json_atomic
 from orthros_train.common.lock import HeartbeatLock, LockOwner
+from orthros_train.common.publish import publish_folder
 from orthros_train.data.indexed import DataError
 
 log = logging.getLogger(__name__)
@@ -164,24 +163,18 @@ def build_once(folder: str, fingerprint: dict, build: Callable[[str], Any], load
             why = "its fingerprint differs: " + "; ".join(describe_change(found, fingerprint)[:6]) if found \
                 else "it is incomplete (no fingerprint.json)"
             log.warning("rebuilding the %s cache %s: %s", what, folder, why)
-        tmp = f"{folder}.tmp-{socket.gethostname()}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            os.makedirs(tmp)
-            out = build(tmp)
-            write_json_atomic(os.path.join(tmp, FINGERPRINT_FILE), fingerprint, indent=2, sort_keys=True, default=str)
-            if os.path.exists(folder):
-                shutil.rmtree(folder)
-            os.rename(tmp, folder)
+
+        def write(tmp: Path) -> Any:
+            out = build(str(tmp))
+            write_json_atomic(tmp / FINGERPRINT_FILE, fingerprint, indent=2, sort_keys=True, default=str)
+            return out
+
+        try:  # built aside, swapped in whole (common/publish.py); a failed build leaves the old folder
+            return publish_folder(folder, write)
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
             raise CacheError(f"cannot write the {what} cache {folder} ({e.strerror or e}"
                              f"{': ' + e.filename if getattr(e, 'filename', None) else ''}); free space or point "
                              "data.cache_dir at a writable folder") from e
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return out
 
 
 class CacheError(DataError):

@@ -295,12 +295,23 @@ def launch(cmd: list[str], run_dir: Path, threads: int | None, stop_after_s: flo
     return time.perf_counter() - start
 
 
+def refuse_symlink(path: Path, what: str) -> None:
+    """--overwrite deletes nothing through a symbolic link: that would delete outside --out."""
+    if path.is_symlink():
+        raise UserError(
+            f"--overwrite: the {what} {path} is a symbolic link (to {os.readlink(path)}); the study does not delete "
+            "through a link, which would remove files outside --out: remove the link yourself, or pick another --out"
+        )
+
+
 def train_or_reuse(cmd: list[str], run_dir: Path, log: Callable[[str], None], threads: int | None = 1,
                    stop_after_s: float | None = None, overwrite: bool = False) -> float:
     """Reuse a finished run of ``cmd`` in ``run_dir``, resume a partial one, or train a new one
     (``overwrite``: delete what is there first); returns the training seconds (recorded ones for
     a reused run)."""
     run_dir = Path(run_dir)
+    if overwrite:
+        refuse_symlink(run_dir, "run directory")
     if overwrite and run_dir.exists():
         shutil.rmtree(run_dir)
     state = run_state(run_dir, cmd[1:])
@@ -329,6 +340,7 @@ def write_text_atomic(path: Path, text: str) -> Path:
 def remove_stale(paths: Sequence[Path], log: Callable[[str], None]) -> None:
     """--overwrite: the reports of the study being replaced go before any run is retrained."""
     for path in map(Path, paths):
+        refuse_symlink(path, "report")
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():

@@ -2,8 +2,9 @@
 safetensors shards written tensor by tensor within a bounded host-memory budget.
 
 Nothing here knows about models, optimizers or DeepSpeed: a checkpoint is a directory of files,
-written into a hidden temporary directory and published by one atomic rename, after which
-``latest`` is replaced atomically. A crash or a full disk at any point leaves the previous
+written into a hidden temporary directory and published by ``common.publish.swap_into_place``
+(fsynced, then one atomic rename; a re-save of a step swaps the old folder out only once the new one
+is in place), after which ``latest`` is replaced atomically. A crash or a full disk at any point leaves the previous
 checkpoint and pointer as they were; ``find_latest`` skips (with a warning naming it) anything
 whose manifest does not verify.
 """
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -22,7 +24,8 @@ from typing import Any
 
 import torch
 
-from orthros_train.common.files import fsync_dir, sha256_file, write_atomic
+from orthros_train.common.files import sha256_file, write_atomic
+from orthros_train.common.publish import recover, swap_into_place
 from orthros_train.common.safetensors_io import ShardedSafetensorsWriter, tensor_bytes
 
 log = logging.getLogger("orthros_train.checkpoint")
@@ -30,6 +33,7 @@ log = logging.getLogger("orthros_train.checkpoint")
 LATEST = "latest"
 PREFIX = "step_"
 MANIFEST = "manifest.json"
+LEFTOVER = re.compile(rf"\.({PREFIX}\d+)\.")  # hidden siblings of a step folder (saves, swaps)
 
 
 class CheckpointError(RuntimeError):
@@ -110,10 +114,8 @@ class CheckpointStore:
         final = self.root / self.name(step)
         manifest = {"step": step, "files": build_manifest(tmp, self.verify_hashes, known_hashes)}
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        if final.exists():  # a re-save of the same step: replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
+        # fsynced and swapped in whole; a re-save of the same step replaces the old one only then
+        swap_into_place(tmp, final)
         write_atomic(self.root / LATEST, final.name + "\n")
         return final
 
@@ -124,6 +126,8 @@ class CheckpointStore:
                 shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(f".{PREFIX}*.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        for step_name in {m.group(1) for p in self.root.glob(f".{PREFIX}*") if (m := LEFTOVER.match(p.name))}:
+            recover(self.root / step_name)  # a re-save of a step killed mid-swap (common/publish.py)
 
 
 # -- tensors to safetensors shards, within a host-memory budget ----------------------------------------

@@ -20,7 +20,13 @@ from orthros_train.train.checkpoint import (
     verify_checkpoint,
 )
 from orthros_train.train.config import TrainerConfig
-from orthros_train.train.run_dir import check_fresh_start, check_resume, existing_run, tokenizer_difference
+from orthros_train.train.run_dir import (
+    check_fresh_start,
+    check_resume,
+    existing_run,
+    set_aside_later_branch,
+    tokenizer_difference,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +93,8 @@ class Checkpointing:
             )
         counters = self.manager.load(self.state(), path).counters
         log.info("resumed from %s at step %d", path, counters.step)
+        if self.is_main:  # a rewind: the later checkpoints and final/ are kept aside, not overwritten
+            set_aside_later_branch(run_dir, path)
         self.resumed_from = path
         return counters
 

@@ -11,17 +11,20 @@ ignored, and a longer ``trainer.max_steps`` or another precision are logged only
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-import shutil
-import uuid
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orthros_train.common.files import honour_umask_tree
+from orthros_train.common.files import fsync_dir, write_atomic
+from orthros_train.common.publish import publish_folder
 from orthros_train.errors import UserError
 from orthros_train.options import ResumeChanges
+
+log = logging.getLogger(__name__)
 
 # What a run *is*: a checkpoint of another model or data belongs to another run.
 IDENTITY_SECTIONS = ("model.", "data.")
@@ -169,29 +172,52 @@ def complete_export(directory: str | Path) -> bool:
     return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
 
 
+def _step_of(checkpoint: Path) -> int | None:
+    match = re.fullmatch(r"step_(\d+)", checkpoint.name)
+    return int(match.group(1)) if match else None
+
+
+def set_aside_later_branch(run_dir: str | Path, resumed: str | Path) -> Path | None:
+    """Rewinding a run (``trainer.resume=`` an earlier checkpoint of this run dir) keeps the branch
+    it leaves: the later ``step_*`` checkpoints and ``final/`` move into ``checkpoints/branch-<UTC
+    time>/`` (one rename each, nothing copied or deleted), so the rewound run's saves, pruning and
+    final export never overwrite them and ``trainer.resume=auto`` continues the rewound run.
+    Returns the branch folder, or None when nothing is later (a plain resume, another run's checkpoint)."""
+    root = Path(run_dir) / "checkpoints"
+    resumed = Path(resumed)
+    step = _step_of(resumed)
+    if step is None or not root.is_dir() or resumed.resolve().parent != root.resolve():
+        return None
+    later = sorted(p for p in root.glob("step_*") if p.is_dir() and (_step_of(p) or -1) > step)
+    if not later:
+        return None
+    final = root / "final"
+    moving = later + ([final] if final.exists() or final.is_symlink() else [])
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    branch, n = root / f"branch-{stamp}", 2
+    while branch.exists():  # two rewinds within a second
+        branch, n = root / f"branch-{stamp}-{n}", n + 1
+    branch.mkdir()
+    for path in moving:
+        os.rename(path, branch / path.name)
+    fsync_dir(branch)
+    fsync_dir(root)
+    write_atomic(root / "latest", resumed.name + "\n")
+    log.warning(
+        "rewound to %s: the later %s moved to %s (kept as they were; move them back into %s to return to that "
+        "branch, or delete the folder to free the space)", resumed.name, ", ".join(p.name for p in moving), branch,
+        root,
+    )
+    return branch
+
+
 def publish_directory(target: str | Path, write: Callable[[Path], Any]) -> Path:
-    """``write(tmp)`` into a hidden folder beside ``target``, then rename it to ``target``: a crash
-    at any moment leaves either the previous complete folder, a complete new one, or none, never a
-    half-written one announced as the model. A previous ``target`` is moved aside first and deleted
-    after the new one is in place (a directory cannot be renamed over a non-empty one)."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.*-*"):  # left by a writer that died
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        write(tmp)
-        honour_umask_tree(tmp)  # safetensors writes 0600 files whatever the umask
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-    if target.exists():
-        os.rename(target, old)
-    os.rename(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
-    return target
+    """``write(folder)`` into a private folder beside ``target``, published whole as ``target``
+    (``common.publish.publish_folder``: fsynced, swapped in, the previous one deleted only then);
+    a crash at any moment leaves the previous complete folder or the new one, never a half-written
+    one announced as the model. A symlinked ``target`` is refused. Returns ``target``."""
+    publish_folder(target, write)
+    return Path(target)
 
 
 def multirun_job_dir(run_dir: str, overrides: list[str], job_num: int) -> str:
