@@ -149,11 +149,19 @@ def distance_buckets(window: int, length: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def score_sample(model: torch.nn.Module, sample: RecallSample) -> list[bool]:
-    """Per query: every value token is the argmax (teacher forcing, one forward)."""
+    """Per query: every value token is the argmax (teacher forcing, one forward).
+
+    The values are answers (``OrthrosLayout.answers``): a model with a global tail reads each one
+    as a generation would, the cache kept between them (its prompt tail and fed-back value tokens
+    global), so the probe measures what ``generate`` would retrieve."""
+    from orthros_train.phase.builders import positions_layout
+
     device = next(model.parameters()).device
     ids = torch.tensor(sample.input_ids, device=device)[None]
     pos = torch.tensor(sample.output_positions, device=device)
-    logits = model(ids, output_positions=pos).logits[0]
+    layout = positions_layout(ids, pos)
+    layout.answers = True
+    logits = model.forward_layout(layout).logits
     hit = (logits.argmax(-1).cpu() == torch.tensor(sample.targets)).tolist()
     return score_queries(hit, sample.query_of_output, len(sample.distances))
 
