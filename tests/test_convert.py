@@ -21,6 +21,7 @@ from fixtures import TINY_HF_SHAPE, cli_env, spread_hf_norms, tiny_config
 from orthros_train.convert.checkpoint_io import ConversionError
 from orthros_train.convert.cli import main as convert_main
 from orthros_train.convert.from_hf import convert_from_hf, orthros_config_from_hf
+from orthros_train.convert.prompt_logits import prompt_logits
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
 
@@ -309,12 +310,16 @@ def exported(orthros_dir, tmp_path_factory):
     return dst
 
 
+def model_tail(orthros_dir: Path) -> int:
+    return json.loads((orthros_dir / "config.json").read_text())["base_global_tail"]
+
+
 def test_to_hf_export_is_self_contained_and_matches_orthros_logits(orthros_dir, exported):
     names = {p.name for p in exported.iterdir()}
     assert {"config.json", "model.safetensors", "configuration_orthros.py", "modeling_orthros.py"} <= names
-    # Loads and runs where orthros_train cannot be imported at all.
+    # Loads and runs where neither orthros_train nor triton can be imported at all.
     script = (
-        "import sys, torch; sys.modules['orthros_train'] = None\n"
+        "import sys, torch; sys.modules['orthros_train'] = None; sys.modules['triton'] = None\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(exported)!r}, trust_remote_code=True)\n"
         "print(m(torch.arange(5)[None]).logits.shape)"
@@ -323,6 +328,7 @@ def test_to_hf_export_is_self_contained_and_matches_orthros_logits(orthros_dir, 
     assert run.returncode == 0 and f"[1, 5, {VOCAB}]" in run.stdout, run.stderr[-2000:]
     cfg = json.loads((exported / "config.json").read_text())
     assert cfg["model_type"] == "orthros" and cfg["base_window"] == W and cfg["eos_token_id"] == 2
+    assert cfg["sink_tokens"] == 0 and cfg["base_global_tail"] == model_tail(orthros_dir) > 0
     hf = _load_hf(exported, trust_remote_code=True)
     model = OrthrosForCausalLM.from_pretrained(orthros_dir).eval()
     ids = torch.randint(0, VOCAB, (2, 3 * W))
@@ -330,10 +336,13 @@ def test_to_hf_export_is_self_contained_and_matches_orthros_logits(orthros_dir, 
     labels[:, :5] = -100
     with torch.no_grad():
         out = hf(ids, labels=labels)
-        ref = model(ids[:, :-1], labels=labels[:, 1:])
-        ref_logits = model(ids).logits
+        # the export reads ids as a prompt: its last base_global_tail tokens are global
+        ref_logits = prompt_logits(model, ids)
+        ref_loss = torch.nn.functional.cross_entropy(
+            ref_logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
         assert (out.logits - ref_logits).abs().max() <= 1e-5 * ref_logits.abs().max()
-        assert abs(float(out.loss) - float(ref.loss)) <= 1e-5
+        assert abs(float(out.loss) - float(ref_loss)) <= 1e-5
         # logits_to_keep=k: output tokens at the last k positions only, same values.
         tail = hf(ids, logits_to_keep=3).logits
         assert tail.shape[1] == 3 and (tail - ref_logits[:, -3:]).abs().max() <= 1e-5 * ref_logits.abs().max()
@@ -376,8 +385,10 @@ def test_to_hf_generate_left_padded_batch_equals_each_prompt_alone(orthros_dir, 
 
 
 def test_to_hf_beam_search_reorders_the_cache_consistently(exported):
-    """Beam search reorders the DynamicCache between steps: the score it reports for each best
-    beam must equal that sequence's log-probability under a full, cache-free forward."""
+    """Beam search reorders the cache rows between steps: the score it reports for each best beam
+    must equal that sequence's log-probability under one forward of the whole sequence (the global
+    tail, 32, covers all of its 28 tokens, so one read marks the same tokens global as prefill +
+    decode: every one)."""
     hf = _load_hf(exported, trust_remote_code=True)
     hf.generation_config.eos_token_id = None
     prompt = torch.randint(3, VOCAB, (2, W + 4))

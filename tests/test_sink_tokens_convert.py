@@ -13,6 +13,7 @@ from fixtures import TINY_HF_SHAPE, spread_hf_norms, tiny_model
 
 from orthros_train.convert.cli import main as convert_main
 from orthros_train.convert.from_hf import convert_from_hf
+from orthros_train.convert.prompt_logits import prompt_logits
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.errors import UserError
 from orthros_train.eval.common import parse_overrides
@@ -98,17 +99,18 @@ def trained_sinks(hf_dirs, tmp_path_factory):
 
 
 def test_to_hf_with_sinks_round_trip_logits(trained_sinks):
-    """The export states sink_tokens and its remote code computes the project's model beyond W,
-    with labels, and with logits_to_keep."""
+    """The export states sink_tokens and its remote code computes the project's model beyond W
+    (a prompt read at once: its global tail included), and with logits_to_keep."""
     src, export = trained_sinks
     assert json.loads((export / "config.json").read_text())["sink_tokens"] == S
     hf = _load_hf(export, trust_remote_code=True)
     assert hf.config.sink_tokens == S
     model = OrthrosForCausalLM.from_pretrained(src).eval()
-    ids = torch.randint(0, VOCAB, (2, 5 * W), generator=torch.Generator().manual_seed(2))
+    # longer than W + the global tail (32, from-hf's default): windowed tokens, where sinks act, lie between
+    ids = torch.randint(0, VOCAB, (2, 8 * W), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        got, want = hf(ids).logits, model(ids).logits
-        plain = OrthrosForCausalLM.from_pretrained(src, sink_tokens=0).eval()(ids).logits
+        got, want = hf(ids).logits, prompt_logits(model, ids)
+        plain = prompt_logits(OrthrosForCausalLM.from_pretrained(src, sink_tokens=0).eval(), ids)
         tail = hf(ids, logits_to_keep=3).logits
     assert _max_diff(got, want) <= 1e-5 * float(want.abs().max())
     assert _max_diff(tail, want[:, -3:]) <= 1e-5 * float(want.abs().max())
@@ -116,7 +118,7 @@ def test_to_hf_with_sinks_round_trip_logits(trained_sinks):
 
 
 def test_remote_generate_with_sinks_equals_the_projects(trained_sinks):
-    """Prefill + decode through transformers' generate (a DynamicCache of every base key) equals
+    """Prefill + decode through transformers' generate (the OrthrosCache of every base key) equals
     generate_greedy, also for a left-padded row (its sinks are its own first tokens)."""
     src, export = trained_sinks
     hf = _load_hf(export, trust_remote_code=True)
@@ -132,24 +134,6 @@ def test_remote_generate_with_sinks_equals_the_projects(trained_sinks):
     out = hf.generate(batch, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
     assert torch.equal(out[0, len(long) :], model.generate_greedy(long[None], new)[0])
     assert torch.equal(out[1, len(long) :], model.generate_greedy(short[None], new)[0])
-
-
-def test_export_without_sink_tokens_loads_as_zero(trained_sinks, tmp_path):
-    """An export written before sinks (no sink_tokens in config.json) is the paper's layer."""
-    src, export = trained_sinks
-    old = tmp_path / "old"
-    old.mkdir()
-    for p in export.iterdir():
-        (old / p.name).write_bytes(p.read_bytes())
-    cfg = json.loads((old / "config.json").read_text())
-    del cfg["sink_tokens"]
-    (old / "config.json").write_text(json.dumps(cfg))
-    hf = _load_hf(old, trust_remote_code=True)
-    assert hf.config.sink_tokens == 0
-    ids = torch.randint(0, VOCAB, (1, 3 * W), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        want = OrthrosForCausalLM.from_pretrained(src, sink_tokens=0).eval()(ids).logits
-        assert _max_diff(hf(ids).logits, want) <= 1e-5 * float(want.abs().max())
 
 
 def test_cli_from_hf_to_hf_verify_with_sinks(hf_dirs, tmp_path, capsys):
