@@ -60,8 +60,14 @@ def test_bad_tail_values_are_refused_in_one_line(bad):
 
 
 def test_a_tail_where_it_means_nothing_is_refused():
-    with pytest.raises(UserError, match="dense model.*base_global_tail=0"):
-        tiny_model(attention_type="dense", base_global_tail=4)
+    from orthros_train.train.config import run_config_from_dict
+
+    with pytest.raises(UserError, match="model.base_global_tail=4 on a dense model.*set model.base_global_tail=0"):
+        run_config_from_dict({"model": {"attention_type": "dense", "base_global_tail": 4}})
+    # a dense twin of a model with a tail (a distillation teacher, a baseline) ignores it
+    twin = tiny_model(attention_type="dense", base_global_tail=4)
+    assert torch.equal(twin.config.key_rule.base_windows(torch.ones(3, dtype=torch.bool), torch.arange(3)),
+                       torch.full((3,), UNBOUNDED))
     with pytest.raises(UserError, match="window already covers every position"):
         tiny_model(sliding_window=64, max_position_embeddings=64, base_global_tail=4)
 

@@ -136,6 +136,10 @@ def load_checkpoint(directory: str | Path, **overrides: Any) -> OrthrosForCausal
     given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
     where = f"{directory / 'config.json'} with the overrides {given}" if overrides else directory / "config.json"
     config = orthros_config({**read_checkpoint_config(directory), **overrides}, where)
+    if "base_global_tail" in overrides and config.tail_on_dense():
+        raise UserError(f"{where}: base_global_tail={config.base_global_tail} on a dense model does nothing (every "
+                        "query of a dense model already sees its whole document); drop that override, or add "
+                        "attention_type=orthros for the windowed layer")
     model = OrthrosForCausalLM(config)
     try:
         model.load_pretrained_weights(directory)

@@ -93,12 +93,11 @@ class OrthrosConfig:
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
         KeyRule(self.sliding_window, self.sink_tokens, self.base_global_tail)  # the one validation of W, S, R
-        if self.base_global_tail and self.attention_type == AttentionType.dense:
-            raise UserError(
-                f"base_global_tail={self.base_global_tail} on a dense model: every query of a dense model already "
-                "sees its whole document; set model.base_global_tail=0 or model.attention_type=orthros"
-            )
-        if self.base_global_tail and self.sliding_window >= self.max_position_embeddings:
+        # A dense model's queries see their whole document already: the tail (like the sinks) is
+        # ignored there, so its twins (distillation teachers, baselines) keep one config; where a user
+        # asks for it (a recipe, an eval override) it is refused up front (``tail_on_dense``).
+        if self.base_global_tail and self.attention_type != AttentionType.dense \
+                and self.sliding_window >= self.max_position_embeddings:
             raise UserError(
                 f"base_global_tail={self.base_global_tail} with sliding_window={self.sliding_window} >= "
                 f"max_position_embeddings={self.max_position_embeddings}: the window already covers every position, "
@@ -195,6 +194,14 @@ class OrthrosConfig:
     def base_sink_tokens(self) -> int:
         """Sink tokens of the base stream (0 for the dense baseline, whose window already holds them)."""
         return self.key_rule.sink_tokens_of_pass()
+
+    def tail_on_dense(self, where: str = "model.") -> str | None:
+        """Why a global tail asked of a dense model is refused (``None``: it is not)."""
+        if not (self.base_global_tail and self.attention_type == AttentionType.dense):
+            return None
+        return (f"{where}base_global_tail={self.base_global_tail} on a dense model: every query of a dense model "
+                f"already sees its whole document, so the tail would do nothing; set {where}base_global_tail=0, or "
+                f"{where}attention_type=orthros for the windowed layer")
 
     @property
     def key_rule(self) -> KeyRule:

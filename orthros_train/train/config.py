@@ -434,9 +434,12 @@ def check_distill_positions(distill: DistillConfig, trainer: TrainerConfig, mode
 
 
 def check_sinks(model: OrthrosConfig) -> None:
-    """Sink tokens on a dense model do nothing (its window already holds every earlier token):
-    refused up front, as megatron refuses an argument its model cannot use, instead of training a
-    model whose exported config claims sinks it never had."""
+    """Sink tokens or a global tail on a dense model do nothing (its window already holds every
+    earlier token): refused up front, as megatron refuses an argument its model cannot use, instead
+    of training a model whose exported config claims what it never had."""
+    why = model.tail_on_dense()
+    if why:
+        raise UserError(why)
     if model.sink_tokens and model.attention_type == "dense":
         raise UserError(
             f"model.sink_tokens={model.sink_tokens} with model.attention_type=dense: a dense model attends every "
