@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from orthros_train.common.blank import text_arg
 from orthros_train.data.indexed import DataError
 from orthros_train.errors import UserError, first_line, report_bug
 
@@ -43,10 +44,10 @@ def _nonnegative_int(text: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
+    p.add_argument("inputs", nargs="+", metavar="INPUT", type=text_arg,
                    help="json/jsonl(.gz)/txt/parquet/csv/arrow files, directories, globs, or a hub dataset name")
-    p.add_argument("--tokenizer", required=True, help="local HF tokenizer directory or tokenizer.json")
-    p.add_argument("--output", required=True, metavar="PREFIX",
+    p.add_argument("--tokenizer", required=True, type=text_arg, help="local HF tokenizer directory or tokenizer.json")
+    p.add_argument("--output", required=True, metavar="PREFIX", type=text_arg,
                    help="output prefix: shards PREFIX_00000.bin/.idx, ..., summary PREFIX.json")
     p.add_argument("--workers", type=_positive_int, default=1, help="tokenizer worker processes (default 1)")
     p.add_argument("--docs-per-shard", type=_positive_int, default=100_000,

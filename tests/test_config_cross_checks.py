@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,20 @@ def test_an_empty_path_in_a_recipe_key_is_refused(overrides, key):
 def test_an_empty_entry_of_a_path_list_is_refused():
     with pytest.raises(UserError, match=r"data.paths\[1\]='' is empty: every entry must be an orthros-data output"):
         compose_recipe("tiny_cpu", *SMALL, "data.source=indexed", "++data.paths=[a,'']")
+
+
+@pytest.mark.parametrize("module, parser, argv, flag", [
+    ("orthros_train.study.cli", "build_parser", ["--out", ""], "--out"),
+    ("orthros_train.study.cli", "build_parser", ["--notes", " "], "--notes"),
+    ("data_tools.cli", "build_parser", ["tokenize", "in.txt", "--tokenizer", "t", "--output", ""], "--output"),
+    ("data_tools.cli", "build_parser", ["tokenize", "", "--tokenizer", "t", "--output", "o"], "INPUT"),
+    ("orthros_train.convert.cli", "_parser", ["to-hf", "src", " "], "dst"),
+])  # fmt: skip
+def test_an_empty_path_flag_is_a_usage_error_naming_the_flag(capsys, module, parser, argv, flag):
+    """Path('') is the current directory: a study, a tokenized output or an export would land there."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        getattr(importlib.import_module(module), parser)().parse_args(argv)
+    assert exit_.value.code == 2
+    assert re.search(rf"argument {flag}: '\s*' is empty: give a path", capsys.readouterr().err)

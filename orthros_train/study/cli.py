@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from orthros_train.common.blank import path_arg
 from orthros_train.errors import UserError, first_line, report_bug
 from orthros_train.eval.common import nonnegative_int, parse_lengths, positive_int
 from orthros_train.logging_setup import configure_logging
@@ -27,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep per model, then several seeds at the kept rate; evaluate essay loss, loss by position, associative "
         "recall vs distance, a passkey probe and prefill time; write <out>/study.md (or --report).",
     )
-    p.add_argument("--out", type=Path, default=Path("runs/study"), help="run directories and study.json")
-    p.add_argument("--report", type=Path, default=None,
+    p.add_argument("--out", type=path_arg, default=Path("runs/study"), help="run directories and study.json")
+    p.add_argument("--report", type=path_arg, default=None,
                    help="markdown report (default: <out>/study.md; figures in <report dir>/<stem>/); "
                    "the committed one is docs/study.md")
     p.add_argument("--no-report", action="store_true", help="only study.json")
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-tokens", type=positive_int, default=None, help="cap on held-out essay tokens")
     p.add_argument("--prefill-lengths", default="1k,4k,16k", help="prompt lengths ('' skips the benchmark)")
     p.add_argument("--prefill-repeats", type=positive_int, default=1)
-    p.add_argument("--notes", type=Path, default=None, help="hand-written analysis to include in the report")
+    p.add_argument("--notes", type=path_arg, default=None, help="hand-written analysis to include in the report")
     p.add_argument("--overwrite", action="store_true",
                    help="delete every run in --out and train it again (default: finished runs are reused, "
                    "partial ones resumed, a run of another configuration refused)")
@@ -134,11 +135,11 @@ def build_conversion_parser() -> argparse.ArgumentParser:
         "sweep of the continued-training settings, a recovery curve, long-context extension; write "
         "<out>/conversion.json and <out>/conversion.md (or --report).",
     )
-    p.add_argument("--out", type=Path, default=Path("runs/conversion"), help="run directories and conversion.json")
-    p.add_argument("--report", type=Path, default=None,
+    p.add_argument("--out", type=path_arg, default=Path("runs/conversion"), help="run directories and conversion.json")
+    p.add_argument("--report", type=path_arg, default=None,
                    help="markdown report (default: <out>/conversion.md; the committed one is docs/conversion_study.md)")
     p.add_argument("--quick", action="store_true", help="reduced version: tiny shape, a handful of steps, 2 seeds")
-    p.add_argument("--teacher", type=Path, default=None,
+    p.add_argument("--teacher", type=path_arg, default=None,
                    help="convert this dense checkpoint instead of training a teacher (a dense run's checkpoints/final)")
     p.add_argument("--teacher-steps", type=positive_int, default=None, help="trainer.max_steps of the teacher")
     p.add_argument("--steps", type=positive_int, default=None, help="continued-training steps of every arm (100)")
@@ -163,7 +164,7 @@ def build_conversion_parser() -> argparse.ArgumentParser:
     p.add_argument("--recall-documents", type=positive_int, default=None, help="held-out recall documents (32)")
     p.add_argument("--passkey-documents", type=positive_int, default=None, help="passkey probes per range (32)")
     p.add_argument("--valid-tokens", type=positive_int, default=None, help="cap on held-out essay tokens")
-    p.add_argument("--notes", type=Path, default=None, help="hand-written analysis to include in the report")
+    p.add_argument("--notes", type=path_arg, default=None, help="hand-written analysis to include in the report")
     p.add_argument("--overwrite", action="store_true",
                    help="delete every run and the report in --out and start over (default: finished runs are "
                    "reused, partial ones resumed, a run of another configuration refused)")
