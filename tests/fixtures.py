@@ -282,6 +282,14 @@ def result_of(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+def assert_variants_close(results: dict, expected: int, tol: float = 1e-5) -> None:
+    """A parallel script's ``RESULT``: ``expected`` variants, each difference within ``tol``."""
+    assert len(results) == expected, sorted(results)
+    for variant, errs in results.items():
+        for what, err in errs.items():
+            assert err <= tol, (variant, what, err)
+
+
 # -- what a run wrote, and runs in flight ------------------------------------------------------------
 
 

@@ -4,21 +4,14 @@ every gradient equal the single-device model on layouts whose answers have globa
 from __future__ import annotations
 
 import pytest
-from fixtures import result_of, torchrun
-
-
-def _assert_close(results: dict, expected: int) -> None:
-    assert len(results) == expected, sorted(results)
-    for variant, errs in results.items():
-        for what, err in errs.items():
-            assert err <= 1e-5, (variant, what, err)
+from fixtures import assert_variants_close, result_of, torchrun
 
 
 @pytest.mark.slow
 def test_tp2_sp_with_the_tail_and_sinks_equals_reference():
-    _assert_close(result_of(torchrun("tp_equivalence", "sinks=2", "tail=3")), 3)
+    assert_variants_close(result_of(torchrun("tp_equivalence", "sinks=2", "tail=3")), 3)
 
 
 @pytest.mark.slow
 def test_cp2_with_the_tail_and_sinks_equals_reference():
-    _assert_close(result_of(torchrun("cp_equivalence", "1", "none", "sinks=2", "tail=3")), 8)
+    assert_variants_close(result_of(torchrun("cp_equivalence", "1", "none", "sinks=2", "tail=3")), 8)

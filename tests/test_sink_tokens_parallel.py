@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures import result_of, tiny_config, torchrun
+from fixtures import assert_variants_close, result_of, tiny_config, torchrun
 
 from orthros_train.model.orthros import plan_for_layout
 from orthros_train.ops.reference import attention_naive
@@ -148,18 +148,11 @@ def test_cp_sinks_triton_backend():
     assert err <= 1e-5
 
 
-def _assert_close(results: dict, expected: int) -> None:
-    assert len(results) == expected, sorted(results)
-    for variant, errs in results.items():
-        for what, err in errs.items():
-            assert err <= 1e-5, (variant, what, err)
-
-
 @pytest.mark.slow
 def test_tp2_sp_with_sinks_equals_reference():
     """TP=2 without and with SP (orthros, the sliding baseline) with 2 sink tokens: logits, loss,
     gradients and the TP checkpoint round trip equal the single-device model (2 gloo ranks)."""
-    _assert_close(result_of(torchrun("tp_equivalence", "sinks=2")), 3)
+    assert_variants_close(result_of(torchrun("tp_equivalence", "sinks=2")), 3)
 
 
 @pytest.mark.slow
@@ -167,4 +160,4 @@ def test_cp2_with_sinks_equals_reference():
     """CP=2 with 2 sink tokens: orthros (W shorter and longer than a chunk), the sliding baseline
     and a mixture-of-experts model; pretrain and sft layouts whose documents start on the other
     rank. Logits, loss and gradients equal the single-device model (2 gloo ranks)."""
-    _assert_close(result_of(torchrun("cp_equivalence", "1", "none", "sinks=2")), 8)
+    assert_variants_close(result_of(torchrun("cp_equivalence", "1", "none", "sinks=2")), 8)

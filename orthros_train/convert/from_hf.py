@@ -367,22 +367,29 @@ def orthros_config_from_hf(
         raise ConversionError(f"{source}: {err}") from err
 
 
+def _count_flag(flag: str, given: object, fix: str) -> int:
+    """A flag that counts tokens (``--sink-tokens``, ``--global-tail``) as an int >= 0, or a
+    ConversionError that names the flag and ``fix``."""
+    value = given
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConversionError(f"{flag} {given!r} is not an integer: {fix}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConversionError(f"{flag} {given!r} is not an integer: {fix}")
+    if value < 0:
+        raise ConversionError(f"{flag} {value} is negative: {fix}")
+    return value
+
+
 def check_sink_tokens_flag(sink_tokens: object, window: int) -> int:
     """``--sink-tokens`` as an int, or a ConversionError that names the flag and the fix."""
     fix = (
         f"pass an integer from 0 (no sinks: the paper's layer) to {window - 1} (below --window {window}); "
         "4 is the usual choice for a converted model"
     )
-    value = sink_tokens
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise ConversionError(f"--sink-tokens {sink_tokens!r} is not an integer: {fix}") from None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConversionError(f"--sink-tokens {sink_tokens!r} is not an integer: {fix}")
-    if value < 0:
-        raise ConversionError(f"--sink-tokens {value} is negative: {fix}")
+    value = _count_flag("--sink-tokens", sink_tokens, fix)
     if value >= window:
         raise ConversionError(
             f"--sink-tokens {value} is not below --window {window} (the sinks are the document's first tokens a "
@@ -393,19 +400,9 @@ def check_sink_tokens_flag(sink_tokens: object, window: int) -> int:
 
 def check_global_tail_flag(global_tail: object) -> int:
     """``--global-tail`` as an int, or a ConversionError that names the flag and the fix."""
-    fix = (f"pass an integer >= 0 (0: the paper's layer; {DEFAULT_GLOBAL_TAIL}, the default, restores retrieval "
-           "beyond the window: docs/convert.md, 'The global tail')")
-    value = global_tail
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise ConversionError(f"--global-tail {global_tail!r} is not an integer: {fix}") from None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConversionError(f"--global-tail {global_tail!r} is not an integer: {fix}")
-    if value < 0:
-        raise ConversionError(f"--global-tail {value} is negative: {fix}")
-    return value
+    return _count_flag("--global-tail", global_tail, (
+        f"pass an integer >= 0 (0: the paper's layer; {DEFAULT_GLOBAL_TAIL}, the default, restores retrieval beyond "
+        "the window: docs/convert.md, 'The global tail')"))
 
 
 def expected_state(config: OrthrosConfig) -> dict[str, tuple[int, ...]]:
