@@ -80,13 +80,16 @@ def load_tokenizer(path: str | Path, required: bool = True, pad_with_eos: bool =
 
     try:
         try:
-            tok = AutoTokenizer.from_pretrained(text)
+            # never the folder's own code (an export's auto_map), and no "run custom code?" prompt
+            tok = AutoTokenizer.from_pretrained(text, trust_remote_code=False)
         except (ValueError, OSError, KeyError, AttributeError):
             # AttributeError: transformers' RoPE checks on an Orthros config.json with YaRN scaling.
             if not (folder / "tokenizer.json").is_file():
                 raise
             try:
-                tok = PreTrainedTokenizerFast.from_pretrained(text)  # keeps tokenizer_config's special tokens
+                tok = PreTrainedTokenizerFast.from_pretrained(  # keeps tokenizer_config's special tokens
+                    text, trust_remote_code=False
+                )
             except (ValueError, OSError, KeyError):
                 tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     except Exception as e:  # transformers raises many types for a bad folder; name it

@@ -78,7 +78,7 @@ def load_rank_state(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(SAFE_TYPES):
             state = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        # torch's message is a page of advice to load with weights_only=False; keep the line naming the type
+        # torch's message is a page of advice to load the file unrestricted; keep the line naming the type
         lines = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "nsupported" in line]
         detail = f" ({lines[0].rstrip('.')})" if lines else ""
         raise UnsafeCheckpointError(
