@@ -16,6 +16,7 @@ from fixtures import TINY_HF_SHAPE, spread_hf_norms, tiny_model
 
 from orthros_train.convert.checkpoint_io import ConversionError
 from orthros_train.convert.from_hf import convert_from_hf
+from orthros_train.convert.prompt_logits import prompt_logits
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.errors import UserError
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
@@ -184,7 +185,7 @@ def test_to_hf_export_with_yarn_reproduces_orthros_logits(yarn_dirs, tmp_path):
     model = model.eval()
     ids = torch.randint(0, VOCAB, (2, 3 * W))  # well past both the window and the original length
     with torch.no_grad():
-        ref, got = model(ids).logits, hf(ids).logits
+        ref, got = prompt_logits(model, ids), hf(ids).logits  # the export reads ids as a prompt (global tail)
     err = (ref - got).abs().max() / ref.abs().max()
     print(f"to_hf yarn: max |export - Orthros| / max|logit| = {err:.2e}")
     assert err <= 1e-5
