@@ -236,3 +236,5 @@ def test_refusals_of_what_the_export_cannot_compute(exported):
     filled.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)
     with pytest.raises(ValueError, match="continues only the OrthrosCache its own forward returned"):
         hf(ids, cache=filled)
+    with pytest.raises(ValueError, match="not a StaticCache: generate with the default cache"):
+        hf.generate(ids, max_new_tokens=2, cache_implementation="static")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from orthros_train.convert.remote_code.configuration_orthros import OrthrosConfig
@@ -256,6 +256,11 @@ class OrthrosModel(OrthrosPreTrainedModel):
             if cache.kv.num_rows != b:
                 raise ValueError(f"the cache holds {cache.kv.num_rows} rows, the batch has {b}")
             return cache
+        if cache is not None and type(cache) is not DynamicCache:
+            raise ValueError(
+                f"an Orthros model keeps its K/V in an OrthrosCache (rows of different lengths, no padding), not a "
+                f"{type(cache).__name__}: generate with the default cache (no cache_implementation)"
+            )
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError(
                 f"an Orthros model continues only the OrthrosCache its own forward returned, got a filled "
