@@ -83,19 +83,29 @@ def check_serving_config(vllm_config: VllmConfig) -> None:
             f"base_window in config.json must be a positive integer (the base stream's window W), got {window!r}: "
             "re-export the checkpoint with `orthros-convert to-hf`, or set it to the W the model was trained with"
         )
-    sinks = getattr(hf, "sink_tokens", 0)
+    sinks = stated(hf, raw, "sink_tokens")
     if isinstance(sinks, bool) or not isinstance(sinks, int) or not 0 <= sinks < window:
         raise OrthrosServeError(
             f"sink_tokens in config.json must be an integer in 0..base_window-1={window - 1} (the base stream's "
             f"attention sinks; absent means 0), got {sinks!r}: re-export the checkpoint with `orthros-convert to-hf`"
         )
     try:  # the one validation of W, S, R (ops/keys.py)
-        KeyRule(window, sinks, getattr(hf, "base_global_tail", 0))
+        KeyRule(window, sinks, stated(hf, raw, "base_global_tail"))
     except UserError as e:
         raise OrthrosServeError(f"{path}: {first_line(e)}; fix base_global_tail there or re-export the checkpoint "
                                 "with `orthros-convert to-hf`") from None
     if served_global_tail(hf, vllm_config.model_config.max_model_len):
         check_tail_serving(vllm_config)
+
+
+def stated(hf_config: Any, raw: dict | None, key: str) -> object:
+    """``sink_tokens`` / ``base_global_tail`` as the export states it: absent from its config.json (an
+    export from before the key existed, whose config class leaves it None) is 0, the layer it was;
+    any stated value, ``null`` included, is checked as given."""
+    value = getattr(hf_config, key, None)
+    if value is None and (raw is None or key not in raw):
+        return 0
+    return value
 
 
 def check_tail_serving(vllm_config: VllmConfig) -> None:

@@ -214,6 +214,14 @@ def test_zero_tail_serves_as_before(tailed, tmp_path):
     assert config.model_config.logits_processors == [PROMPT_LOGPROBS_ROWS]
     assert config.cache_config.enable_prefix_caching is True
     assert served_global_tail(config.model_config.hf_config, 1024) == 0
+    absent = tmp_path / "absent"  # an export from before the key: served as R = 0
+    shutil.copytree(export, absent)
+    raw = json.loads((absent / "config.json").read_text())
+    del raw["base_global_tail"]
+    (absent / "config.json").write_text(json.dumps(raw))
+    old = EngineArgs(model=str(absent), dtype="float32", enforce_eager=True, max_model_len=1024,
+                     enable_prefix_caching=True).create_engine_config()
+    assert old.model_config.logits_processors == [PROMPT_LOGPROBS_ROWS] and old.cache_config.enable_prefix_caching
     assert served_global_tail(SimpleNamespace(base_window=16), 1024) == 0  # absent: 0
     assert served_global_tail(SimpleNamespace(base_window=16, base_global_tail=8), 1024) == 8
     assert served_global_tail(SimpleNamespace(base_window=16, base_global_tail=8), 16) == 0  # within W
@@ -223,7 +231,7 @@ def test_zero_tail_serves_as_before(tailed, tmp_path):
     assert PROMPT_LENGTHS not in (within.model_config.logits_processors or [])
 
 
-@pytest.mark.parametrize("tail", [-1, 2.5, True, "4"])
+@pytest.mark.parametrize("tail", [-1, 2.5, True, "4", None])
 def test_a_bad_tail_is_refused_naming_the_config(tailed, tmp_path, tail):
     bad = tmp_path / "export"
     shutil.copytree(tailed[1], bad)

@@ -37,8 +37,12 @@ from orthros_train.serve.config import (  # noqa: E402
     PROMPT_LOGPROBS_ROWS,
     add_prompt_logprobs_rows,
 )
+from orthros_train.serve.refusal import OrthrosServeError  # noqa: E402
 
 NEW = 6  # tokens generated per request
+# Refused when the engine's config is built: the plugin hook's one-line error, or the export's config
+# class's own ValueError where it rejects a value first.
+REFUSED = (ValueError, OrthrosServeError)
 TOP_K = 4
 PROMPT_TOP_K = 5  # prompt_logprobs=5, as lm-eval and the OpenAI API ask
 LOGPROB_TOL = 2e-4  # fp32 on both sides; the CPU kernels sum in another order
@@ -338,7 +342,7 @@ def test_unservable_configurations_are_refused_when_the_config_is_built(tiny):
         (dict(tensor_parallel_size=3), "num_attention_heads=4 is not divisible by --tensor-parallel-size 3"),
     ]
     for extra, message in refused:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(REFUSED, match=message):
             EngineArgs(**base, **extra).create_engine_config()
     config = EngineArgs(**base).create_engine_config()
     assert config.model_config.logits_processors == [PROMPT_LOGPROBS_ROWS]
@@ -348,7 +352,7 @@ def test_unservable_configurations_are_refused_when_the_config_is_built(tiny):
 
     for method in ("eagle", "eagle3", "mtp", "medusa"):
         config.speculative_config = type("S", (), {"method": method})()
-        with pytest.raises(ValueError, match=f"speculative decoding with method '{method}' is not supported by "
+        with pytest.raises(REFUSED, match=f"speculative decoding with method '{method}' is not supported by "
                                              "Orthros.*ngram, ngram_gpu, suffix, draft_model"):
             check_serving_config(config)
     # Speculative decoding: vLLM takes no custom logits processor, so none is added.
@@ -398,7 +402,7 @@ def test_a_bad_base_window_is_refused_when_the_config_is_built(tiny, tmp_path, w
     config = json.loads((export / "config.json").read_text())
     config["base_window"] = window
     (export / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="base_window in config.json must be a positive integer"):
+    with pytest.raises(REFUSED, match="base_window in config.json must be a positive integer"):
         EngineArgs(model=str(export), dtype="float32", enforce_eager=True, max_model_len=1024).create_engine_config()
 
 
@@ -432,7 +436,12 @@ def test_output_attention_splits_piecewise_cuda_graphs(tiny):
     vLLM builds for piecewise compilation, no GPU needed); a user's own list gets it appended."""
     from vllm.config import CompilationConfig, CompilationMode
 
-    from orthros_train.serve.config import BASE_ATTENTION_OP, OUTPUT_ATTENTION_OP, split_graphs_at_output_attention
+    from orthros_train.serve.config import (
+        BASE_ATTENTION_OP,
+        GLOBAL_ATTENTION_OP,
+        OUTPUT_ATTENTION_OP,
+        split_graphs_at_output_attention,
+    )
 
     _, export = tiny
     assert not EngineArgs(model=str(export), dtype="float32", max_model_len=1024).create_engine_config() \
@@ -440,7 +449,7 @@ def test_output_attention_splits_piecewise_cuda_graphs(tiny):
     assert OUTPUT_ATTENTION_OP in CompilationConfig._attention_ops
     piecewise = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
     piecewise.set_splitting_ops_for_v1(all2all_backend="naive")
-    assert OUTPUT_ATTENTION_OP in piecewise.splitting_ops and BASE_ATTENTION_OP in piecewise.splitting_ops
+    assert {OUTPUT_ATTENTION_OP, BASE_ATTENTION_OP, GLOBAL_ATTENTION_OP} <= set(piecewise.splitting_ops)
     assert "vllm::unified_attention_with_output" in piecewise.splitting_ops
 
     class Config:
@@ -450,7 +459,7 @@ def test_output_attention_splits_piecewise_cuda_graphs(tiny):
     split_graphs_at_output_attention(config)
     split_graphs_at_output_attention(config)  # idempotent
     assert config.compilation_config.splitting_ops == ["vllm::unified_attention_with_output", OUTPUT_ATTENTION_OP,
-                                                       BASE_ATTENTION_OP]
+                                                       BASE_ATTENTION_OP, GLOBAL_ATTENTION_OP]
 
 
 SINKS = 4  # a converted model's usual choice; W = 16 is below every prompt, so every long row needs them
