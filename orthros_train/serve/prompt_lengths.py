@@ -73,10 +73,13 @@ def tail_lengths(vllm_config: VllmConfig, device: torch.device | None = None) ->
     state = _LENGTHS.get(id(vllm_config))
     if state is None:
         state = _LENGTHS[id(vllm_config)] = TailLengths()
-    if state.device is None and device is not None and torch.device(device).type == "cuda":
+    if device is not None and torch.device(device).type == "cuda":
         size = max(vllm_config.scheduler_config.max_num_seqs, 1)
-        state.device = torch.zeros(size, dtype=torch.int32, device=device)
-        state.refresh_device()
+        old, want = state.device, torch.device(device)
+        # Made once per engine; a config id reused by a later engine (ids are recycled) gets its own.
+        if old is None or old.shape[0] < size or want.index not in (None, old.device.index):
+            state.device = torch.zeros(size, dtype=torch.int32, device=device)
+            state.refresh_device()
     return state
 
 

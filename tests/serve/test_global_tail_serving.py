@@ -302,3 +302,36 @@ def test_gpu_composition_equals_the_key_rule():
     want = torch.einsum("hqk,khd->qhd", probs, v)
     torch.testing.assert_close(out[:m], want, atol=2e-5, rtol=2e-5)
     assert torch.count_nonzero(out[m:]) == 0
+
+
+def test_compiled_engine_with_chunks_equals_generate(tailed, tmp_path, monkeypatch):
+    """vLLM's CPU default compiles the model: the global op is an opaque op inside the traced graph,
+    writing over the base rows the windowed op wrote (64-token chunks, so steps mix tails and chunks)."""
+    model, export = tailed
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # compile afresh
+    with engine(export, enforce_eager=False, max_num_batched_tokens=64) as llm:
+        for prompts in (MIXED, prompts_of([50], seed=38)):
+            assert_same(vllm_run(llm, prompts), model, prompts)
+
+
+def test_prompt_lengths_follow_the_runner_batch():
+    """Requests joining (with their prompt ids), leaving and moving, as the V1 runner reports them
+    before each forward; an index the runner never reported is an error naming the fix."""
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from orthros_train.serve.prompt_lengths import PromptLengths, lengths_of
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
+    tracker = PromptLengths(config, torch.device("cpu"), False)
+    params = SamplingParams(max_tokens=1)
+    added = [(0, params, [1] * 40, []), (1, params, [2] * 9, []), (2, params, [3] * 5, [])]
+    tracker.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=added))
+    assert lengths_of(id(config)).host(3).tolist() == [40, 9, 5]
+    tracker.update_state(None)  # an unchanged batch
+    move = [(2, 1, MoveDirectionality.UNIDIRECTIONAL)]
+    tracker.update_state(BatchUpdate(batch_size=2, removed=[1], added=[], moved=move))
+    assert lengths_of(id(config)).host(2).tolist() == [40, 5]
+    tracker.update_state(BatchUpdate(batch_size=2, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
+    assert lengths_of(id(config)).host(2).tolist() == [5, 40]
+    with pytest.raises(OrthrosServeError, match="no prompt length is known for batch index 2.*V1 runner"):
+        lengths_of(id(config)).host(3)
