@@ -61,6 +61,7 @@ FAKE_TRAINER = textwrap.dedent('''
 DRIVER = textwrap.dedent('''
     import sys
     from pathlib import Path
+    from orthros_train.errors import UserError
     from orthros_train.study.runs import StudyInterrupted, interrupted_exit, owned_study, run_parallel, train_or_reuse
     out, steps, fake = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     jobs = [([sys.executable, fake, str(out / name), steps], out / name, print) for name in ("a", "b")]
@@ -69,7 +70,7 @@ DRIVER = textwrap.dedent('''
             run_parallel(train_or_reuse, jobs, 2)
     except StudyInterrupted as exc:
         sys.exit(interrupted_exit("driver", exc, out))
-    except ValueError as exc:  # as the CLI does (study/cli.py: run_owned)
+    except UserError as exc:  # as the CLI does (study/cli.py: run_owned)
         print(f"driver: {exc}", file=sys.stderr)
         sys.exit(2)
 ''')

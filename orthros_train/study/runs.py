@@ -140,7 +140,7 @@ def _lock_holder(out: Path) -> str:
 def owned_study(out: Path, what: str) -> Iterator[None]:
     """Hold ``out`` for the study's life, with SIGINT/SIGTERM stopping its children.
 
-    Raises ``ValueError`` (one line) when another live study holds ``out``; inside, a stop signal
+    Raises ``UserError`` (one line) when another live study holds ``out``; inside, a stop signal
     raises ``StudyInterrupted`` in the main thread after the children were sent SIGTERM."""
     from orthros_train.train.run_lock import RunLock, RunLockedError
 
