@@ -78,3 +78,16 @@ def test_a_bad_recipe_value_is_one_line_naming_the_key(value, message):
 
     with pytest.raises(UserError, match=message):
         run_config_from_dict({"model": {"base_global_tail": float(value) if "." in value else int(value)}})
+
+
+def test_the_default_tail_is_off_where_the_window_covers_the_context(tmp_path):
+    """from-hf's default tail applies where the window is shorter than the model's context; a window
+    that covers every position gets 0 (asked for explicitly, the tail is refused there)."""
+    from orthros_train.convert.from_hf import convert_from_hf
+
+    src = tmp_path / "short"
+    cfg = transformers.LlamaConfig(vocab_size=64, **TINY_HF_SHAPE, max_position_embeddings=W)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    assert convert_from_hf(src, tmp_path / "o", sliding_window=W).config.base_global_tail == 0
+    with pytest.raises(UserError, match="window already covers every position"):
+        convert_from_hf(src, tmp_path / "o2", sliding_window=W, global_tail=4)

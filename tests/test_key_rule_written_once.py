@@ -46,7 +46,7 @@ FSTRING_PARTS = {getattr(tokenize, name) for name in ("FSTRING_START", "FSTRING_
 
 
 def _modules() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if "remote_code" not in p.parts)
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def _code_lines(path: Path) -> list[tuple[int, str]]:

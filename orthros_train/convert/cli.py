@@ -47,9 +47,10 @@ def _parser() -> argparse.ArgumentParser:
         "(docs/convert.md, 'Sink tokens'); 0: the paper's layer",
     )
     p.add_argument(
-        "--global-tail", default=str(DEFAULT_GLOBAL_TAIL), dest="global_tail",
+        "--global-tail", default=None, dest="global_tail",
         help="global tail R: the base queries of a prompt's last R tokens and of generated tokens see the whole "
-        f"document (docs/convert.md, 'The global tail'); 0: the paper's layer (default {DEFAULT_GLOBAL_TAIL})",
+        f"document (docs/convert.md, 'The global tail'); 0: the paper's layer (default {DEFAULT_GLOBAL_TAIL} where "
+        "--window is shorter than the model's context, else 0)",
     )
     p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
     p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "from-hf":
             sinks = check_sink_tokens_flag(args.sink_tokens, args.window)
-            tail = check_global_tail_flag(args.global_tail)
+            tail = None if args.global_tail is None else check_global_tail_flag(args.global_tail)
             report = convert_from_hf(
                 args.src, args.dst, args.window, args.dtype, args.max_shard_size, args.overwrite, sink_tokens=sinks,
                 global_tail=tail,
