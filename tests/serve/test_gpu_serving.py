@@ -134,6 +134,42 @@ def test_engine_with_sink_tokens_and_cuda_graphs_equals_generate(tmp_path, monke
         llm.llm_engine.engine_core.shutdown()
 
 
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_engine_with_a_global_tail_and_cuda_graphs_equals_generate(tmp_path, monkeypatch, sinks):
+    """The global tail on GPU (V1 runner: the prompt lengths reach the model before the forward):
+    the tail rows through the per-row Triton kernel after vLLM's windowed attention (S = 0) or the
+    model's own op (S = 4), piecewise graphs in mixed steps and full graphs in decode (the prompt
+    lengths read from their fixed device buffer at replay), a prompt chunked by a 64-token budget."""
+    import json
+
+    from exports import make_orthros
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from orthros_train.infer.generate import generate
+    from orthros_train.model.orthros import OrthrosForCausalLM
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    ckpt, export = make_orthros(tmp_path, head_dim=64, sink_tokens=sinks, base_global_tail=24)
+    config = json.loads((export / "config.json").read_text())
+    config["base_global_tail"] = 24
+    (export / "config.json").write_text(json.dumps(config))
+    model = OrthrosForCausalLM.from_pretrained(ckpt).eval().cuda()
+    g = torch.Generator().manual_seed(4)
+    llm = LLM(model=str(export), dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3, seed=0,
+              max_num_batched_tokens=64)
+    try:
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for lengths in ([40], [40, 300, 17], [5] * 5, [600, 3, 3, 3]):
+            prompts = [torch.randint(1, 384, (n,), generator=g).tolist() for n in lengths]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
+            with torch.no_grad():
+                want = generate(model, prompts, max_new_tokens=8).sequences
+            assert [list(o.outputs[0].token_ids) for o in outs] == want, lengths
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def test_a_cache_layout_the_model_does_not_read_is_refused_at_load(tmp_path):
     """An fp8 cache (the Triton kernels have no scales) stops the engine when the model loads, with
     the fix, instead of serving wrong tokens."""
