@@ -20,7 +20,7 @@ from fixtures import TINY_HF_SHAPE, cli_env, spread_hf_norms, tiny_config
 
 from orthros_train.convert.checkpoint_io import ConversionError
 from orthros_train.convert.cli import main as convert_main
-from orthros_train.convert.from_hf import convert_from_hf, orthros_config_from_hf
+from orthros_train.convert.from_hf import DEFAULT_GLOBAL_TAIL, convert_from_hf, orthros_config_from_hf
 from orthros_train.convert.prompt_logits import prompt_logits
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
@@ -172,12 +172,12 @@ def test_config_mapping_reads_hub_style_configs():
 @pytest.mark.parametrize("recipe, hub", [("convert_llama31_8b", LLAMA31_8B), ("convert_qwen3_8b", QWEN3_8B)])
 def test_convert_recipes_describe_the_converted_checkpoints(recipe, hub):
     """The recipe's model section must be what `orthros-convert from-hf --sink-tokens 4` (the command
-    its header comment gives) writes for that model."""
+    its header comment gives, with from-hf's default global tail) writes for that model."""
     omegaconf = pytest.importorskip("omegaconf")
     path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
     model = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path).model)
     assert model.pop("init_from")
-    converted = orthros_config_from_hf(hub, sink_tokens=4)
+    converted = orthros_config_from_hf(hub, sink_tokens=4, global_tail=DEFAULT_GLOBAL_TAIL)
     converted.extra = {}
     assert OrthrosConfig(**model) == converted
     assert "--sink-tokens 4" in path.read_text().split("defaults:")[0]
