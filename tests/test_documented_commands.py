@@ -65,7 +65,7 @@ SKIP: list[tuple[str, str]] = [
     (r"^make gpu-kit$", "downloads wheels from PyPI (tests/test_gpu_kit.py builds the kit, marked slow)"),
     (r"^python3 -m pip install --no-index --no-deps --target ", "on the GPU node (make test-gpu-node rehearses it)"),
     (r"^export PYTHONPATH=", "on the GPU node"),
-    (r"^python3 bench/gpu_check\.py", "the GPU node (tests/test_gpu_check.py runs --dry-run)"),
+    (r"^(PYTHONUNBUFFERED=1 )?python3 bench/gpu_check\.py", "the GPU node (tests/test_gpu_check.py runs --dry-run)"),
     (r"^orthros-(convert (from-hf|verify)|data tokenize) (Llama-3\.1-8B|/data/)", "the 8B conversion's checkpoint "
                                                                                  "and corpus"),
     (r"^orthros-convert to-hf runs/convert_llama31_8b/", "the 8B conversion's trained checkpoint"),
