@@ -81,6 +81,7 @@ CURVE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
 MARKER = ".orthros-conversion-study"  # written first into --out: what makes a folder this study's
 RESULTS = "conversion.json"
 SMOLLM2_RESULTS = "smollm2.json"
+SMOLLM2_TAIL_RESULTS = "smollm2_tail.json"  # study/smollm2_tail.py (--smollm2-tail)
 # study/smollm2.py's arms (kept here so that the options can be checked without importing it).
 SMOLLM2_ARMS = ("ce", "sinks", "sinks_ce", "sinks_kd", "sinks_align_kd", "dense")
 TEACHER_LR = 3e-3  # the replication study's kept rate for this shape (docs/study.md)
@@ -537,6 +538,9 @@ def write_results(opts: ConversionOptions, results: dict[str, Any], log: Callabl
     extra = out / SMOLLM2_RESULTS
     if extra.is_file():
         results["smollm2"] = json.loads(extra.read_text())
+    tail = out / SMOLLM2_TAIL_RESULTS
+    if tail.is_file():
+        results["smollm2_tail"] = json.loads(tail.read_text())
     write_json(results, out / RESULTS)
     if opts.report is not None:
         from orthros_train.study.conversion_report import write_conversion_report

@@ -473,6 +473,8 @@ orthros-study conversion --report-only --out runs/conv --report docs/conversion_
 orthros-study conversion --quick --out runs/conv-quick    # the reduced pipeline, a few minutes
 orthros-study conversion --smollm2-only --out runs/conv-smollm2 --smollm2-steps 16 --smollm2-points 4 \\
     --smollm2-eval-tokens 2048 --jobs 2                    # the SmolLM2 arms (--smollm2-arms: a subset)
+orthros-study conversion --smollm2-only --smollm2-tail --out runs/conv --smollm2-steps 16 --smollm2-points 1 \\
+    --smollm2-eval-tokens 2048 --jobs 1                    # the global-tail arms (merged into both)
 # a rerun reuses finished runs and resumes partial ones; --overwrite starts over
 ```
 
@@ -495,11 +497,43 @@ def write_conversion_report(results: dict[str, Any], path: Path, notes: str | No
         sections.append(_longctx_section(results))
     if results.get("smollm2"):
         sections.append(_smollm2_section(results, folder))
+    if results.get("smollm2_tail"):
+        sections.append(tail_section(results["smollm2_tail"]))
     if notes:
         sections.append(_ANALYSIS.format(notes=notes.strip()))
     sections.append(_REPRODUCE.format(folder=folder.name))
     write_text_atomic(path, "\n".join(sections))
     return path
+
+
+_TAIL = """\
+## SmolLM2-135M: the global tail (`--smollm2-tail`)
+
+SmolLM2-135M-Instruct converted with `--window {s[window]}`; arms: the original (dense), the converted model \
+with {s[sink_tokens]} sinks and base_global_tail R in 0, 10, 32, 128, with no sinks and R = 0 or 32, and the \
+sink arms continued with cross entropy or distillation (`sinks_ce`, `sinks_kd`: the same runs as the section \
+above, {steps}) read with R = 0 and 32. One seed. Every answer by greedy generation; a hit when the key (or the \
+NIAH answer) appears in the continuation; each cell counts the prompts whose needle lies more than W tokens \
+before the prompt's end. Prompts per set: {sets}. Losses: the held-out essays ({files}), {s[eval_tokens]:,} \
+tokens in {s[seq_len]}-token windows: positions >= W (a pretraining layout, no tail), and each window's last \
+{span} tokens read as an answer (an SFT layout: under a tail those tokens and the R before them are global).
+
+{table}
+
+Every number above is in `smollm2_tail.json`.
+"""
+
+
+def tail_section(s: dict[str, Any]) -> str:
+    """The global-tail section of the report (``study/smollm2_tail.py``'s JSON)."""
+    from orthros_train.study.smollm2_tail import tail_table
+
+    t = next(iter(s.get("training", {}).values()), None)
+    steps = f"{t['steps']} steps, {t['tokens']:,} tokens each" if t else "not trained here"
+    sets = "; ".join(f"{p['key']} {len(p['lengths']) * len(p['depths'])} ({', '.join(map(str, p['lengths']))} "
+                     "tokens)" for p in s["probe_sets"])
+    return _TAIL.format(s=s, steps=steps, sets=sets, files=", ".join(s["heldout_files"]),
+                        span=min(s["span"], s["seq_len"] // 4), table=tail_table(s))
 
 
 _SMOLLM2_ONLY = """\

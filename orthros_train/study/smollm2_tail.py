@@ -322,7 +322,7 @@ def summarize(cells: Sequence[dict[str, Any]], window: int, key: str = "hit") ->
     return {"hits": sum(bool(c[key]) for c in beyond), "n": len(beyond)}
 
 
-COLUMNS = (("passkey", "pass key 512-2K"), ("niah", "NIAH 512-2K"),
+COLUMNS = (("passkey", "pass key 512-2K"), ("niah", "NIAH 1K-2K"),
            ("passkey_long_question", "long question"), ("passkey_question_first", "question first"),
            ("chat", "chat, cache kept"), ("chat:afresh", "chat, read afresh"),
            ("passkey_4k_8k", "pass key 4K-8K"), ("niah_4k_8k", "NIAH 4K-8K"))
@@ -414,7 +414,7 @@ def run_smollm2_tail(opts, log: Callable[[str], None] | None = None) -> dict[str
     from pathlib import Path
 
     from orthros_train.eval.common import write_json
-    from orthros_train.study.conversion import MARKER, check_out
+    from orthros_train.study.conversion import MARKER, SMOLLM2_TAIL_RESULTS, check_out
     from orthros_train.study.pipeline import _log, load_average
     from orthros_train.study.smollm2 import ARMS, _recipe, plan_steps, prepare, train_arms
 
@@ -431,7 +431,7 @@ def run_smollm2_tail(opts, log: Callable[[str], None] | None = None) -> dict[str
     facts = train_arms(opts, p, trained, steps, min(recipe["optim"]["warmup_steps"], max(steps - 1, 0)), log)
     arms = tail_arms(opts.sink_tokens, trained=[a.key for a in trained])
     sets = probe_sets(opts.quick)
-    path = out / "smollm2_tail.json"
+    path = out / SMOLLM2_TAIL_RESULTS
     previous = json.loads(path.read_text())["arms"] if path.is_file() and not opts.overwrite else {}
 
     def section(rows: dict[str, Any]) -> dict[str, Any]:
@@ -452,6 +452,11 @@ def run_smollm2_tail(opts, log: Callable[[str], None] | None = None) -> dict[str
         torch.set_num_threads(threads)
     result = section(rows)
     write_json(result, path)
-    (out / "smollm2_tail.md").write_text(tail_table(result) + "\n")
+    from orthros_train.study.conversion import RESULTS, write_results
+    from orthros_train.study.conversion_report import tail_section
+
+    (out / "smollm2_tail.md").write_text(tail_section(result))
+    if (out / RESULTS).is_file():  # the small study's report gains the section
+        write_results(opts, json.loads((out / RESULTS).read_text()), log)
     log(f"tail: {path}, {out / 'smollm2_tail.md'}")
     return result
