@@ -131,7 +131,7 @@ def test_quick_tail_section_end_to_end(tmp_path) -> None:
     saved = json.loads((tmp_path / "out" / "smollm2_tail.json").read_text())
     assert list(saved["arms"]) == ["original", "sinks", "sinks_r10", "sinks_r32", "sinks_r128", "converted", "r32"]
     assert saved["arms"]["r32"]["probes"].keys() == {"passkey", "passkey_4k_8k"}  # the other sets: main family
-    assert len(saved["arms"]["sinks"]["probes"]) == 7 and result["arms"]["sinks"]["span_loss"] > 0
+    assert len(saved["arms"]["sinks"]["probes"]) == 8 and result["arms"]["sinks"]["span_loss"] > 0
     same = {saved["arms"][k]["loss_beyond_w"] for k in ("sinks", "sinks_r10", "sinks_r32", "sinks_r128")}
     assert len(same) == 1  # the pretraining layout's loss is one number whatever R
     assert "| 4 sinks + tail R = 32 |" in (tmp_path / "out" / "smollm2_tail.md").read_text()

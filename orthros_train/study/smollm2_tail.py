@@ -16,8 +16,9 @@ Every probe is answered by greedy generation (``infer.generate``'s prefill and d
   32 tokens before the prompt's end, so a short tail holds only the question's last words;
 * ``passkey_question_first``: the question before the document, the answer prefix after it;
 * ``niah``: ``eval/niah.py``'s needle (question and answer prefix ~25 tokens);
-* ``chat``: turn 1 asks about the document, the model answers, turn 2 asks for the key with turn
-  1's cache kept (``kept``) or the whole conversation read afresh as one prompt (``afresh``);
+* ``chat`` (ChatML) and ``chat_plain`` (Question/Answer lines): turn 1 asks about the document, the
+  model answers, turn 2 asks for the key with turn 1's cache kept or the whole conversation read
+  afresh as one prompt (``afresh``);
 * ``passkey_4k_8k`` / ``niah_4k_8k``: fewer prompts at 4K-8K tokens.
 
 Arms with the same weights and sinks share every K/V but the last ``max(R)`` tokens' (a base query
@@ -104,7 +105,7 @@ def probe_sets(quick: bool) -> list[ProbeSet]:
         return [ProbeSet("passkey", (192, 256), (0.1, 0.5)), ProbeSet("niah", (256,), (10.0,)),
                 ProbeSet("passkey_long_question", (256,), (0.1,)), ProbeSet("passkey_question_first", (256,), (0.1,)),
                 ProbeSet("chat", (256,), (0.1,)), ProbeSet("passkey_4k_8k", (384,), (0.1,)),
-                ProbeSet("niah_4k_8k", (384,), (50.0,))]
+                ProbeSet("niah_4k_8k", (384,), (50.0,)), ProbeSet("chat_plain", (256,), (0.1,))]
     # Sized for 2 shared CPU cores (one seed, few prompts beyond the first set: see the JSON's counts).
     return [ProbeSet("passkey", (512, 1024, 1536, 2048), (0.1, 0.5)),
             ProbeSet("passkey_4k_8k", (4096, 8192), (0.1,)),
@@ -112,7 +113,8 @@ def probe_sets(quick: bool) -> list[ProbeSet]:
             ProbeSet("passkey_question_first", (1024, 2048), (0.1,)),
             ProbeSet("niah", (1024, 2048), (50.0,)),
             ProbeSet("chat", (1024, 2048), (0.1,)),
-            ProbeSet("niah_4k_8k", (4096,), (50.0,))]
+            ProbeSet("niah_4k_8k", (4096,), (50.0,)),
+            ProbeSet("chat_plain", (1024, 2048), (0.1,))]
 
 
 EVERY_FAMILY = ("passkey", "passkey_4k_8k")  # the other sets: the original and the converted model with sinks
@@ -170,13 +172,19 @@ def niah_prompts(tokenizer, window: int, ps: ProbeSet) -> list[dict[str, Any]]:
     return out
 
 
-def chat_turns(tokenizer, filler: Sequence[int], window: int, ps: ProbeSet) -> list[dict[str, Any]]:
-    """Two-turn chats (ChatML, SmolLM2-Instruct's template): the document and a first question, then
-    a second user turn that asks for the key; ``input_ids`` is turn 1, ``turn2`` what follows the answer."""
-    head = _ids(tokenizer, "<|im_start|>user\n")
-    tail = _ids(tokenizer, CHAT_TURN1 + "<|im_end|>\n<|im_start|>assistant\n")
-    turn2 = _ids(tokenizer, f"<|im_end|>\n<|im_start|>user\n{CHAT_TURN2}<|im_end|>\n<|im_start|>assistant\n"
-                            "The pass key is")
+def chat_turns(tokenizer, filler: Sequence[int], window: int, ps: ProbeSet, form: str = "chatml"
+               ) -> list[dict[str, Any]]:
+    """Two-turn chats: the document and a first question, then a second turn that asks for the key;
+    ``input_ids`` is turn 1, ``turn2`` what follows the answer. ``form``: ``chatml`` (SmolLM2-Instruct's
+    template) or ``plain`` (Question/Answer lines, as the pass-key prompts are plain text)."""
+    if form == "chatml":
+        head = _ids(tokenizer, "<|im_start|>user\n")
+        tail = _ids(tokenizer, CHAT_TURN1 + "<|im_end|>\n<|im_start|>assistant\n")
+        turn2 = _ids(tokenizer, f"<|im_end|>\n<|im_start|>user\n{CHAT_TURN2}<|im_end|>\n<|im_start|>assistant\n"
+                                "The pass key is")
+    else:
+        head, tail = [], _ids(tokenizer, "\n\nQuestion: What is this text about?\nAnswer:")
+        turn2 = _ids(tokenizer, "\n\nQuestion: What is the pass key in the text?\nAnswer: The pass key is")
     docs = passkey_prompts(tokenizer, filler, window, ProbeSet(ps.key, tuple(n - len(head) - len(tail) for n in
                                                                              ps.lengths), ps.depths), "short")
     q = len(_ids(tokenizer, " " + PASSKEY_QUESTION))
@@ -187,8 +195,8 @@ def chat_turns(tokenizer, filler: Sequence[int], window: int, ps: ProbeSet) -> l
 def build_probes(ps: ProbeSet, tokenizer, filler: Sequence[int], window: int) -> list[dict[str, Any]]:
     if ps.key.startswith("niah"):
         return niah_prompts(tokenizer, window, ps)
-    if ps.key == "chat":
-        return chat_turns(tokenizer, filler, window, ps)
+    if ps.key.startswith("chat"):
+        return chat_turns(tokenizer, filler, window, ps, "plain" if ps.key == "chat_plain" else "chatml")
     form = {"passkey_long_question": "long_question", "passkey_question_first": "question_first"}.get(ps.key, "short")
     return passkey_prompts(tokenizer, filler, window, ps, form)
 
@@ -324,7 +332,8 @@ def summarize(cells: Sequence[dict[str, Any]], window: int, key: str = "hit") ->
 
 COLUMNS = (("passkey", "pass key 512-2K"), ("niah", "NIAH 1K-2K"),
            ("passkey_long_question", "long question"), ("passkey_question_first", "question first"),
-           ("chat", "chat, cache kept"), ("chat:afresh", "chat, read afresh"),
+           ("chat", "ChatML chat, cache kept"), ("chat:afresh", "ChatML chat, read afresh"),
+           ("chat_plain", "plain chat, cache kept"), ("chat_plain:afresh", "plain chat, read afresh"),
            ("passkey_4k_8k", "pass key 4K-8K"), ("niah_4k_8k", "NIAH 4K-8K"))
 
 
