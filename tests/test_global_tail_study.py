@@ -12,6 +12,7 @@ import torch
 
 from orthros_train.infer.generate import generate
 from orthros_train.model import OrthrosConfig, OrthrosForCausalLM
+from orthros_train.study.conversion_report import tail_table
 from orthros_train.study.smollm2_tail import (
     LONG_QUESTION,
     ProbeSet,
@@ -20,7 +21,6 @@ from orthros_train.study.smollm2_tail import (
     passkey_prompts,
     read_as,
     tail_arms,
-    tail_table,
 )
 
 
@@ -135,3 +135,17 @@ def test_quick_tail_section_end_to_end(tmp_path) -> None:
     same = {saved["arms"][k]["loss_beyond_w"] for k in ("sinks", "sinks_r10", "sinks_r32", "sinks_r128")}
     assert len(same) == 1  # the pretraining layout's loss is one number whatever R
     assert "| 4 sinks + tail R = 32 |" in (tmp_path / "out" / "smollm2_tail.md").read_text()
+
+
+def test_bench_prefill_times_each_tail_and_refuses_a_bad_one(tmp_path, capsys) -> None:
+    from orthros_train.eval.cli import main
+
+    out = tmp_path / "bench"
+    args = ["bench-prefill", "tiny", "--device", "cpu", "--lengths", "128", "--no-peer", "--decode-tokens", "0",
+            "--override", "sink_tokens=2", "--no-plot", "--output-dir", str(out)]
+    assert main([*args, "--global-tails", "4,16"]) == 0
+    row = json.loads((out / "bench_prefill.json").read_text())["rows"][0]
+    assert [x["tail"] for x in row["tails"]] == [4, 16] and all(x["ttft_cpu_s"] > 0 for x in row["tails"])
+    assert "The global tail" in (out / "bench_prefill.md").read_text()
+    assert main([*args, "--global-tails", "0"]) == 2
+    assert "--global-tails '0': every R must be >= 1" in capsys.readouterr().err

@@ -108,8 +108,10 @@ class _Tail:
 
 def _tail_prefill(row: dict[str, Any], model: torch.nn.Module, ids: torch.Tensor, o: dict[str, float],
                   tails: list[int], repeats: int, chunk_size: ChunkSize, time_key: str) -> None:
-    """TTFT of each global tail ``R`` beside Orthros without it and the dense twin (``row['tails']``)."""
-    row["tails"] = []
+    """TTFT of each global tail ``R`` (``model.base_global_tail``) beside Orthros without it and the dense
+    twin, with ``tail_flop_ratios`` (``row['tails']``; none when ``tails`` is empty)."""
+    if tails:
+        row["tails"] = []
     for tail in tails:
         with _Tail(model, tail):
             m, _, _ = measure_prefill(model, ids, repeats, chunk_size)
@@ -359,8 +361,7 @@ def bench_prefill(
     ``chunk_size`` is the prefill chunking of this repository's models (``"auto"``: each model's
     default, see ``infer.generate``; None: one forward). ``cuda_graph``: Orthros and the dense twin
     decode through the static step, captured in a CUDA graph on a GPU (the peer decodes eagerly).
-    ``global_tails``: also the prefill with each global tail R (``model.base_global_tail``), its
-    ratio to Orthros without it beside ``tail_flop_ratios``.
+    ``global_tails``: also the prefill with each global tail R (``_tail_prefill``).
     """
     overrides = dict(overrides or {})
     overrides.setdefault("attention_type", "orthros")
@@ -385,8 +386,7 @@ def bench_prefill(
         peer_cache = peer_first = None
         if max_baseline_length is None or t <= max_baseline_length:
             peer_cache, peer_first = _baseline_prefill(row, o, other, peer_model, ids, repeats, chunk_size, time_key)
-        if global_tails:
-            _tail_prefill(row, orthros, ids, o, list(global_tails), repeats, chunk_size, time_key)
+        _tail_prefill(row, orthros, ids, o, list(global_tails or ()), repeats, chunk_size, time_key)
         if decode_tokens > 0:
             steppers, firsts = _decode_steppers(orthros, other, cache, first, decode_tokens * decode_rounds, cuda_graph)
             if peer_cache is not None:
@@ -402,18 +402,14 @@ def bench_prefill(
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
             torch.cuda.reset_peak_memory_stats(dev)
     return {
-        "model": str(model_spec),
-        "baseline": baseline,
-        "peer": peer_name,
+        "model": str(model_spec), "baseline": baseline, "peer": peer_name,
         "time_basis": "process CPU time" if time_key == "cpu" else "wall clock",
         "config": cfg.to_dict(),
         "num_parameters": cfg.num_parameters(),
         "batch_size": batch_size,
-        "decode_tokens": decode_tokens,
-        "decode_rounds": decode_rounds,
+        "decode_tokens": decode_tokens, "decode_rounds": decode_rounds,
         "decode_step": ("static, CUDA graph" if dev.type == "cuda" else "static") if cuda_graph else "eager",
-        "repeats": repeats,
-        "prefill_chunk_size": chunk_size,
+        "repeats": repeats, "prefill_chunk_size": chunk_size,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "environment": environment(dev),
         "rows": rows,

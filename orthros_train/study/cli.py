@@ -172,7 +172,7 @@ def build_conversion_parser() -> argparse.ArgumentParser:
 
 
 def conversion_main(argv: list[str]) -> int:
-    from orthros_train.study.conversion import ConversionOptions, check_options, rerender, run_conversion_study
+    from orthros_train.study.conversion import ConversionOptions, check_options, rerender
 
     args = build_conversion_parser().parse_args(argv)
     given: dict = {
@@ -220,20 +220,24 @@ def conversion_main(argv: list[str]) -> int:
         print(f"{prog}: {first_line(exc)}", file=sys.stderr)
         return 2
 
-    def work() -> None:
-        if args.smollm2_tail:
-            from orthros_train.study.smollm2_tail import run_smollm2_tail
+    return run_owned(prog, args.out, "conversion study", lambda: _conversion_work(opts, args))
 
-            run_smollm2_tail(opts)
-            return
-        if not args.smollm2_only:
-            run_conversion_study(opts)
-        if opts.smollm2 or args.smollm2_only:
-            from orthros_train.study.smollm2 import run_smollm2_section
 
-            run_smollm2_section(opts)
+def _conversion_work(opts, args: argparse.Namespace) -> None:
+    """The parts of the conversion study the flags ask for (``--smollm2-tail``: the global-tail arms only)."""
+    from orthros_train.study.conversion import run_conversion_study
 
-    return run_owned(prog, args.out, "conversion study", work)
+    if args.smollm2_tail:
+        from orthros_train.study.smollm2_tail import run_smollm2_tail
+
+        run_smollm2_tail(opts)
+        return
+    if not args.smollm2_only:
+        run_conversion_study(opts)
+    if opts.smollm2 or args.smollm2_only:
+        from orthros_train.study.smollm2 import run_smollm2_section
+
+        run_smollm2_section(opts)
 
 
 def main(argv: list[str] | None = None) -> int:

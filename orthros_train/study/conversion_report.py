@@ -6,6 +6,7 @@ function each; the tables come from ``study/tables.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -506,6 +507,41 @@ def write_conversion_report(results: dict[str, Any], path: Path, notes: str | No
     return path
 
 
+# -- the global-tail table (study/smollm2_tail.py's JSON) --------------------------------------------
+
+
+def tail_hits(cells: Sequence[dict[str, Any]], window: int, key: str = "hit") -> dict[str, Any]:
+    """Hits among the cells whose needle lies beyond W (the ones the window cuts)."""
+    beyond = [c for c in cells if c["distance"] > window]
+    return {"hits": sum(bool(c[key]) for c in beyond), "n": len(beyond)}
+
+
+TAIL_COLUMNS = (("passkey", "pass key 512-2K"), ("niah", "NIAH 1K-2K"),
+           ("passkey_long_question", "long question"), ("passkey_question_first", "question first"),
+           ("chat", "ChatML chat, cache kept"), ("chat:afresh", "ChatML chat, read afresh"),
+           ("chat_plain", "plain chat, cache kept"), ("chat_plain:afresh", "plain chat, read afresh"),
+           ("passkey_4k_8k", "pass key 4K-8K"), ("niah_4k_8k", "NIAH 4K-8K"))
+
+
+def tail_table(section: dict[str, Any]) -> str:
+    """The markdown table of a ``smollm2_tail.json`` section: greedy hits with the needle beyond W, and losses."""
+    w = section["window"]
+    span = min(section["span"], section["seq_len"] // 4)
+    head = ["model", *(name for _, name in TAIL_COLUMNS), f"loss >= {w}", f"loss of answer spans ({span} tokens)"]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for row in section["arms"].values():
+        cells = [row["name"]]
+        for col, _ in TAIL_COLUMNS:
+            probe, _, score = col.partition(":")
+            got = row.get("probes", {}).get(probe)
+            s = tail_hits(got, w, "hit_afresh" if score else "hit") if got else None
+            cells.append(f"{s['hits']}/{s['n']}" if s else "-")
+        for k in ("loss_beyond_w", "span_loss"):
+            cells.append(f"{row[k]:.3f}" if row.get(k) is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 _TAIL = """\
 ## SmolLM2-135M: the global tail (`--smollm2-tail`)
 
@@ -526,8 +562,6 @@ Every number above is in `smollm2_tail.json`.
 
 def tail_section(s: dict[str, Any]) -> str:
     """The global-tail section of the report (``study/smollm2_tail.py``'s JSON)."""
-    from orthros_train.study.smollm2_tail import tail_table
-
     t = next(iter(s.get("training", {}).values()), None)
     steps = f"{t['steps']} steps, {t['tokens']:,} tokens each" if t else "not trained here"
     sets = "; ".join(f"{p['key']} {len(p['lengths']) * len(p['depths'])} ({', '.join(map(str, p['lengths']))} "

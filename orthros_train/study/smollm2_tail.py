@@ -321,41 +321,6 @@ def span_loss(model: torch.nn.Module, tokens: Sequence[int], seq_len: int, max_t
     return total / n
 
 
-# -- the table -----------------------------------------------------------------------------------------------
-
-
-def summarize(cells: Sequence[dict[str, Any]], window: int, key: str = "hit") -> dict[str, Any]:
-    """Hits among the cells whose needle lies beyond W (the ones the window cuts)."""
-    beyond = [c for c in cells if c["distance"] > window]
-    return {"hits": sum(bool(c[key]) for c in beyond), "n": len(beyond)}
-
-
-COLUMNS = (("passkey", "pass key 512-2K"), ("niah", "NIAH 1K-2K"),
-           ("passkey_long_question", "long question"), ("passkey_question_first", "question first"),
-           ("chat", "ChatML chat, cache kept"), ("chat:afresh", "ChatML chat, read afresh"),
-           ("chat_plain", "plain chat, cache kept"), ("chat_plain:afresh", "plain chat, read afresh"),
-           ("passkey_4k_8k", "pass key 4K-8K"), ("niah_4k_8k", "NIAH 4K-8K"))
-
-
-def tail_table(section: dict[str, Any]) -> str:
-    """The markdown table of a ``smollm2_tail.json`` section: greedy hits with the needle beyond W, and losses."""
-    w = section["window"]
-    span = min(section["span"], section["seq_len"] // 4)
-    head = ["model", *(name for _, name in COLUMNS), f"loss >= {w}", f"loss of answer spans ({span} tokens)"]
-    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    for row in section["arms"].values():
-        cells = [row["name"]]
-        for col, _ in COLUMNS:
-            probe, _, score = col.partition(":")
-            got = row.get("probes", {}).get(probe)
-            s = summarize(got, w, "hit_afresh" if score else "hit") if got else None
-            cells.append(f"{s['hits']}/{s['n']}" if s else "-")
-        for k in ("loss_beyond_w", "span_loss"):
-            cells.append(f"{row[k]:.3f}" if row.get(k) is not None else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def arms_json(arms: Sequence[TailArm]) -> dict[str, dict[str, Any]]:
     return {a.key: asdict(a) for a in arms}
 
