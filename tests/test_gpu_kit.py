@@ -370,12 +370,13 @@ print(len(names))
 
 
 def test_wandb_enabled_but_missing_names_the_fix(monkeypatch, tmp_path):
+    from orthros_train.errors import UserError
     from orthros_train.train.config import WandbConfig
     from orthros_train.train.step_log import start_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     assert start_wandb(WandbConfig(enabled=False), tmp_path, {}, None) is None  # disabled: never imported
-    with pytest.raises(ValueError, match=r"trainer.wandb.enabled=true but wandb cannot be imported .*"
+    with pytest.raises(UserError, match=r"trainer.wandb.enabled=true but wandb cannot be imported .*"
                                          r"orthros-train\[wandb\].*trainer.wandb.enabled=false"):
         start_wandb(WandbConfig(enabled=True), tmp_path, {}, None)
 
