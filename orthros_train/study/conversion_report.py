@@ -545,7 +545,7 @@ def tail_table(section: dict[str, Any]) -> str:
 _TAIL = """\
 ## SmolLM2-135M: the global tail (`--smollm2-tail`)
 
-SmolLM2-135M-Instruct converted with `--window {s[window]}`; arms: the original (dense), the converted model \
+{model} converted with `--window {s[window]}`; arms: the original (dense), the converted model \
 with {s[sink_tokens]} sinks and base_global_tail R in 0, 10, 32, 128, with no sinks and R = 0 or 32, and the \
 sink arms continued with cross entropy or distillation (`sinks_ce`, `sinks_kd`: the same runs as the section \
 above, {steps}) read with R = 0 and 32. One seed. Every answer by greedy generation; a hit when the key (or the \
@@ -566,7 +566,8 @@ def tail_section(s: dict[str, Any]) -> str:
     steps = f"{t['steps']} steps, {t['tokens']:,} tokens each" if t else "not trained here"
     sets = "; ".join(f"{p['key']} {len(p['lengths']) * len(p['depths'])} ({', '.join(map(str, p['lengths']))} "
                      "tokens)" for p in s["probe_sets"])
-    return _TAIL.format(s=s, steps=steps, sets=sets, files=", ".join(s["heldout_files"]),
+    model = "A tiny random Llama (`--quick`)" if s.get("quick") else "SmolLM2-135M-Instruct"
+    return _TAIL.format(s=s, model=model, steps=steps, sets=sets, files=", ".join(s["heldout_files"]),
                         span=min(s["span"], s["seq_len"] // 4), table=tail_table(s))
 
 
