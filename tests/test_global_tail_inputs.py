@@ -91,3 +91,19 @@ def test_the_default_tail_is_off_where_the_window_covers_the_context(tmp_path):
     assert convert_from_hf(src, tmp_path / "o", sliding_window=W).config.base_global_tail == 0
     with pytest.raises(UserError, match="window already covers every position"):
         convert_from_hf(src, tmp_path / "o2", sliding_window=W, global_tail=4)
+
+
+def test_a_recipe_that_drops_the_checkpoints_tail_is_named(tmp_path):
+    """Continuing a converted checkpoint (R = 32) with a recipe that does not state the tail trains
+    another key rule than the one converted: the difference is named (a warning at model build)."""
+    from orthros_train.train.build import ATTENTION_SHAPE, _config_difference
+    from orthros_train.train.config import run_config_from_dict
+
+    src = tmp_path / "ckpt"
+    tiny_model(sliding_window=W, base_global_tail=32).save_pretrained(src)
+    shape = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 64, "sliding_window": W, "init_from": str(src)}
+    cfg = run_config_from_dict({"model": shape})
+    assert [line.split(" in the recipe")[0] for line in _config_difference(cfg, ATTENTION_SHAPE)] == \
+        ["model.base_global_tail=0"]
+    assert not _config_difference(run_config_from_dict({"model": {**shape, "base_global_tail": 32}}), ATTENTION_SHAPE)

@@ -245,7 +245,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> OrthrosForCausalLM:
 
 
 # Fields that change which keys a query attends but not the weights.
-ATTENTION_SHAPE = ("sliding_window", "sink_tokens", "attention_type")
+ATTENTION_SHAPE = ("sliding_window", "sink_tokens", "base_global_tail", "attention_type")
 
 
 def _config_difference(cfg: RunConfig, only: tuple[str, ...] | None = None) -> list[str]:
