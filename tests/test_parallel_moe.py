@@ -28,6 +28,7 @@ from fixtures import (
 )
 from safetensors.torch import load_file
 
+from orthros_train.errors import UserError
 from orthros_train.model import OrthrosConfig
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
 
@@ -185,34 +186,34 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     ],
 )
 def test_impossible_expert_layout_names_the_key(pcfg, world, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
         check_parallel_layout(pcfg, tiny_config(64, **MOE), world)
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():
-    with pytest.raises(ValueError, match=r"parallel.expert_parallel=2 but the model is dense \(model.num_experts=0\)"):
+    with pytest.raises(UserError, match=r"parallel.expert_parallel=2 but the model is dense \(model.num_experts=0\)"):
         check_parallel_layout(ParallelConfig(expert_parallel=2), tiny_config(64), 2)
 
 
 def test_top_k_above_the_experts_names_the_key():
-    with pytest.raises(ValueError, match="num_experts_per_tok must be an integer in 1..num_experts=8, got 9"):
+    with pytest.raises(UserError, match="num_experts_per_tok must be an integer in 1..num_experts=8, got 9"):
         OrthrosConfig(**{**tiny_config(64).to_dict(), **MOE, "num_experts_per_tok": 9})
 
 
 def test_recipe_with_an_impossible_expert_layout_stops_at_its_config():
     """The recipe's config refuses it, before any process group or model exists (a dry run too)."""
-    with pytest.raises(ValueError, match="model.num_experts=8 is not divisible by parallel.expert_parallel=3"):
+    with pytest.raises(UserError, match="model.num_experts=8 is not divisible by parallel.expert_parallel=3"):
         compose_recipe("moe_tiny_cpu", "parallel.expert_parallel=3", "trainer.global_batch_size=null", world_size=3)
-    with pytest.raises(ValueError, match="world size 2 is not divisible by parallel.expert_parallel=4"):
+    with pytest.raises(UserError, match="world size 2 is not divisible by parallel.expert_parallel=4"):
         compose_recipe("moe_tiny_cpu", "parallel.expert_parallel=4", world_size=2)
-    with pytest.raises(ValueError, match="parallel.expert_parallel=2 but the model is dense"):
+    with pytest.raises(UserError, match="parallel.expert_parallel=2 but the model is dense"):
         compose_recipe("tiny_cpu", "parallel.expert_parallel=2", world_size=2)
-    with pytest.raises(ValueError, match="trainer.precision=bf16 with parallel.zero_stage=0 and experts split"):
+    with pytest.raises(UserError, match="trainer.precision=bf16 with parallel.zero_stage=0 and experts split"):
         compose_recipe("moe_tiny_cpu", "parallel.expert_parallel=2", "trainer.precision=bf16", world_size=2)
     compose_recipe("moe_tiny_cpu", "parallel.expert_parallel=2", "trainer.precision=bf16", "parallel.zero_stage=1",
                    world_size=2)  # fmt: skip
 
 
 def test_rl_with_expert_parallelism_is_refused():
-    with pytest.raises(ValueError, match="rl with parallel.expert_parallel=2 is not supported"):
+    with pytest.raises(UserError, match="rl with parallel.expert_parallel=2 is not supported"):
         compose_recipe("rl_tiny_cpu", "parallel.expert_parallel=2", "+model.num_experts=4", world_size=2)
