@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         "--global-tail", default=None, dest="global_tail",
         help="global tail R: the base queries of a prompt's last R tokens and of generated tokens see the whole "
         f"document (docs/convert.md, 'The global tail'); 0: the paper's layer (default {DEFAULT_GLOBAL_TAIL} where "
-        "--window is shorter than the model's context, else 0)",
+        f"--window + {DEFAULT_GLOBAL_TAIL} is shorter than the model's context, else 0)",
     )
     p.add_argument("--dtype", choices=dtypes, default="auto", help="cast weights (auto: keep)")
     p.add_argument("--max-shard-size", default="4GB", help="largest output file, e.g. 4GB, 500MB")
@@ -131,7 +131,9 @@ def verify(
                 "(gamma, beta) is no longer the identity, so it is not equal to a dense model beyond W; "
                 f"compare at --tokens <= {window}"
             )
-        orthros = OrthrosForCausalLM.from_pretrained(orthros_dir, sliding_window=length).eval()
+        # With W >= T every base query sees the whole prompt, so the tail changes nothing: 0 keeps
+        # the raised window valid where T reaches max_position_embeddings (else refused for R).
+        orthros = OrthrosForCausalLM.from_pretrained(orthros_dir, sliding_window=length, base_global_tail=0).eval()
         checked_window = length
     hf = load_hf_model(hf_dir, hf_type, trust_remote_code)
     gen = torch.Generator().manual_seed(seed)

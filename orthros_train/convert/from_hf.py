@@ -401,8 +401,8 @@ def check_sink_tokens_flag(sink_tokens: object, window: int) -> int:
 def check_global_tail_flag(global_tail: object) -> int:
     """``--global-tail`` as an int, or a ConversionError that names the flag and the fix."""
     return _count_flag("--global-tail", global_tail, (
-        f"pass an integer >= 0 (0: the paper's layer; {DEFAULT_GLOBAL_TAIL}, the default where the window is shorter "
-        "than the model's context, restores retrieval beyond it: docs/convert.md, 'The global tail')"))
+        f"pass an integer >= 0 (0: the paper's layer; {DEFAULT_GLOBAL_TAIL}, the default where the window and the tail "
+        "are shorter than the model's context, restores retrieval beyond it: docs/convert.md, 'The global tail')"))
 
 
 def expected_state(config: OrthrosConfig) -> dict[str, tuple[int, ...]]:
@@ -460,8 +460,9 @@ def convert_from_hf(
 ) -> ConversionReport:
     """Convert the HF checkpoint in ``src`` into an Orthros checkpoint directory ``dst``.
 
-    ``global_tail`` None: ``DEFAULT_GLOBAL_TAIL`` where the window is shorter than the model's
-    context, else 0 (a window that covers every position leaves the tail nothing to do).
+    ``global_tail`` None: ``DEFAULT_GLOBAL_TAIL`` where the window and that tail together are
+    shorter than the model's context, else 0 (where they cover every position no base query is
+    ever windowed, which the config refuses).
 
     ``dst`` gets ``config.json`` (an :class:`OrthrosConfig`), the weights (``model.safetensors``
     or shards + index) and the source's tokenizer / generation-config files, and loads with
@@ -476,7 +477,8 @@ def convert_from_hf(
     sink_tokens = check_sink_tokens_flag(sink_tokens, sliding_window)  # before anything is read or written
     if global_tail is None:
         context = hf.get("max_position_embeddings")
-        global_tail = DEFAULT_GLOBAL_TAIL if not isinstance(context, int) or sliding_window < context else 0
+        fits = not isinstance(context, int) or sliding_window + DEFAULT_GLOBAL_TAIL < context
+        global_tail = DEFAULT_GLOBAL_TAIL if fits else 0
     global_tail = check_global_tail_flag(global_tail)
     config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME), sink_tokens=sink_tokens,
                                     global_tail=global_tail)

@@ -103,6 +103,18 @@ class OrthrosConfig:
                 f"max_position_embeddings={self.max_position_embeddings}: the window already covers every position, "
                 "so the tail changes nothing; set model.base_global_tail=0 or a smaller model.sliding_window"
             )
+        # The mirror case: a query whose window cuts its prompt sits at position >= W and before the
+        # prompt's last R tokens, so with R + W >= max_position_embeddings no prompt has one and the
+        # base stream is dense attention at a dense prefill's cost (R = 10**9: a typo, not a choice).
+        if self.base_global_tail and self.attention_type != AttentionType.dense \
+                and self.sliding_window + self.base_global_tail >= self.max_position_embeddings:
+            raise UserError(
+                f"base_global_tail={self.base_global_tail} with sliding_window={self.sliding_window} and "
+                f"max_position_embeddings={self.max_position_embeddings}: no prompt the model reads has a base query "
+                "its window cuts, so the base stream would be dense attention at a dense prefill's cost; set "
+                f"model.base_global_tail below {self.max_position_embeddings - self.sliding_window} (32 restores a "
+                "converted model's retrieval) or 0"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise UserError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "

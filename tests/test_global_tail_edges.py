@@ -1,0 +1,73 @@
+"""The global tail at the edges of the model's context: a tail that, with the window, covers every
+position the model reads is refused in one line (the base stream would be dense); from-hf's default
+tail steps aside there; ``verify --tokens`` up to the whole context works on a checkpoint with a tail."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from fixtures import TINY_HF_SHAPE, tiny_model
+
+from orthros_train.convert.cli import main as convert_main
+from orthros_train.convert.from_hf import DEFAULT_GLOBAL_TAIL, convert_from_hf
+from orthros_train.errors import UserError
+
+W = 8
+CONTEXT = 40  # the HF model's max_position_embeddings: longer than W, reached by W + DEFAULT_GLOBAL_TAIL
+
+
+@pytest.fixture(scope="module")
+def short_context_llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf") / "llama"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, **TINY_HF_SHAPE, max_position_embeddings=CONTEXT)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(root)
+    return root
+
+
+def test_a_tail_that_leaves_no_query_windowed_is_refused():
+    """A base query's window cuts its prompt only at positions >= W before the last R tokens: with
+    R + W >= max_position_embeddings there is none (R = 10**9 was accepted, and a dry run priced the
+    prefill at 15,625,001x)."""
+    tiny_model(sliding_window=W, max_position_embeddings=64, base_global_tail=64 - W - 1)  # one position left
+    for tail in (64 - W, 10**9):
+        with pytest.raises(UserError, match=f"base_global_tail={tail} with sliding_window={W} and "
+                                            "max_position_embeddings=64: no prompt .* below 56"):
+            tiny_model(sliding_window=W, max_position_embeddings=64, base_global_tail=tail)
+    # the sliding baseline reads the same rule; the dense one ignores the tail
+    with pytest.raises(UserError, match="below 56"):
+        tiny_model(attention_type="sliding", sliding_window=W, max_position_embeddings=64, base_global_tail=60)
+    tiny_model(attention_type="dense", sliding_window=W, max_position_embeddings=64, base_global_tail=60)
+
+
+def test_from_hf_refuses_such_a_tail_in_one_line_and_writes_nothing(short_context_llama, tmp_path, capsys):
+    dst = tmp_path / "dst"
+    code = convert_main(["from-hf", str(short_context_llama), str(dst), "--window", str(W),
+                         "--global-tail", str(10**9)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code != 0 and "base_global_tail=1000000000" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not dst.exists()
+
+
+def test_from_hf_default_tail_is_0_where_window_and_tail_reach_the_context(short_context_llama, tmp_path):
+    assert W < CONTEXT <= W + DEFAULT_GLOBAL_TAIL
+    assert convert_from_hf(short_context_llama, tmp_path / "o", sliding_window=W).config.base_global_tail == 0
+    report = convert_from_hf(short_context_llama, tmp_path / "o2", sliding_window=W, global_tail=CONTEXT - W - 1)
+    assert report.config.base_global_tail == CONTEXT - W - 1
+
+
+def test_verify_over_the_whole_context_with_a_tail(short_context_llama, tmp_path, capsys):
+    """verify --tokens N > W raises the checkpoint's window to N; with a tail and N at the model's
+    context that config was refused ("the window already covers every position ... set
+    model.base_global_tail=0"), a key verify has no flag for. With W >= N the tail changes nothing."""
+    ckpt = tmp_path / "o"
+    assert convert_main(["from-hf", str(short_context_llama), str(ckpt), "--window", str(W),
+                         "--global-tail", "4"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert convert_main(["verify", str(short_context_llama), str(ckpt), "--tokens", str(CONTEXT)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["window"] == CONTEXT and result["argmax_agreement"] == 1.0
+    assert result["max_abs_diff"] < 1e-4 * max(result["max_abs_logit"], 1.0)
