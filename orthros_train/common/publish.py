@@ -68,6 +68,11 @@ class UnsafeFolderError(UserError):
     write or delete outside the folder the user named."""
 
 
+class FolderTakenError(UserError):
+    """A target that was new (missing or empty) when its build began was filled by another writer
+    before the swap; the build is not published over it."""
+
+
 # -- refusals -----------------------------------------------------------------------------------------
 
 
@@ -144,14 +149,21 @@ def _retire(old: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def swap_into_place(built: str | Path, target: str | Path) -> Path:
+def swap_into_place(built: str | Path, target: str | Path, replace: bool = True) -> Path:
     """Publish the complete folder ``built`` (a sibling of ``target``) as ``target``: fsync it,
     swap it in (module docstring, steps 2-4) and delete the previous ``target``. Raises OSError
-    with ``target`` unchanged when the swap fails."""
+    with ``target`` unchanged when the swap fails.
+
+    ``replace=False``: ``target`` was missing or empty when the build began and must still be; a
+    folder another writer published there meanwhile (two conversions into one new folder) is left
+    as it is and ``FolderTakenError`` raised, instead of being silently swapped out."""
     built, target = Path(built), Path(target)
     recover(target)
     honour_umask_tree(built)  # safetensors and mkstemp create 0600 files whatever the umask
     fsync_tree(built)
+    if not replace:
+        _publish_new(built, target)
+        return target
     if not target.exists():
         os.rename(built, target)
         fsync_dir(target.parent)
@@ -170,6 +182,20 @@ def swap_into_place(built: str | Path, target: str | Path) -> Path:
     fsync_dir(target.parent)
     _retire(old, target)
     return target
+
+
+def _publish_new(built: Path, target: Path) -> None:
+    """Rename ``built`` onto a missing or empty ``target``. rename(2) itself refuses a non-empty
+    folder (ENOTEMPTY/EEXIST) in the same call that would replace it, so no check-then-rename race
+    lets this build replace another writer's."""
+    try:
+        os.rename(built, target)
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise FolderTakenError(f"{target} was filled by another writer while this one built it; this build "
+                                   "was not published over it") from err
+        raise
+    fsync_dir(target.parent)
 
 
 # -- leftovers of writers that died -------------------------------------------------------------------

@@ -25,7 +25,14 @@ from typing import TypeVar
 
 import torch
 
-from orthros_train.common.publish import begin, carry_over, check_no_symlinks, discard, swap_into_place
+from orthros_train.common.publish import (
+    FolderTakenError,
+    begin,
+    carry_over,
+    check_no_symlinks,
+    discard,
+    swap_into_place,
+)
 from orthros_train.common.safetensors_io import INDEX_NAME, WEIGHTS_NAME
 from orthros_train.convert import checkpoint_io, remote_code
 from orthros_train.convert.checkpoint_io import CONFIG_NAME, SIDE_FILES, ConversionError, PlannedTensor
@@ -112,9 +119,17 @@ def write_destination(
         result = finish(built)
         _write_manifest(built, command)
         carry_over(dst, built, carry)
-        swap_into_place(built, dst)
+        # A destination that was new must still be: a second conversion into the same new folder
+        # that finished first is not replaced without --overwrite (both would report success).
+        swap_into_place(built, dst, replace=existed)
     except BaseException as err:
         discard(built)
+        if isinstance(err, FolderTakenError):
+            raise ConversionError(
+                f"destination {dst} was written by another process while this conversion ran (a second conversion "
+                f"into the same folder?); this one's output was not kept: check what {dst} holds, and pass "
+                "--overwrite to replace it"
+            ) from err
         if isinstance(err, (OSError, SafetensorError)):
             raise _failure(dst, existed, err) from err
         raise
