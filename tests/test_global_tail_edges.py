@@ -71,3 +71,17 @@ def test_verify_over_the_whole_context_with_a_tail(short_context_llama, tmp_path
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["window"] == CONTEXT and result["argmax_agreement"] == 1.0
     assert result["max_abs_diff"] < 1e-4 * max(result["max_abs_logit"], 1.0)
+
+
+def test_ppl_says_the_tail_does_not_change_it():
+    """``orthros-eval ppl --override base_global_tail=R`` reads pretraining layouts (no prompt, no
+    tail): the numbers are the R = 0 ones, and the run says so instead of looking measured."""
+    from orthros_train.eval.ppl import run_ppl
+
+    doc = [int(t) for t in torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(0))]
+    notes, quiet = [], []
+    with_tail = run_ppl(tiny_model(sliding_window=W, base_global_tail=4), [doc], seq_len=32, log=notes.append)
+    without = run_ppl(tiny_model(sliding_window=W), [doc], seq_len=32, log=quiet.append)
+    assert with_tail["loss"] == without["loss"]
+    assert any("base_global_tail=4 does not change these numbers" in line for line in notes)
+    assert not any("base_global_tail" in line for line in quiet)

@@ -161,6 +161,11 @@ def run_ppl(
 ) -> dict[str, Any]:
     """Perplexity overall and per position bucket (buckets scale with the model's window)."""
     window = bucket_window or model.config.sliding_window
+    tail = model.config.base_global_tail
+    if log is not None and tail:  # an --override base_global_tail=R would otherwise look measured
+        log(f"ppl: base_global_tail={tail} does not change these numbers: every window is read as a pretraining "
+            "layout (an output token at each position), which has no prompt and so no tail (docs/convert.md, "
+            "'The global tail'); the tail shows in generation (niah, recall)")
     buckets = distance_buckets(window, seq_len)
     sums = [0.0] * len(buckets)
     counts = [0] * len(buckets)
