@@ -18,6 +18,7 @@ from fixtures import (
     torchrun,
 )
 
+from orthros_train.errors import UserError
 from orthros_train.parallel.setup import ParallelConfig, check_parallel_layout
 
 
@@ -99,20 +100,20 @@ EIGHT_HEADS = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads":
 )
 def test_impossible_layout_names_the_numbers(pcfg, world, message):
     cfg = tiny_config(96, **EIGHT_HEADS, num_key_value_heads=4)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
         check_parallel_layout(pcfg, cfg, world)
 
 
 def test_kv_heads_must_split_too():
     cfg = tiny_config(96, **EIGHT_HEADS, num_key_value_heads=2)
-    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+    with pytest.raises(UserError, match="num_key_value_heads=2"):
         check_parallel_layout(ParallelConfig(tensor_parallel=4), cfg)
 
 
 def test_parallel_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="zero_stage"):
+    with pytest.raises(UserError, match="zero_stage"):
         ParallelConfig(zero_stage=4)
-    with pytest.raises(ValueError, match="offload_optimizer"):
+    with pytest.raises(UserError, match="offload_optimizer"):
         ParallelConfig(zero_stage=0, offload_optimizer=True)
 
 
@@ -147,9 +148,9 @@ def test_parallel_model_is_the_model_built_from_shards(tmp_path):
         blank = build_parallel_model(cfg, ParallelConfig(), seed=None)  # weights left to the loader
         load_reference_shards(blank, state, cfg)
         assert all(torch.equal(p, state[n]) for n, p in blank.named_parameters())
-        with pytest.raises(ValueError, match="lack 'norm.weight'"):
+        with pytest.raises(UserError, match="lack 'norm.weight'"):
             load_reference_shards(model, {k: v for k, v in state.items() if k != "norm.weight"}, cfg)
-        with pytest.raises(ValueError, match="layers.9.mlp.up_proj.weight"):
+        with pytest.raises(UserError, match="layers.9.mlp.up_proj.weight"):
             load_reference_shards(model, {**state, "layers.9.mlp.up_proj.weight": state["norm.weight"]}, cfg)
     finally:
         destroy_parallel()
