@@ -85,3 +85,16 @@ def test_ppl_says_the_tail_does_not_change_it():
     assert with_tail["loss"] == without["loss"]
     assert any("base_global_tail=4 does not change these numbers" in line for line in notes)
     assert not any("base_global_tail" in line for line in quiet)
+
+
+def test_an_override_of_a_setting_the_recipe_leaves_out_names_the_plus_form():
+    """``model.base_global_tail=4`` on tiny_cpu (whose model section does not write the key) was
+    refused as "not a key ... a key nothing reads": the typed config reads it; Hydra only needs ``+``."""
+    from orthros_train.train.cli import override_typo
+
+    assert override_typo("tiny_cpu", ["model.base_global_tail=4"]) == (
+        "model.base_global_tail=4: recipe tiny_cpu does not state model.base_global_tail (a model setting, "
+        "default 0); set it with +model.base_global_tail=4")
+    assert "default 'off'" in override_typo("tiny_cpu", ["model.fused_tokenwise=on"])
+    assert "is not a key of recipe tiny_cpu" in override_typo("tiny_cpu", ["model.base_global_tial=4"])
+    assert override_typo("tiny_cpu", ["+model.base_global_tail=4"]) is None

@@ -496,6 +496,11 @@ def override_typo(config_name: str | None, overrides: list[str]) -> str | None:
         if "." not in key or key in known or key.startswith("hydra."):
             continue
         section = key.rsplit(".", 1)[0]
+        unstated = _unstated_field(key)
+        if unstated is not _NO_FIELD:  # read by the typed config, only not written in this recipe
+            default = getattr(unstated, "value", unstated)  # an option enum as the recipe spells it
+            return (f"{key}={o.value()}: recipe {config_name} does not state {key} (a {section} setting, default "
+                    f"{default!r}); set it with +{key}={o.value()}")
         near = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.75)
         hint = f"did you mean {' or '.join(near)}? " if near else ""
         siblings = sorted(k.rsplit(".", 1)[1] for k in known if k.rsplit(".", 1)[0] == section and "." in k)
@@ -505,6 +510,31 @@ def override_typo(config_name: str | None, overrides: list[str]) -> str | None:
             f"A key nothing reads is refused; to add a new one on purpose use +{key}=..."
         )
     return None
+
+
+_NO_FIELD = object()
+
+
+def _unstated_field(key: str) -> object:
+    """The default of ``section.field`` where it is a field of that section's dataclass (a setting
+    the typed config reads though the recipe does not write it, e.g. ``model.base_global_tail``),
+    else ``_NO_FIELD``. Hydra needs the ``+`` form to add it; "a key nothing reads" would be wrong advice."""
+    import dataclasses
+    import typing
+
+    from orthros_train.train.config import RunConfig
+
+    section, _, name = key.partition(".")
+    hint = typing.get_type_hints(RunConfig).get(section)
+    cls = next((c for c in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(c)), None)
+    if cls is None or "." in name:
+        return _NO_FIELD
+    found = next((f for f in dataclasses.fields(cls) if f.name == name and f.init), None)
+    if found is None:
+        return _NO_FIELD
+    if found.default is not dataclasses.MISSING:
+        return found.default
+    return found.default_factory() if found.default_factory is not dataclasses.MISSING else None
 
 
 if __name__ == "__main__":
