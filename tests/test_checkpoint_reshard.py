@@ -16,6 +16,7 @@ import torch
 from fixtures import by_step, finish, start_tiny_run
 from safetensors.torch import load_file
 
+from orthros_train.errors import UserError
 from orthros_train.train.checkpoint import CheckpointError, load_reference_optimizer
 from orthros_train.train.checkpoint_store import build_manifest, verify_checkpoint
 
@@ -193,7 +194,7 @@ def test_fp32_checkpoint_resumes_in_bf16_stage0(make_trainer, tmp_path):
 def test_checkpoint_of_another_model_config_is_refused_by_name(make_trainer, tmp_path):
     run_in_process(make_trainer, 0, "trainer.max_steps=3")
     ckpt = tmp_path / "run" / "checkpoints" / "step_000000003"
-    with pytest.raises(ValueError, match=r"written for another model config"):
+    with pytest.raises(UserError, match=r"written for another model config"):
         other = ["parallel.zero_stage=1", "model.intermediate_size=96"]
         make_trainer("trainer.max_steps=3", *other, f"trainer.resume={ckpt}")
 
