@@ -182,6 +182,10 @@ def test_an_empty_entry_of_a_path_list_is_refused():
     ("data_tools.cli", "build_parser", ["tokenize", "in.txt", "--tokenizer", "t", "--output", ""], "--output"),
     ("data_tools.cli", "build_parser", ["tokenize", "", "--tokenizer", "t", "--output", "o"], "INPUT"),
     ("orthros_train.convert.cli", "_parser", ["to-hf", "src", " "], "dst"),
+    ("orthros_train.eval.cli", "build_parser", ["ppl", "", "essays.txt"], "checkpoint"),
+    ("orthros_train.eval.cli", "build_parser", ["ppl", "ckpt", " "], "data"),
+    ("orthros_train.eval.cli", "build_parser", ["niah", "ckpt", "--output-dir", ""], "--output-dir"),
+    ("orthros_train.eval.cli", "build_parser", ["bench-prefill", " "], "model"),
 ])  # fmt: skip
 def test_an_empty_path_flag_is_a_usage_error_naming_the_flag(capsys, module, parser, argv, flag):
     """Path('') is the current directory: a study, a tokenized output or an export would land there."""

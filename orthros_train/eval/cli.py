@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from orthros_train.common.blank import text_arg
 from orthros_train.errors import UserError, first_line, report_bug
 from orthros_train.eval.common import (
     nonnegative_int,
@@ -42,7 +43,8 @@ def _common(p: argparse.ArgumentParser, output: bool = True) -> None:
                    help="config field to change at load time, e.g. sliding_window=256 (repeatable)")  # fmt: skip
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (CPU)")
     if output:
-        p.add_argument("--output-dir", default="eval_results", help="where JSON/PNG go (default: eval_results)")
+        p.add_argument("--output-dir", type=text_arg, default="eval_results",
+                       help="where JSON/PNG go (default: eval_results)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_niah(sub) -> None:
     """The needle in a haystack subcommand."""
     p = sub.add_parser("niah", help="needle in a haystack on the Paul Graham essays")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", type=text_arg)  # '' would be the current directory
     p.add_argument("--lengths", default="1k,2k,4k", help="prompt lengths in tokens: 1k,4k,16k or 1k..128k")
     p.add_argument("--depths", default="0..100:11", help="needle depths in percent: 0,50,100 or 0..100:11")
     p.add_argument("--needle", default=None, help="the needle sentence (default: the San Francisco sandwich)")
@@ -84,7 +86,7 @@ def _add_niah(sub) -> None:
 def _add_recall(sub) -> None:
     """The associative recall subcommand."""
     p = sub.add_parser("recall", help="multi-query associative recall (MQAR) vs distance")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", type=text_arg)  # '' would be the current directory
     p.add_argument("--length", type=positive_size, default=2048)
     p.add_argument("--num-pairs", type=positive_int, default=16)
     p.add_argument("--num-samples", type=positive_int, default=8)
@@ -98,8 +100,9 @@ def _add_recall(sub) -> None:
 def _add_ppl(sub) -> None:
     """The perplexity subcommand."""
     p = sub.add_parser("ppl", help="perplexity on text files or an indexed dataset, per position bucket")
-    p.add_argument("checkpoint")
-    p.add_argument("data", nargs="+", help="text files/dirs, embedded:paul_graham, or an indexed dataset prefix")
+    p.add_argument("checkpoint", type=text_arg)  # '' would be the current directory
+    p.add_argument("data", nargs="+", type=text_arg,
+                   help="text files/dirs, embedded:paul_graham, or an indexed dataset prefix")
     p.add_argument("--seq-len", type=positive_size, default=2048)
     p.add_argument("--batch-tokens", type=positive_size, default=8192)
     p.add_argument("--max-tokens", type=positive_size, default=None)
@@ -111,15 +114,16 @@ def _add_ppl(sub) -> None:
 def _add_lm_eval(sub) -> None:
     """The lm-evaluation-harness subcommand."""
     p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks through the Orthros adapter")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", type=text_arg)  # '' would be the current directory
     p.add_argument("--tasks", required=True, help="comma-separated task names (pg_lambada, pg_passkey, ...)")
     p.add_argument("--limit", type=positive_float, default=None,
                    help="examples per task (>= 1), or a fraction of each task (< 1)")
     p.add_argument("--num-fewshot", type=nonnegative_int, default=None)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--max-length", type=positive_size, default=None)
-    p.add_argument("--include-path", action="append", default=[], help="folder of your own task YAMLs")
-    p.add_argument("--tasks-dir", default=None, help="where the example tasks are written (default: ~/.cache)")
+    p.add_argument("--include-path", action="append", type=text_arg, default=[], help="folder of your own task YAMLs")
+    p.add_argument("--tasks-dir", type=text_arg, default=None,
+                   help="where the example tasks are written (default: ~/.cache)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backend", choices=("orthros", "vllm"), default="orthros",
                    help="orthros: the project's model in this process (CKPT: an Orthros checkpoint); vllm: lm-eval's "
@@ -133,7 +137,7 @@ def _add_bench_prefill(sub) -> None:
         "bench-prefill",
         help="TTFT and decode tokens/s: Orthros vs transformers' SDPA Llama and the dense baseline of the same shape",
     )
-    p.add_argument("model", help="checkpoint dir, config JSON/YAML, or a preset (tiny, 3m, 20m, 1p3b)")
+    p.add_argument("model", type=text_arg, help="checkpoint dir, config JSON/YAML, or a preset (tiny, 3m, 20m, 1p3b)")
     p.add_argument("--lengths", default="1k..16k", help="1k..64k (powers of two) or 1k,4k,32k")
     p.add_argument("--decode-tokens", type=nonnegative_int, default=32, help="decode steps per round and model")
     p.add_argument("--decode-rounds", type=positive_int, default=3, help="rounds the two models take turns (median)")
