@@ -125,7 +125,20 @@ def orthros_config(fields: dict[str, Any], where: str | Path) -> OrthrosConfig:
     try:
         return OrthrosConfig.from_dict(fields)
     except (UserError, TypeError) as err:  # TypeError: a field of the wrong type (a word for a size)
-        raise UserError(f"{where}: not an Orthros model config ({err})") from err
+        raise UserError(f"{where}: not an Orthros model config ({err}){_hf_folder_fix(fields)}") from err
+
+
+def _hf_folder_fix(fields: dict[str, Any]) -> str:
+    """The way out when the folder is a Hugging Face model (its config.json has ``model_type``,
+    which an Orthros checkpoint's never has): the list of unknown fields alone names no fix."""
+    model_type = fields.get("model_type")
+    if not isinstance(model_type, str):
+        return ""
+    if model_type == "orthros":
+        return ("; it is a Hugging Face export (what orthros-convert to-hf writes): pass the Orthros checkpoint it "
+                "was exported from")
+    return (f"; it is a Hugging Face {model_type} model: convert it first (orthros-convert from-hf SRC DST) and "
+            "pass DST")
 
 
 def load_checkpoint(directory: str | Path, **overrides: Any) -> OrthrosForCausalLM:
