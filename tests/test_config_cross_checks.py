@@ -148,6 +148,10 @@ def test_a_sampling_temperature_that_is_not_a_finite_number_is_named(value):
                                r"orthros_sinks fixes \(model.sink_tokens=4\)"),
     (["++model.sink_tokens=2"], r"which --archs orthros_sinks fixes"),
     (["model.attention_type=dense"], r"model.attention_type is what each of --archs"),
+    (["optim.lr=nan"], r"--override optim.lr=nan: the study sets optim.lr of every run itself \(from --lrs\)"),
+    (["optim.min_lr=1e-4"], r"sets optim.min_lr .*use --lrs instead"),
+    (["trainer.seed=7"], r"sets trainer.seed .*use --seeds instead"),
+    (["trainer.run_dir=/tmp/one"], r"sets trainer.run_dir .*use --out instead"),
 ])  # fmt: skip
 def test_a_study_override_of_a_key_the_arch_fixes_is_refused(tmp_path, overrides, named):
     from orthros_train.study.pipeline import StudyOptions

@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"subset of {','.join(ARCHS)}, plus orthros_sinks: the Orthros model with 4 sink tokens "
                    "(model.sink_tokens=4) from scratch, e.g. --archs orthros,orthros_sinks")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra Hydra override for every run (repeatable), e.g. trainer.micro_batch_size=4")
+                   help="extra Hydra override for every run (repeatable), e.g. trainer.micro_batch_size=4; "
+                        "optim.lr, optim.min_lr, trainer.seed and trainer.run_dir are refused: --lrs, --seeds "
+                        "and --out set them")
     p.add_argument("--train-threads", type=nonnegative_int, default=1,
                    help="OMP threads per training process (0: inherit the environment's)")
     p.add_argument("--jobs", type=positive_int, default=1,

@@ -6,6 +6,7 @@ in one place (``StudyOutcome.to_json``)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -111,13 +112,24 @@ def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~").strip()
 
 
+# Keys the study sets for every run itself: the rate and seed come after --override on the command
+# line (``run_overrides``), so an override of them is dropped; the run directory comes before it, so
+# an override would train every run into one folder (the second resumes the first's checkpoints).
+STUDY_KEYS = {"optim.lr": "--lrs", "optim.min_lr": "--lrs", "trainer.seed": "--seeds", "trainer.run_dir": "--out"}
+
+
 def check_arch_overrides(archs: Sequence[str], overrides: Sequence[str]) -> None:
     """An --override of a key that an arch fixes (``orthros_sinks``'s ``model.sink_tokens``) would
     be dropped for that arch (its own ``++`` override comes last and wins) while the report labels
-    the row by the arch's value; ``model.attention_type`` is what every arch is. Both refused, naming
-    the override and the arch, instead of a study that silently trains something else."""
+    the row by the arch's value; ``model.attention_type`` is what every arch is; ``STUDY_KEYS`` are
+    set per run by the study. All refused, naming the override and the flag or arch to use,
+    instead of a study that silently trains something else."""
     for override in overrides:
         key = _override_key(override)
+        if key in STUDY_KEYS:
+            flag = STUDY_KEYS[key]
+            raise UserError(f"--override {override}: the study sets {key} of every run itself (from {flag}), so the "
+                            f"override would be dropped or would mix the runs; use {flag} instead")
         if key == "model.attention_type":
             raise UserError(f"--override {override}: model.attention_type is what each of --archs "
                             f"{','.join(archs)} trains; choose the models with --archs instead")
@@ -559,6 +571,7 @@ def run_study(opts: StudyOptions, log: Callable[[str], None] = _log) -> dict[str
     start = _study_start(opts, overrides)
     started = time.perf_counter()
     if opts.overwrite:  # the report of the runs about to be replaced must not outlive them
+        _refuse_linked_runs(opts)  # before anything is deleted: a refusal leaves the study as it was
         _remove_stale_reports(opts, log)
     sweeps, trained = _train_sweep_and_seeds(opts, overrides, log)
     training = Training(sweeps, time.perf_counter() - started if trained else None, load_average())
@@ -587,6 +600,18 @@ def _study_start(opts: StudyOptions, overrides: list[str]) -> StudyStart:
                       git_commit=git_commit(),  # the commit the study's code ran from (the runs record theirs too)
                       command=opts.command, quick=opts.quick, overrides=tuple(overrides), seeds=tuple(opts.seeds),
                       lrs=tuple(opts.lrs), cpu_count=os.cpu_count(), load_average=load_average())
+
+
+def _refuse_linked_runs(opts: StudyOptions) -> None:
+    """--overwrite deletes each run directory ``<out>/<arch>/<run>``: a model folder or a run
+    directory that is a symbolic link would have it delete outside --out, so both are refused
+    up front, before the reports or any run are removed."""
+    from orthros_train.study.runs import refuse_symlink
+
+    for arch in opts.archs:
+        refuse_symlink(Path(opts.out) / arch, "model folder")
+        for lr, seed in itertools.product(opts.lrs, opts.seeds):
+            refuse_symlink(Path(opts.out) / arch / run_name(lr, seed), "run directory")
 
 
 def _remove_stale_reports(opts: StudyOptions, log: Callable[[str], None]) -> None:
