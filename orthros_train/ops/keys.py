@@ -68,7 +68,7 @@ class KeyRule:
             )
         if not _is_int(self.global_tail) or self.global_tail < 0:
             raise UserError(
-                f"base_global_tail must be an integer >= 0 (0: the paper's layer; 10 restores a converted "
+                f"base_global_tail must be an integer >= 0 (0: the paper's layer; 32 restores a converted "
                 f"model's retrieval beyond the window), got {self.global_tail!r}"
             )
         if self.window >= UNBOUNDED:
