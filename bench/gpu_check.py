@@ -51,6 +51,8 @@ def check_out(out: str) -> str | None:
     import json
     from pathlib import Path
 
+    if not out.strip():  # Path('') is the current directory: the report would land wherever this runs
+        return f"--out {out!r} is empty: give a folder for the report"
     path = Path(out)
     if path.exists() and not path.is_dir():
         return f"--out {out}: exists and is not a folder"
@@ -79,6 +81,8 @@ def check_scratch(scratch: str) -> str | None:
     """Why ``--scratch`` cannot hold the working files (one line), or None; creates the folder."""
     from pathlib import Path
 
+    if not scratch.strip():  # a folder named '' (the current directory) or '  ' would be filled
+        return f"--scratch {scratch!r} is empty: give a folder, or leave --scratch out for a new one"
     path = Path(scratch)
     if path.exists() and not path.is_dir():
         return f"--scratch {scratch}: exists and is not a folder (give a folder, or leave --scratch out for a new one)"
@@ -104,7 +108,8 @@ def _install_kit_and_reexec(argv: list[str]) -> None:
     p.add_argument("--out")
     p.add_argument("--scratch")
     args, rest = p.parse_known_args(argv)
-    for why in (args.out and check_out(args.out), args.scratch and check_scratch(args.scratch)):
+    for why in (args.out is not None and check_out(args.out),
+                args.scratch is not None and check_scratch(args.scratch)):
         if why:
             print(f"gpu_check: error: {why}", file=sys.stderr)
             sys.exit(2)
@@ -1971,16 +1976,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rehearse", "--dry-run", dest="rehearse", action="store_true",
                    help="CPU: every item in the node's order at tiny sizes, nothing timed")  # fmt: skip
     p.add_argument("--kit", help="install this kit folder's wheels first (the node: --kit build/gpu_kit)")
-    p.add_argument("--scratch", type=Path, help="working files (default: a new temporary folder)")
+    p.add_argument("--scratch", help="working files (default: a new temporary folder)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {list(SECTIONS)}")
     p.add_argument("--items", default="", help="comma-separated item names (default: every item of --sections)")
     args = p.parse_args(argv)
     if args.kit:
         p.error("--kit installs the kit and starts again: give it on the command line (python3 bench/gpu_check.py)")
-    for why in (check_out(args.out), args.scratch and check_scratch(str(args.scratch))):
+    for why in (check_out(args.out), args.scratch is not None and check_scratch(args.scratch)):
         if why:
             print(f"gpu_check: error: {why}", file=sys.stderr)
             raise SystemExit(2)
+    args.scratch = None if args.scratch is None else Path(args.scratch)
     if not args.rehearse and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU, or pass --rehearse to walk every item on CPU")
     unknown = sorted(set(filter(None, args.sections.split(","))) - set(SECTIONS))

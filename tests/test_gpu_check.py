@@ -526,3 +526,19 @@ def test_rehearsal_with_failed_first_calls_falls_back_and_still_reports(tmp_path
     assert "Fallbacks (a first call failed)" in (out / "gpu_check.md").read_text()
     assert "logs/graph_probe.log" in tarfile.open(out / "gpu_check_logs.tar.gz").getnames()
     assert_out_comes_back(out)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--out", ""], "--out '' is empty: give a folder for the report"),
+    (["--out", "OUT", "--scratch", "  "],
+     "--scratch '  ' is empty: give a folder, or leave --scratch out for a new one"),
+])  # fmt: skip
+def test_an_empty_out_or_scratch_is_refused_instead_of_filling_the_current_folder(tmp_path, monkeypatch, capsys,
+                                                                                   argv, named):
+    monkeypatch.chdir(tmp_path)
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main([*argv, "--rehearse", "--items", "preflight"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"gpu_check: error: {named}\n"
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["out"])  # no report, no folder named '  '
