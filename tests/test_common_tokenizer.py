@@ -67,3 +67,6 @@ def test_refusals_are_one_line_user_errors_naming_the_path(tmp_path, word_dir):
                        ) as err:
         load_tokenizer(word_dir)
     assert str(word_dir / "tokenizer.json") in _one_line(err)
+    (word_dir / "tokenizer.json").write_text('{"model": "trunc')  # json's message ends in "starting at"
+    with pytest.raises(TokenizerError, match=r"not valid JSON \(Unterminated string starting at: line 1 column 11\)"):
+        load_tokenizer(word_dir)

@@ -120,7 +120,7 @@ def _broken_json_file(folder: Path) -> tuple[Path, str] | None:
         except UnicodeDecodeError as exc:
             return path, f"not UTF-8 text ({exc.reason} at byte {exc.start})"
         except json.JSONDecodeError as exc:
-            return path, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+            return path, f"not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"  # json's own wording
         except OSError as exc:
             return path, f"cannot be read ({exc.strerror or exc})"
     return None
