@@ -98,3 +98,43 @@ def test_an_override_of_a_setting_the_recipe_leaves_out_names_the_plus_form():
     assert "default 'off'" in override_typo("tiny_cpu", ["model.fused_tokenwise=on"])
     assert "is not a key of recipe tiny_cpu" in override_typo("tiny_cpu", ["model.base_global_tial=4"])
     assert override_typo("tiny_cpu", ["+model.base_global_tail=4"]) is None
+
+
+class _WordTokenizer:
+    """Token ids written as words ("5 17 3"): enough tokenizer for the lm-eval adapter."""
+
+    eos_token_id, bos_token_id, name_or_path = 0, 1, "words"
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [int(w) for w in text.split()]}
+
+
+@torch.no_grad()
+def test_lm_eval_rolling_windows_are_read_as_prompts():
+    """``loglikelihood_rolling`` scores a document: each window is read as one prompt (its last R
+    tokens global), as an export's forward and vLLM's prompt logprobs read it. Scored as answers,
+    every token of a window was global under a tail: the base stream dense, other numbers."""
+    pytest.importorskip("lm_eval")
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from lm_eval import utils as lm_utils
+
+    from orthros_train.convert.prompt_logits import prompt_logits
+    from orthros_train.eval.lm_eval_adapter import OrthrosLM
+
+    model = tiny_model(61, output_affine="resampled", sliding_window=4, sink_tokens=1,
+                       base_global_tail=3).double().eval()  # fmt: skip
+    lm = OrthrosLM(model=model, tokenizer=_WordTokenizer(), max_length=12)
+    ids = torch.randint(2, 61, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    (rolled,) = lm.loglikelihood_rolling([SimpleNamespace(args=(" ".join(map(str, ids)),))])
+    windows = [lm_utils.make_disjoint_window(w)
+               for w in lm_utils.get_rolling_token_windows(ids, lm.prefix_token_id, 12, 1)]  # fmt: skip
+    want = 0.0
+    for ctx, cont in windows:
+        full = torch.tensor((ctx + cont)[-13:])
+        logp = F.log_softmax(prompt_logits(model, full[None])[0].float(), -1)
+        want += float(logp[-len(cont) - 1 : -1].gather(-1, full[-len(cont) :, None]).sum())
+    assert abs(rolled - want) < 1e-4
+    as_answers = sum(lp for lp, _ in lm.score_tokens(windows))
+    assert abs(as_answers - want) > 1e-3

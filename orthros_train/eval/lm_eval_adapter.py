@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from orthros_train.common.tokenizer import load_tokenizer
 from orthros_train.infer.generate import cut_at_stop, generate
 from orthros_train.infer.loading import load_model
+from orthros_train.ops.keys import prompt_tail_flags
 from orthros_train.phase.builders import rl_layout
 
 
@@ -104,11 +105,15 @@ class OrthrosLM(TemplateLM):
 
     # -- scoring ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+    def score_tokens(self, pairs: list[tuple[list[int], list[int]]],
+                     as_prompt: bool = False) -> list[tuple[float, bool]]:
         """``(sum log p(continuation | context), continuation is the greedy choice)`` per pair.
 
         Rows are ``(context + continuation)`` cut from the left to ``max_length + 1`` tokens; they
-        are packed ragged, longest first, up to ``max_batch_tokens`` per forward.
+        are packed ragged, longest first, up to ``max_batch_tokens`` per forward. With a global
+        tail the continuation is read as an answer ``generate`` produced (its tokens and the tail
+        before it global), or with ``as_prompt`` each row as one prompt (its last ``R`` tokens
+        global): what an export's forward and vLLM's prompt logprobs compute.
         """
         results: list[tuple[float, bool] | None] = [None] * len(pairs)
         rows, spans = [], []
@@ -128,13 +133,21 @@ class OrthrosLM(TemplateLM):
                 batch.append(i)
                 continue
             if batch:
-                for j, res in zip(batch, self._score_batch([rows[j] for j in batch], [spans[j] for j in batch])):
+                scored = self._score_batch([rows[j] for j in batch], [spans[j] for j in batch], as_prompt)
+                for j, res in zip(batch, scored):
                     results[j] = res
             batch = [i] if i is not None else []
         return results  # type: ignore[return-value]
 
-    def _score_batch(self, rows: list[list[int]], spans: list[tuple[int, int]]) -> list[tuple[float, bool]]:
-        layout = rl_layout([torch.tensor(r) for r in rows], [[s] for s in spans]).to(self._device)
+    def _score_batch(self, rows: list[list[int]], spans: list[tuple[int, int]],
+                     as_prompt: bool = False) -> list[tuple[float, bool]]:
+        layout = rl_layout([torch.tensor(r) for r in rows], [[s] for s in spans])
+        tail = self.model.config.base_global_tail
+        if as_prompt and tail:
+            layout.answers = False
+            layout.base_global = torch.cat([prompt_tail_flags(len(r), 0, len(r), tail) for r in rows])
+            layout.validate()  # counts the global tokens on the host
+        layout = layout.to(self._device)
         logits = self.model.forward_layout(layout).logits.float()
         logp = F.log_softmax(logits, dim=-1)
         token_logp = logp.gather(-1, layout.labels[:, None]).squeeze(-1).cpu()
@@ -165,7 +178,10 @@ class OrthrosLM(TemplateLM):
                     context_len=1,
                 )
             ]
-            total = sum(lp for lp, _ in self.score_tokens(windows))
+            # A document is read, not generated: each window as a prompt. As answers every token
+            # of a window would be global under a tail (the base stream dense, and other numbers
+            # than the export's forward or vLLM give the same windows).
+            total = sum(lp for lp, _ in self.score_tokens(windows, as_prompt=True))
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             out.append(total)
         return out
