@@ -62,7 +62,8 @@ def plan_summary(cfg: RunConfig) -> dict[str, Any]:
         "base_attention_work": 1 + cfg.model.base_sink_tokens / cfg.model.sliding_window,
         # the global tail: R base queries per prompt (and each generated token) see the whole
         # document: x(1 + R/(W+S)) the base-stream attention of a long prefill; in training only
-        # SFT/RL answers and their prompt tails (counted in flops_per_token's layouts)
+        # SFT/RL answers and their prompt tails: the live MFU counts them (layout_flops of each
+        # batch); flops_per_token above is a pretraining layout's, which has no tail
         "base_global_tail": cfg.model.base_global_tail,
         "prefill_base_attention_work": 1 + cfg.model.base_global_tail / (cfg.model.sliding_window
                                                                           + cfg.model.base_sink_tokens),
