@@ -199,3 +199,16 @@ def test_an_empty_path_flag_is_a_usage_error_naming_the_flag(capsys, module, par
         getattr(importlib.import_module(module), parser)().parse_args(argv)
     assert exit_.value.code == 2
     assert re.search(rf"argument {flag}: '\s*' is empty: give a path", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("atol", ["nan", "inf", "-1", "tight"])
+def test_a_verify_tolerance_that_is_not_a_finite_number_at_least_0_is_a_usage_error(capsys, atol):
+    """``max_abs_diff > nan`` is false: --atol nan passed an export whose logits differ."""
+    from orthros_train.convert.cli import _parser
+
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["verify", "hf", "ckpt", "--atol", atol])
+    assert exit_.value.code == 2
+    assert re.search(rf"argument --atol: '{atol}'(: the tolerance must be a finite number >= 0| is not a number)",
+                     capsys.readouterr().err)
+    assert _parser().parse_args(["verify", "hf", "ckpt", "--atol", "0"]).atol == 0.0

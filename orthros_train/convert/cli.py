@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,6 +30,18 @@ from orthros_train.convert.from_hf import (
 )
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.errors import UserError, first_line, report_bug
+
+
+def tolerance_arg(text: str) -> float:
+    """argparse ``type=`` of ``--atol``: a finite number >= 0. NaN compares false with everything, so
+    ``max_abs_diff > nan`` would pass any export however different; a negative one fails every one."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: give a tolerance such as 1e-3") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: the tolerance must be a finite number >= 0, such as 1e-3")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--atol", type=float, default=1e-3, help="fail above this max |logit difference|")
+    p.add_argument("--atol", type=tolerance_arg, default=1e-3, help="fail above this max |logit difference|")
     p.add_argument(
         "--trust-remote-code", action="store_true", dest="trust_remote_code",
         help="run HF_DIR's own Python files (modeling_*.py) to load it; off: an Orthros export is loaded with "
