@@ -16,6 +16,7 @@ from orthros_train.convert.checkpoint_io import ConversionError
 from orthros_train.convert.cli import main as convert_main
 from orthros_train.convert.from_hf import convert_from_hf
 from orthros_train.convert.gguf import packaged_smollm2
+from orthros_train.convert.prompt_logits import prompt_logits
 from orthros_train.convert.to_hf import convert_to_hf
 from orthros_train.model import OrthrosForCausalLM
 
@@ -80,8 +81,8 @@ def test_smollm2_converted_reproduces_hf_within_window_and_exports(smollm2_hf, t
     exported = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "export", trust_remote_code=True, dtype=torch.float32
     ).eval()
-    with torch.no_grad():
-        assert (exported(ids).logits - got).abs().max() <= 1e-3
+    with torch.no_grad():  # an export's forward reads its input as a prompt: its last R tokens are the tail
+        assert (exported(ids).logits - prompt_logits(model, ids)).abs().max() <= 1e-3
     prompt = ids[:, : W + 16]
     exported.generation_config.eos_token_id = None
     out = exported.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
