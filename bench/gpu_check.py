@@ -1802,11 +1802,17 @@ def _md_table(title: str, rows: list[dict], columns: list[tuple[str, Callable[[d
 def _md_kernels(k: dict | None) -> list[str]:
     if not k or not k.get("rows"):
         return []
-    lines = _md_table(f"## Kernels ({k.get('shape')})", k["rows"], [
+    # attention rows (a length T each) in the kernels table; other rows of the section (the fused
+    # token-wise check) as lines of their own
+    attention = [r for r in k["rows"] if "T" in r]
+    lines = _md_table(f"## Kernels ({k.get('shape')})", attention, [
         ("T", lambda r: f"T={r['T']}"), ("case", lambda r: r["case"]),
         ("fwd ms", lambda r: _f(r["fwd_ms"], ".3f")), ("fwd TFLOP/s", lambda r: _f(r["fwd_tflops"], ".1f")),
         ("bwd ms", lambda r: _f(r["bwd_ms"], ".3f")), ("bwd TFLOP/s", lambda r: _f(r["bwd_tflops"], ".1f")),
     ])  # fmt: skip
+    lines += ["", *(f"- {r.get('check', 'check')}: " + ", ".join(f"{key} {value}" for key, value in r.items()
+                                                            if key != "check")
+                     for r in k["rows"] if "T" not in r)]
     if k.get("deterministic_bwd_ceiling"):
         lines += ["", f"Deterministic backward ceiling: {k['deterministic_bwd_ceiling']}."]
     return lines + [""]

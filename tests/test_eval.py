@@ -158,9 +158,10 @@ def test_mqar_perfect_model_scores_one(monkeypatch):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(1))
 
-        def forward(self, ids, output_positions):
-            nxt = ids[0, output_positions + 1]
-            return SimpleNamespace(logits=F.one_hot(nxt, 300).float()[None])
+        def forward_layout(self, layout):
+            assert layout.answers  # the values are read as answers (a model with a tail: global)
+            nxt = layout.input_ids[layout.output_index + 1]
+            return SimpleNamespace(logits=F.one_hot(nxt, 300).float())
 
     assert recall.score_sample(Oracle(), sample) == [True] * 5
 

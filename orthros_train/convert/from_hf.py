@@ -334,12 +334,20 @@ def _provenance(hf: dict[str, Any]) -> dict[str, Any]:
 
 def orthros_config_from_hf(
     hf: dict[str, Any], sliding_window: int = DEFAULT_WINDOW, source: str = CONFIG_NAME, sink_tokens: int = 0,
-    global_tail: int = 0,
+    global_tail: int | None = None,
 ) -> OrthrosConfig:
     """Map a ``config.json`` (as a dict) of a family in
     :data:`~orthros_train.convert.families.FAMILIES` to an :class:`OrthrosConfig` with base window
-    ``sliding_window`` and ``sink_tokens`` base-stream sinks; what it cannot express is refused
-    in a ConversionError naming ``source`` and the key."""
+    ``sliding_window``, ``sink_tokens`` base-stream sinks and global tail ``global_tail``; what it
+    cannot express is refused in a ConversionError naming ``source`` and the key.
+
+    ``global_tail`` None: ``DEFAULT_GLOBAL_TAIL`` where the window and that tail together are
+    shorter than the model's context, else 0 (where they cover every position no base query is
+    ever windowed, which the config refuses)."""
+    if global_tail is None:
+        context = hf.get("max_position_embeddings")
+        fits = not isinstance(context, int) or sliding_window + DEFAULT_GLOBAL_TAIL < context
+        global_tail = DEFAULT_GLOBAL_TAIL if fits else 0
     try:
         rules = family_of(hf)
         _refuse_what_orthros_cannot_express(hf, rules)
@@ -460,9 +468,7 @@ def convert_from_hf(
 ) -> ConversionReport:
     """Convert the HF checkpoint in ``src`` into an Orthros checkpoint directory ``dst``.
 
-    ``global_tail`` None: ``DEFAULT_GLOBAL_TAIL`` where the window and that tail together are
-    shorter than the model's context, else 0 (where they cover every position no base query is
-    ever windowed, which the config refuses).
+    ``global_tail`` None: from-hf's default (``orthros_config_from_hf``).
 
     ``dst`` gets ``config.json`` (an :class:`OrthrosConfig`), the weights (``model.safetensors``
     or shards + index) and the source's tokenizer / generation-config files, and loads with
@@ -475,11 +481,7 @@ def convert_from_hf(
         raise ConversionError(f"source {src} is not a directory: {SRC_FIX}")
     hf = read_json(src / CONFIG_NAME, SRC_FIX)
     sink_tokens = check_sink_tokens_flag(sink_tokens, sliding_window)  # before anything is read or written
-    if global_tail is None:
-        context = hf.get("max_position_embeddings")
-        fits = not isinstance(context, int) or sliding_window + DEFAULT_GLOBAL_TAIL < context
-        global_tail = DEFAULT_GLOBAL_TAIL if fits else 0
-    global_tail = check_global_tail_flag(global_tail)
+    global_tail = None if global_tail is None else check_global_tail_flag(global_tail)
     config = orthros_config_from_hf(hf, sliding_window, source=str(src / CONFIG_NAME), sink_tokens=sink_tokens,
                                     global_tail=global_tail)
     rules = FAMILIES[hf["model_type"]]

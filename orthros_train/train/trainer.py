@@ -11,6 +11,7 @@ Pretraining, SFT and RL differ only in their data and their objective (``objecti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -205,7 +206,8 @@ class Trainer:
                                   "resumes); leave trainer.fail_at_step null for a normal run", t.fail_at_step,
                                   self.step, LOST_NODE_EXIT_CODE)
                         for handler in logging.getLogger().handlers:
-                            handler.flush()
+                            with contextlib.suppress(ValueError, OSError):  # a handler on a closed stream
+                                handler.flush()
                         os._exit(LOST_NODE_EXIT_CODE)
                     if stop.requested():
                         break
