@@ -120,7 +120,10 @@ def converted_model(workdir: Path, window: int = 16, experts: int = 64, top_k: i
     )
     hf = transformers.Qwen3MoeForCausalLM(cfg)
     hf.save_pretrained(workdir / "hf")
-    convert_from_hf(workdir / "hf", workdir / "orthros", sliding_window=window)
+    # no global tail: with it a decode step's base query sees the output query's keys, and at the
+    # conversion's gamma = 1, beta = 0 the two tokens of a pair are the same computation, so every
+    # policy would route them alike (the table compares the policies on the paper's layer)
+    convert_from_hf(workdir / "hf", workdir / "orthros", sliding_window=window, global_tail=0)
     return workdir / "orthros"
 
 
