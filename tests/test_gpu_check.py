@@ -323,7 +323,9 @@ def test_rehearsal_walks_every_item_in_order_and_reports_after_each(tmp_path, mo
     assert big["layers"] >= 1 and big["estimate_gib"] > 0 and big["records"] >= 1
     assert big["attention_route"].startswith("cpu: pretraining -> sdpa")  # the route a user's run takes
     assert report["costs"]["launch_s"] > 0  # measured by the 1.3B item's plan launch
-    kernels = report["sections"]["kernels"]["rows"]
+    rows = report["sections"]["kernels"]["rows"]
+    assert [r["check"] for r in rows if "case" not in r] == ["fused_tokenwise on vs off"]  # its own row
+    kernels = [r for r in rows if "case" in r]  # the attention kernels
     assert all(r.get("ran") for r in kernels if r["case"].startswith("orthros"))
     assert all(r["fwd_ms"] is None for r in kernels)
     inference = report["sections"]["inference"]["rows"]  # eager and static decode, batch 1 and 2, both models
