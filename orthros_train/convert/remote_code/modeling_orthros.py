@@ -69,10 +69,11 @@ class OrthrosCache(Cache):
         return self.columns
 
     def update(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - Cache's signature
-        raise NotImplementedError("OrthrosCache is written by the Orthros model itself (KVCache.extend), not update()")
+        # the Cache API's per-layer write does not fit a cache whose rows hold no padding
+        raise TypeError("OrthrosCache is written by the Orthros model itself (KVCache.extend), not update()")
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError(
+        raise ValueError(
             "an Orthros cache cannot be cropped (assisted decoding, DoLa): its rows hold no padding and its "
             "global tail depends on where each read ended; generate without an assistant model"
         )
