@@ -91,17 +91,11 @@ def hf_config_from_orthros(config: OrthrosConfig, torch_dtype: str) -> dict[str,
         "torch_dtype": torch_dtype,
     }
     if config.num_experts:
-        hf.update(
-            num_experts=config.num_experts,
-            num_experts_per_tok=config.num_experts_per_tok,
-            moe_intermediate_size=config.moe_intermediate_size,
-            norm_topk_prob=config.norm_topk_prob,
-            decoder_sparse_step=config.decoder_sparse_step,
-            mlp_only_layers=list(config.mlp_only_layers),
-            shared_expert_intermediate_size=config.shared_expert_intermediate_size,
-            router_aux_loss_coef=config.router_aux_loss_coef,
-            moe_routing=str(config.moe_routing),
-        )
+        # lazy: the shipped config module imports transformers, which a plain convert command does not need
+        from orthros_train.convert.remote_code.configuration_orthros import MOE_FIELDS
+
+        hf.update({name: getattr(config, name) for name in MOE_FIELDS},
+                  mlp_only_layers=list(config.mlp_only_layers), moe_routing=str(config.moe_routing))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if provenance.get(key) is not None:
             hf[key] = provenance[key]

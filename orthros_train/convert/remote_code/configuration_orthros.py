@@ -36,6 +36,10 @@ from orthros_train.model.config import OrthrosConfig as ModelConfig
 KEY_RULE_FIELDS = ("base_window", "sink_tokens", "base_global_tail")
 # What the export runs: the torch attention op (any device, no Triton: the kernels are not shipped)
 # and the unfused token-wise path, whatever the checkpoint was trained with.
+# The mixture-of-experts fields an export's config.json carries under the package's names (to-hf
+# writes them, the model reads them back): one list for both directions.
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "mlp_only_layers", "shared_expert_intermediate_size", "router_aux_loss_coef", "moe_routing")
 EXPORT_ATTENTION_BACKEND = "sdpa"
 EXPORT_FUSED_TOKENWISE = "off"
 
@@ -124,17 +128,8 @@ class OrthrosConfig(PretrainedConfig):
         kind = rope.get("rope_type", rope.get("type", "default"))
         moe: dict[str, Any] = {}
         if self.num_experts:
-            moe = dict(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-                router_aux_loss_coef=self.router_aux_loss_coef,
-                moe_routing=self.moe_routing,
-            )
+            moe = {name: getattr(self, name) for name in MOE_FIELDS}
+            moe["mlp_only_layers"] = list(self.mlp_only_layers)
         return ModelConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
