@@ -268,7 +268,7 @@ def test_gpu_composition_equals_the_key_rule():
     """The GPU path (``paged_global_rows`` over the windowed result of ``paged_window_attention``,
     rows marked by ``tail_row_keys``) under the Triton interpreter, against ``allowed_keys`` with the
     tail's per-query windows: chunks whose tail starts in an earlier chunk, decode rows, padding."""
-    from test_sink_serving import requests_case
+    from test_sink_serving import paged_caches, requests_case
 
     from orthros_train.serve.output_rows import every_row
     from orthros_train.serve.paged_attention import paged_global_rows, paged_window_attention
@@ -278,12 +278,8 @@ def test_gpu_composition_equals_the_key_rule():
     lengths, new = [40, 9, 23, 30], [7, 9, 1, 4]  # cached + scheduled tokens per request
     prompts = [45, 9, 20, 33]  # a chunk before the prompt's end, a whole prompt, a decode step, a chunk
     case = requests_case(lengths, new)
-    n, bs = case["slots"].shape[0], case["block_size"]
-    key_cache = torch.zeros(case["num_blocks"] * bs, 2, 32)
-    value_cache = torch.zeros_like(key_cache)
-    key_cache[case["slots"]], value_cache[case["slots"]] = case["k"], case["v"]
-    key_cache = key_cache.view(case["num_blocks"], bs, 2, 32)
-    value_cache = value_cache.view(case["num_blocks"], bs, 2, 32)
+    n = case["slots"].shape[0]
+    key_cache, value_cache = paged_caches(case)
     m = int(case["qsl"][-1])
     request, keys = every_row(case["qsl"], m + 2, n, max(new)).row_requests(case["seq"])
     q = torch.cat([case["q"], torch.randn(2, 4, 32)])

@@ -55,6 +55,15 @@ def requests_case(lengths, new, h_q=4, h_kv=2, d=32, block_size=16, seed=0, dtyp
                 block_size=block_size)
 
 
+def paged_caches(case) -> tuple[torch.Tensor, torch.Tensor]:
+    """``requests_case``'s keys and values written into paged caches ``[blocks, block_size, Hkv, D]``."""
+    bs, h_kv, d = case["block_size"], case["k"].shape[1], case["k"].shape[2]
+    key_cache = torch.zeros(case["num_blocks"] * bs, h_kv, d, dtype=case["k"].dtype)
+    value_cache = torch.zeros_like(key_cache)
+    key_cache[case["slots"]], value_cache[case["slots"]] = case["k"], case["v"]
+    return key_cache.view(case["num_blocks"], bs, h_kv, d), value_cache.view(case["num_blocks"], bs, h_kv, d)
+
+
 def naive(case, window, sinks):
     q_window = torch.full_like(case["q_index"], window)
     out, _ = attention_naive(case["q"], case["k"], case["v"], case["q_index"], q_window, case["cu"],
@@ -70,12 +79,8 @@ def test_triton_paged_kernel_with_window_and_sinks_equals_the_definition(window,
     from orthros_train.serve.paged_attention import paged_output_attention_reference, paged_window_attention
 
     case = requests_case(LENGTHS, NEW)
-    n, bs = case["slots"].shape[0], case["block_size"]
-    key_cache = torch.zeros(case["num_blocks"] * bs, 2, 32)
-    value_cache = torch.zeros_like(key_cache)
-    key_cache[case["slots"]], value_cache[case["slots"]] = case["k"], case["v"]
-    key_cache = key_cache.view(case["num_blocks"], bs, 2, 32)
-    value_cache = value_cache.view(case["num_blocks"], bs, 2, 32)
+    n = case["slots"].shape[0]
+    key_cache, value_cache = paged_caches(case)
     request, keys = every_row(case["qsl"], int(case["qsl"][-1]) + 3, n, max(NEW)).row_requests(case["seq"])
     q = torch.cat([case["q"], torch.randn(3, 4, 32)])  # three padding rows: zero, no key read
     got = paged_window_attention(q, key_cache, value_cache, case["table"], request, keys, window, sinks)
