@@ -233,8 +233,7 @@ def prefill_layout(
         lay = _row_layout(ids, doc, last, torch.full((1,), IGNORE_INDEX, device=ids.device), torch.zeros(1))
         lay.positions = lay.positions + start
         lay.base_global = prompt_tail_flags(ids.numel(), start, end, global_tail, device=ids.device)
-        lay.validate()
-        out.append(lay)
+        out.append(lay)  # the packed layout validates (and counts) the flags
     return concat_layouts(out)
 
 

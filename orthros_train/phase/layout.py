@@ -167,7 +167,8 @@ def _all_or_none(answers: list[bool]) -> bool:
 
 def _concat_flags(flags: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
     """The packed ``base_global`` of several layouts (None where none has a global token)."""
-    if all(f is None for f in flags):
+    given = [f for f in flags if f is not None]
+    if not given:
         return None
-    return torch.cat([torch.zeros(n, dtype=torch.bool, device=None) if f is None else f.bool()
+    return torch.cat([torch.zeros(n, dtype=torch.bool, device=given[0].device) if f is None else f.bool()
                       for f, n in zip(flags, lengths)])
